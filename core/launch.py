@@ -1,0 +1,62 @@
+"""Start this process's part of the run: pick the device, join (or create) the process group, seed."""
+
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from mimo.errors import UsageError
+
+from . import cpu_redirect
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no GPU is visible to this process; use --device cpu or auto")
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def init_process(requested_device: str, timeout_minutes: float = 10.0) -> torch.device:
+    """Set up the device and torch.distributed: join a launcher's world (torchrun, srun) or make a world of one."""
+    device = resolve_device(requested_device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:
+        cpu_redirect.enable()
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        timeout = timedelta(minutes=timeout_minutes)
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend, timeout=timeout)
+        elif "SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, timeout=timeout, rank=int(os.environ["SLURM_PROCID"]),
+                                    world_size=int(os.environ["SLURM_NTASKS"]))
+        else:
+            dist.init_process_group(backend, timeout=timeout, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                    rank=0, world_size=1)
+    # megatron-core's local attention takes scratch tensors from this buffer; it holds memory, no process group.
+    from megatron.core import parallel_state
+
+    if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+        parallel_state._set_global_memory_buffer()
+    return device
+
+
+def seed_everything(seed: int, tp_rank: int, ep_rank: int, etp_rank: int) -> None:
+    """Seed torch and megatron-core's model-parallel RNG tracker (explicit ranks: no parallel_state)."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

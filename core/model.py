@@ -1,0 +1,70 @@
+"""Build megatron-core's MimoModel from a provider's hooks, place it on the device and wrap each module in DDP."""
+
+from __future__ import annotations
+
+import torch
+
+from mimo.errors import UsageError
+from mimo.plugins import BuildContext, Encoder
+
+from .topology import LANGUAGE, Topology
+
+
+def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: BuildContext,
+                device: torch.device):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.enums import ModelType
+    from megatron.core.models.mimo import MimoModel, MimoModelConfig
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    encoders = hooks.build_encoders(settings=settings, ctx=ctx)
+    language = hooks.build_language_model(settings=settings, ctx=ctx)
+    if not isinstance(encoders, dict) or not all(isinstance(e, Encoder) for e in encoders.values()):
+        raise UsageError(f"provider '{provider_name}': build_encoders must return {{name: mimo.Encoder}}, "
+                         f"got {type(encoders).__name__}")
+    if not isinstance(language, ModuleSpec):
+        raise UsageError(f"provider '{provider_name}': build_language_model must return a ModuleSpec, "
+                         f"got {type(language).__name__}")
+    if set(encoders) | {LANGUAGE} != set(topology.parallelism):
+        raise UsageError(f"provider '{provider_name}': build_encoders returned modules {sorted(encoders)} but "
+                         f"model_shape declared {sorted(set(topology.parallelism) - {LANGUAGE})}")
+    config = MimoModelConfig(
+        language_model_spec=language,
+        modality_submodules_spec={name: e.spec for name, e in encoders.items()},
+        special_token_ids={name: e.placeholder_token_id for name, e in encoders.items()},
+        module_to_grid_map=topology.grids,
+    )
+    model = MimoModel(config).to(device)
+    model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=False)
+    for name, module in held_modules(model):
+        if ctx.params_dtype != torch.float32:
+            module = module.to(ctx.params_dtype)  # conv and embedding layers are created in fp32
+        wrapped = DistributedDataParallel(_transformer_config(module), ddp_config, module,
+                                          pg_collection=topology.pg_collections[name])
+        if name == LANGUAGE:
+            model.language_model = wrapped
+        else:
+            model.modality_submodules[name] = wrapped
+    return model
+
+
+def _transformer_config(module):
+    """The module's TransformerConfig; a ModalitySubmodules container has none, so take its first encoder's."""
+    from megatron.core.transformer.module import MegatronModule
+
+    return next(m.config for m in module.modules() if isinstance(m, MegatronModule))
+
+
+def held_modules(model) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of each module this rank holds, the language model last."""
+    held = [(name, m) for name, m in model.modality_submodules.items() if m is not None]
+    if model.language_model is not None:
+        held.append((LANGUAGE, model.language_model))
+    return held
+
+
+def count_parameters(model) -> dict[str, int]:
+    """This rank's parameters per module (a TP/PP shard's, not the whole module's)."""
+    return {name: sum(p.numel() for p in module.parameters()) for name, module in held_modules(model)}

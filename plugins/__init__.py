@@ -1,0 +1,11 @@
+"""mimo's public plugin API: everything a provider package imports from mimo."""
+
+from .context import BuildContext, DataContext, ModuleParallelism
+from .hookspecs import hookimpl
+from .manager import ENTRY_POINT_GROUP, Registry
+from .types import Encoder, ModuleShape, Provider
+
+__all__ = [
+    "BuildContext", "DataContext", "ENTRY_POINT_GROUP", "Encoder", "ModuleParallelism", "ModuleShape",
+    "Provider", "Registry", "hookimpl",
+]

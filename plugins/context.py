@@ -1,0 +1,115 @@
+"""What the loop hands a provider's hooks: the run's parallel layout, precision, process groups and data lane."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:  # megatron-core imports in seconds; `mimo --help` and `providers list` don't need it
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+# TransformerConfig fields the loop decides; a provider sets only its model's shape and numerics.
+LOOP_OWNED_FIELDS = (
+    "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "context_parallel_size", "params_dtype", "bf16", "pipeline_dtype",
+    "calculate_per_token_loss", "variable_seq_lengths", "use_cpu_initialization",
+)
+
+
+@dataclass(frozen=True)
+class ModuleParallelism:
+    """One module's rank grid: which global ranks, and how they split into TP x CP x DP x PP (and EP)."""
+
+    first_rank: int
+    num_ranks: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    expt_tp: int = 1
+    cp: int = 1
+
+    @property
+    def dp(self) -> int:
+        return self.num_ranks // (self.tp * self.cp * self.pp)
+
+    @property
+    def expt_dp(self) -> int:
+        return self.num_ranks // (self.expt_tp * self.ep * self.pp)
+
+    @property
+    def ranks(self) -> range:
+        return range(self.first_rank, self.first_rank + self.num_ranks)
+
+
+@dataclass
+class BuildContext:
+    """Passed to `build_encoders` and `build_language_model`."""
+
+    params_dtype: torch.dtype
+    parallelism: dict[str, ModuleParallelism]
+    pg_collections: dict[str, ProcessGroupCollection | None]
+    # Initialize weights on the CPU (then move them): identical weights on every device and any TP size.
+    init_on_cpu: bool = True
+
+    def transformer_config(self, module: str, **shape) -> TransformerConfig:
+        """A TransformerConfig for `module` with the model's `shape` and the loop's layout and precision."""
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        clash = sorted(set(shape) & set(LOOP_OWNED_FIELDS))
+        if clash:
+            raise TypeError(f"transformer_config: {', '.join(clash)} are set by the loop, not the provider")
+        par = self.parallelism[module]
+        shape.setdefault("moe_token_dispatcher_type", "alltoall")  # the only one variable_seq_lengths allows
+        return TransformerConfig(
+            tensor_model_parallel_size=par.tp,
+            pipeline_model_parallel_size=par.pp,
+            expert_model_parallel_size=par.ep,
+            expert_tensor_parallel_size=par.expt_tp,
+            context_parallel_size=par.cp,
+            params_dtype=self.params_dtype,
+            bf16=self.params_dtype == torch.bfloat16,
+            pipeline_dtype=self.params_dtype,
+            calculate_per_token_loss=True,
+            variable_seq_lengths=True,
+            use_cpu_initialization=self.init_on_cpu,
+            **shape,
+        )
+
+    def pg_collection(self, module: str) -> ProcessGroupCollection | None:
+        """The module's process groups, or None on a rank that does not hold the module."""
+        return self.pg_collections.get(module)
+
+
+@dataclass(frozen=True)
+class DataContext:
+    """Passed to `data_provider`: the data lane this rank reads and what the loop needs from it.
+
+    A global batch is `num_lanes * num_microbatches * micro_batch_size` consecutive samples of one stream; lane
+    `l` takes the l-th contiguous share. The global batch's content is therefore the same for any layout.
+    """
+
+    micro_batch_size: int
+    num_microbatches: int
+    lane: int  # this rank's data-parallel lane; all ranks of one lane see identical micro-batches
+    num_lanes: int
+    seed: int
+    start_sample: int = 0  # samples consumed before this run (a resumed run starts past them)
+    data_path: str | None = None
+    num_workers: int = 0
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.num_lanes * self.num_microbatches * self.micro_batch_size
+
+    def sample_indices(self):
+        """Yield, forever, the global sample indices of each of this lane's micro-batches in order."""
+        share = self.num_microbatches * self.micro_batch_size
+        start = self.start_sample
+        while True:
+            first = start + self.lane * share
+            for m in range(self.num_microbatches):
+                yield list(range(first + m * self.micro_batch_size, first + (m + 1) * self.micro_batch_size))
+            start += self.global_batch_size

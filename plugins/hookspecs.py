@@ -1,0 +1,55 @@
+"""Every hook a mimo plugin can implement. A provider implements the first five; the rest have defaults.
+
+Hooks that build or feed the model are `firstresult`: the loop calls them only on the chosen provider's plugin
+(plus plugins that register no provider, which may extend any model), so an implementation never checks names.
+"""
+
+from __future__ import annotations
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("mimo")
+hookimpl = pluggy.HookimplMarker("mimo")
+
+
+@hookspec
+def register_providers():
+    """Return the providers this plugin implements: a list of `mimo.Provider`."""
+
+
+@hookspec(firstresult=True)
+def model_shape(settings):
+    """Return `{module name: ModuleShape}` for every module, the language model under "language".
+
+    Called before any process group exists: layout validation and `mimo plan` read it.
+    """
+
+
+@hookspec(firstresult=True)
+def build_encoders(settings, ctx):
+    """Return `{modality name: Encoder}`: each a megatron-core ModalitySubmodules spec and its placeholder token.
+
+    `ctx` is a `BuildContext`: `ctx.transformer_config(module, ...)` and `ctx.pg_collection(module)`.
+    """
+
+
+@hookspec(firstresult=True)
+def build_language_model(settings, ctx):
+    """Return the language model's megatron-core ModuleSpec (e.g. GPTModel with its layer spec)."""
+
+
+@hookspec(firstresult=True)
+def data_provider(settings, ctx):
+    """Return an iterator of micro-batches for this rank's data lane (`ctx` is a `DataContext`).
+
+    A micro-batch is a dict: input_ids, labels, loss_mask, position_ids as [micro_batch_size, seq] tensors, and
+    modality_inputs {modality: {encoder: {argument: tensor}}} for the samples' images.
+    """
+
+
+@hookspec(firstresult=True)
+def loss(settings, output_tensor, loss_mask):
+    """Return `(loss_sum, num_tokens)` for one micro-batch from the language model's per-token output.
+
+    mimo's default sums the per-token loss over `loss_mask`; the loop divides by the global token count.
+    """

@@ -1,0 +1,132 @@
+"""Typed provider settings: built from defaults, a YAML/TOML file and `--set key=value`, strictly checked."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from mimo.errors import UsageError
+
+from .types import Provider
+
+
+def suggest(word: str, choices) -> str:
+    """'; did you mean X?' for the closest choice, or '' when nothing is close."""
+    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def describe_fields(settings_cls: type, defaults: dict | None = None) -> list[dict]:
+    """Name, type, default and help of each setting, for `mimo providers show`."""
+    hints = typing.get_type_hints(settings_cls)
+    instance = settings_cls(**(defaults or {}))
+    return [
+        {
+            "name": f.name,
+            "type": _type_name(hints[f.name]),
+            "default": getattr(instance, f.name),
+            "help": f.metadata.get("help", ""),
+        }
+        for f in dataclasses.fields(settings_cls)
+    ]
+
+
+def build_settings(provider: Provider, assignments: list[str] = (), config_file: Path | None = None):
+    """The provider's settings object: its defaults, then the file's values, then each `key=value`."""
+    values: dict[str, Any] = dict(provider.defaults)
+    if config_file is not None:
+        values.update(_check_all(provider, _read_config_file(config_file), source=str(config_file)))
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--set expects key=value, got '{assignment}'")
+        values.update(_check_all(provider, {key.strip(): raw}, source="--set", from_text=True))
+    try:
+        return provider.settings(**values)
+    except (TypeError, ValueError) as err:
+        raise UsageError(f"invalid settings for provider '{provider.name}': {err}") from None
+
+
+def _read_config_file(path: Path) -> dict:
+    if not path.is_file():
+        raise UsageError(f"provider config file not found: {path}")
+    text = path.read_text()
+    try:
+        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as err:
+        first_line = str(err).splitlines()[0]
+        raise UsageError(f"cannot parse provider config file {path}: {first_line}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise UsageError(f"provider config file {path} must hold a mapping of setting names to values")
+    return data
+
+
+def _check_all(provider: Provider, values: dict, source: str, from_text: bool = False) -> dict:
+    hints = typing.get_type_hints(provider.settings)
+    checked = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise UsageError(
+                f"unknown setting '{key}' for provider '{provider.name}' ({source}){suggest(key, hints)}"
+                f" (see: mimo providers show {provider.name})"
+            )
+        checked[key] = _coerce(key, value, hints[key], from_text, provider.name)
+    return checked
+
+
+def _coerce(key: str, value: Any, expected, from_text: bool, provider_name: str) -> Any:
+    if from_text and not _accepts(expected, str):
+        value = yaml.safe_load(value) if value.strip() else None
+    if _matches(value, expected):
+        # YAML reads 1e-3 as a float but "1" as an int: an int is a valid float setting.
+        return float(value) if _accepts(expected, float) and type(value) is int else value
+    raise UsageError(
+        f"setting '{key}' of provider '{provider_name}' must be {_type_name(expected)}, got {value!r}"
+    )
+
+
+def _accepts(expected, kind: type) -> bool:
+    return expected is kind or kind in typing.get_args(expected)
+
+
+def _matches(value: Any, expected) -> bool:
+    origin = typing.get_origin(expected)
+    if expected is Any:
+        return True
+    if origin is Literal:
+        return value in typing.get_args(expected)
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, option) for option in typing.get_args(expected))
+    if origin in (list, tuple):
+        item_types = typing.get_args(expected)
+        item = item_types[0] if item_types else Any
+        return isinstance(value, (list, tuple)) and all(_matches(v, item) for v in value)
+    if expected is type(None):
+        return value is None
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, expected)
+
+
+def _type_name(expected) -> str:
+    origin = typing.get_origin(expected)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(expected))
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(option) for option in typing.get_args(expected))
+    if expected is type(None):
+        return "null"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
+        expected, getattr(expected, "__name__", str(expected))
+    )

@@ -1,0 +1,45 @@
+"""The records that pass between mimo and its plugins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Mapping
+
+if TYPE_CHECKING:
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+
+@dataclass(frozen=True)
+class Provider:
+    """A model family's entry in the registry.
+
+    `settings` is the provider's typed settings dataclass; `defaults` overrides some of its defaults, so one
+    family can register several variants (sizes) with one settings class and one implementation.
+    """
+
+    name: str
+    description: str
+    settings: type
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModuleShape:
+    """What layout validation and `mimo plan` need to know about one module, before it is built."""
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int | None = None
+    num_experts: int | None = None
+    # Parameter counts (total, and active per token for MoE); None when the provider does not report them.
+    num_parameters: int | None = None
+    num_active_parameters: int | None = None
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """A modality's submodules (megatron-core `ModalitySubmodules` spec) and the token that marks its slots."""
+
+    spec: ModuleSpec
+    placeholder_token_id: int

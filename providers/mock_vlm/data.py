@@ -1,0 +1,61 @@
+"""Synthetic image+caption data for mock-vlm.
+
+Each of `num_classes` classes has a fixed image pattern and a fixed caption. A sample is a noisy image of one
+class followed by that class's caption, so the first caption token is predictable only from the image and the
+rest from the text: the loss falls fast when both the encoder and the LLM learn. Sample `i` depends only on
+(seed, i), so the same global batch comes out whatever the data-parallel layout.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import IMAGES
+
+_PATTERN_SEED = 1234  # the task itself (patterns and captions) is fixed; the run's seed picks the samples
+
+
+def _task(settings):
+    gen = torch.Generator().manual_seed(_PATTERN_SEED)
+    size = settings.image_size
+    patterns = torch.rand(settings.num_classes, 3, size, size, generator=gen) * 2 - 1
+    # Long enough for a text-only sample; a sample with an image uses the caption's head.
+    captions = torch.randint(1, settings.image_token_id, (settings.num_classes, settings.seq_length + 1), generator=gen)
+    return patterns, captions
+
+
+def sample(settings, patterns, captions, seed: int, index: int) -> dict:
+    """One sample: tokens [seq_length] (image placeholders first when it has an image) and its image or None."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    label = int(torch.randint(settings.num_classes, (1,), generator=gen))
+    has_image = bool(torch.rand(1, generator=gen) < settings.image_probability)
+    image_len = settings.image_tokens if has_image else 0
+    text = captions[label, : settings.seq_length - image_len + 1]
+    tokens = torch.cat([torch.full((image_len,), settings.image_token_id), text])
+    image = patterns[label] + 0.1 * torch.randn(patterns[label].shape, generator=gen) if has_image else None
+    return {"tokens": tokens, "image": image, "image_len": image_len}
+
+
+def collate(settings, samples: list[dict]) -> dict:
+    """Stack samples into one micro-batch in the layout MimoModel expects."""
+    tokens = torch.stack([s["tokens"] for s in samples])  # [b, seq + 1]
+    input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    loss_mask = (labels != settings.image_token_id).float()
+    labels = labels.masked_fill(loss_mask == 0, 0)
+    batch = {
+        "input_ids": input_ids,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": torch.arange(settings.seq_length).expand_as(input_ids).contiguous(),
+        "modality_inputs": {},
+    }
+    images = [s["image"] for s in samples if s["image"] is not None]
+    if images:
+        batch["modality_inputs"][IMAGES] = {"vit": {"x": torch.stack(images)}}
+    return batch
+
+
+def synthetic_batches(settings, ctx):
+    patterns, captions = _task(settings)
+    for indices in ctx.sample_indices():
+        yield collate(settings, [sample(settings, patterns, captions, ctx.seed, i) for i in indices])

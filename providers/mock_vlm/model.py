@@ -1,0 +1,88 @@
+"""mock-vlm's modules, as megatron-core specs: a SigLIP-style CLIPViTModel, an MLP projection, a GPTModel."""
+
+from __future__ import annotations
+
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
+from megatron.core.models.vision.clip_vit_model import CLIPViTModel
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.mlp import MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+from mimo import Encoder
+
+IMAGES = "images"
+
+
+def _ffn(settings, hidden: int) -> int:
+    return settings.ffn_hidden_size or 4 * hidden
+
+
+def vision_spec(settings, ctx) -> Encoder:
+    pgc = ctx.pg_collection(IMAGES)
+    vit_config = ctx.transformer_config(
+        IMAGES, num_layers=settings.vision_layers, hidden_size=settings.vision_hidden_size,
+        num_attention_heads=settings.vision_heads, ffn_hidden_size=_ffn(settings, settings.vision_hidden_size),
+        hidden_dropout=settings.dropout, attention_dropout=settings.dropout,
+    )
+    projection_config = ctx.transformer_config(
+        IMAGES, num_layers=1, hidden_size=settings.hidden_size, num_attention_heads=1,
+        ffn_hidden_size=settings.hidden_size, gated_linear_unit=False,
+    )
+    vit = ModuleSpec(
+        module=CLIPViTModel,
+        params=dict(
+            transformer_config=vit_config, transformer_layer_spec=get_vit_layer_with_local_spec(),
+            ln_pre_impl=WrappedTorchNorm, ln_post_impl=WrappedTorchNorm,
+            model_subtype="siglip", add_class_token=False, class_token_len=0, patch_dim=settings.patch_size,
+            img_h=settings.image_size, img_w=settings.image_size, pg_collection=pgc,
+        ),
+    )
+    projection = ModuleSpec(
+        module=MultimodalProjector,
+        params=dict(
+            config=projection_config,
+            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            projector_type=settings.projection, input_size=settings.vision_hidden_size, pg_collection=pgc,
+        ),
+    )
+    spec = ModuleSpec(
+        module=VisionModalitySubmodules,
+        params={"pg_collection": pgc},
+        submodules={"encoders": {"vit": vit}, "input_projections": [projection]},
+    )
+    return Encoder(spec=spec, placeholder_token_id=settings.image_token_id)
+
+
+def language_spec(settings, ctx) -> ModuleSpec:
+    config = ctx.transformer_config(
+        "language", num_layers=settings.num_layers, hidden_size=settings.hidden_size,
+        num_attention_heads=settings.num_attention_heads, ffn_hidden_size=_ffn(settings, settings.hidden_size),
+        hidden_dropout=settings.dropout, attention_dropout=settings.dropout,
+    )
+    return ModuleSpec(
+        module=GPTModel,
+        params=dict(
+            config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=settings.vocab_size,
+            max_sequence_length=settings.seq_length, position_embedding_type="rope",
+            pg_collection=ctx.pg_collection("language"),
+        ),
+    )
+
+
+def parameter_counts(settings) -> dict[str, int]:
+    """Exact parameter counts of both modules, from their shapes (checked against built models in tests)."""
+    def layers(n, h, ffn):  # qkv, proj, 2 layer norms, fc1, fc2 (all with biases)
+        return n * (3 * h * h + 3 * h + h * h + h + 4 * h + h * ffn + ffn + ffn * h + h)
+
+    vh, h = settings.vision_hidden_size, settings.hidden_size
+    patches = settings.image_tokens
+    vit = 3 * vh * settings.patch_size**2 + vh + patches * vh + 2 * vh + layers(
+        settings.vision_layers, vh, _ffn(settings, vh))
+    proj = (vh * h + h + h * h + h) if settings.projection == "mlp" else vh * h + h
+    llm = 2 * settings.vocab_size * h + layers(settings.num_layers, h, _ffn(settings, h)) + 2 * h
+    return {IMAGES: vit + proj, "language": llm}
