@@ -1,4 +1,7 @@
-"""The loop's options, one dataclass per component. Provider settings live with each provider, never here."""
+"""The loop's options, one dataclass per component. Provider settings live with each provider, never here.
+
+Each field's `help` is its `mimo run --help` text: the CLI builds its options from these dataclasses.
+"""
 
 from __future__ import annotations
 
@@ -9,59 +12,67 @@ from typing import Literal
 from mimo.errors import UsageError
 
 
+def option(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class TrainingOptions:
-    micro_batch_size: int = 4
-    global_batch_size: int | None = None  # default: micro_batch_size x data-parallel size (one micro-batch)
-    train_iters: int | None = None
-    train_samples: int | None = None
-    seed: int = 1234
-    precision: Literal["fp32", "bf16"] = "fp32"
-    device: Literal["auto", "cuda", "cpu"] = "auto"
+    micro_batch_size: int = option(4, "samples per micro-batch on each data-parallel lane")
+    global_batch_size: int | None = option(None, "samples per iteration (default: micro-batch size x LLM DP)")
+    train_iters: int | None = option(None, "iterations to train (default: 100, unless --train-samples is given)")
+    train_samples: int | None = option(None, "samples to train; iterations = samples / global batch size")
+    seed: int = option(1234, "seed for weights, data order and dropout: the same seed repeats a run")
+    precision: Literal["fp32", "bf16"] = option("fp32", "parameter and compute precision")
+    device: Literal["auto", "cuda", "cpu"] = option("auto", "auto uses CUDA when a GPU is visible")
 
 
 @dataclass
 class OptimizerOptions:
-    lr: float = 1e-3
-    min_lr: float = 0.0
-    weight_decay: float = 0.01
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr: float = option(1e-3, "peak learning rate")
+    min_lr: float = option(0.0, "learning rate at the end of the decay")
+    weight_decay: float = option(0.01, "Adam weight decay (not applied to biases and norms)")
+    adam_beta1: float = option(0.9, "Adam beta1")
+    adam_beta2: float = option(0.999, "Adam beta2")
+    adam_eps: float = option(1e-8, "Adam epsilon")
+    clip_grad: float = option(1.0, "clip the global gradient norm (across all modules) to this; 0 disables")
 
 
 @dataclass
 class SchedulerOptions:
-    """Learning-rate schedule; lengths in iterations or in samples (one of each pair)."""
-
-    lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = "constant"
-    lr_warmup_iters: int = 0
-    lr_warmup_samples: int = 0
-    lr_decay_iters: int | None = None  # default: the whole run
-    lr_decay_samples: int | None = None
-    lr_wsd_decay_iters: int | None = None  # WSD: length of the final decay phase
-    lr_wsd_decay_samples: int | None = None
-    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
+    lr_decay_style: Literal["constant", "linear", "cosine", "WSD"] = option("constant", "learning-rate decay")
+    lr_warmup_iters: int = option(0, "linear warmup length in iterations")
+    lr_warmup_samples: int = option(0, "linear warmup length in samples")
+    lr_decay_iters: int | None = option(None, "decay length in iterations (default: the whole run)")
+    lr_decay_samples: int | None = option(None, "decay length in samples (default: the whole run)")
+    lr_wsd_decay_iters: int | None = option(None, "WSD: iterations of the final decay phase")
+    lr_wsd_decay_samples: int | None = option(None, "WSD: samples of the final decay phase")
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = option(
+        "linear", "WSD: shape of the final decay phase")
 
 
 @dataclass
 class LoggingOptions:
-    log_interval: int = 10
-    metrics_file: Path | None = None
+    log_interval: int = option(10, "iterations between log lines")
+    metrics_file: Path | None = option(None, "append one JSON object per logged iteration to this file")
 
 
 @dataclass
 class LayoutOptions:
-    """Which ranks run which module, and how each module's ranks split (validated before any process group)."""
+    """Which ranks run which module and how each module's ranks split; checked before any process group."""
 
-    encoder_ranks: int = 0  # 0: colocated, every module on every rank
-    encoder_tp: int = 1
-    llm_tp: int = 1
-    llm_pp: int = 1
-    llm_ep: int = 1
-    llm_expt_tp: int = 1
-    num_microbatches: int | None = None  # default: derived from the global batch size
+    encoder_ranks: int = option(0, "ranks for the encoders, the LLM gets the rest (0: colocated on all ranks)")
+    encoder_tp: int = option(1, "tensor parallelism of the encoders")
+    llm_tp: int = option(1, "tensor parallelism of the LLM")
+    llm_pp: int = option(1, "pipeline parallelism of the LLM")
+    llm_ep: int = option(1, "expert parallelism of the LLM")
+    llm_expt_tp: int = option(1, "tensor parallelism of the LLM's experts")
+
+
+DEFAULT_TRAIN_ITERS = 100
+
+COMPONENTS = {"Training": TrainingOptions, "Optimizer": OptimizerOptions, "Learning-rate schedule": SchedulerOptions,
+              "Logging": LoggingOptions, "Parallel layout": LayoutOptions}
 
 
 @dataclass
@@ -78,10 +89,11 @@ class RunConfig:
     def validate(self) -> None:
         """Checks that need nothing but the options themselves."""
         t, s = self.training, self.scheduler
-        if (t.train_iters is None) == (t.train_samples is None):
-            raise UsageError("give exactly one of --train-iters and --train-samples")
+        if t.train_iters is not None and t.train_samples is not None:
+            raise UsageError("give at most one of --train-iters and --train-samples")
         for name, value in (("--micro-batch-size", t.micro_batch_size), ("--log-interval", self.logging.log_interval),
-                            ("--train-iters", t.train_iters), ("--train-samples", t.train_samples)):
+                            ("--train-iters", t.train_iters), ("--train-samples", t.train_samples),
+                            ("--global-batch-size", t.global_batch_size)):
             if value is not None and value < 1:
                 raise UsageError(f"{name} must be at least 1, got {value}")
         if s.lr_warmup_iters and s.lr_warmup_samples:

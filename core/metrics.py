@@ -22,7 +22,7 @@ class MetricsLogger:
         self._loss_sum = self._tokens = self._iters = self._skipped = 0
         self._start = time.perf_counter()
 
-    def update(self, iteration: int, result, lr: float, consumed_samples: int) -> dict | None:
+    def update(self, iteration: int, result, consumed_samples: int) -> dict | None:
         """Account one iteration; at the end of a log interval return (and print/write) its record."""
         self._loss_sum += result.lm_loss * result.num_tokens
         self._tokens += result.num_tokens
@@ -34,7 +34,7 @@ class MetricsLogger:
         record = {
             "iteration": iteration,
             "lm_loss": self._loss_sum / max(self._tokens, 1),
-            "lr": lr,
+            "lr": result.lr,
             "grad_norm": result.grad_norm,
             "consumed_samples": consumed_samples,
             "elapsed_ms": elapsed_ms,

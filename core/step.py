@@ -19,6 +19,7 @@ class StepResult:
     num_tokens: int  # tokens that counted in the loss, whole global batch
     grad_norm: float | None
     skipped: bool
+    lr: float  # the learning rate this iteration's update used
 
 
 def to_device(value, device: torch.device, float_dtype: torch.dtype):
@@ -86,12 +87,13 @@ class Trainer:
             num_microbatches=self.num_microbatches, seq_length=0, micro_batch_size=0, forward_only=False,
             pg_collection=self._schedule_pgs,
         )
+        lr = self.optimizer.param_groups[0]["lr"]
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=self.global_batch_size)
         loss_sum, tokens = self._global_totals
         return StepResult(lm_loss=loss_sum / max(tokens, 1), num_tokens=int(tokens), grad_norm=grad_norm,
-                          skipped=not ok)
+                          skipped=not ok, lr=lr)
 
 
 def _is_token_source(topology: Topology) -> bool:

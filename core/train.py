@@ -12,9 +12,9 @@ from mimo.plugins import BuildContext, DataContext, Registry
 from mimo.plugins.settings import build_settings
 
 from . import launch, topology
-from .config import RunConfig
+from .config import DEFAULT_TRAIN_ITERS, RunConfig
 from .metrics import MetricsLogger
-from .model import build_model
+from .model import build_model, count_parameters
 from .optim import build_optimizer, build_scheduler
 from .step import Trainer, _is_token_source
 
@@ -38,7 +38,7 @@ def run(config: RunConfig, registry: Registry | None = None) -> list[dict]:
         raise UsageError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size x LLM "
                          f"data-parallel size = {t.micro_batch_size} x {lanes}")
     num_microbatches = global_batch // (t.micro_batch_size * lanes)
-    train_iters = t.train_iters or t.train_samples // global_batch
+    train_iters = t.train_iters or (t.train_samples // global_batch if t.train_samples else DEFAULT_TRAIN_ITERS)
     if train_iters < 1:
         raise UsageError(f"--train-samples {t.train_samples} is less than one global batch ({global_batch})")
     params_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
@@ -68,12 +68,27 @@ def run(config: RunConfig, registry: Registry | None = None) -> list[dict]:
     logger = MetricsLogger(config.logging.log_interval, train_iters, config.logging.metrics_file, logging_rank,
                            tokens_per_iteration)
 
+    if logging_rank:
+        print(describe_run(config.provider, parallelism, count_parameters(model), global_batch, num_microbatches,
+                           t.micro_batch_size, lanes, device, t.precision, train_iters), flush=True)
     model.train()
     for iteration in range(1, train_iters + 1):
         result = trainer.step(data)
-        logger.update(iteration, result, scheduler.get_lr(optimizer.param_groups[0]), iteration * global_batch)
+        logger.update(iteration, result, iteration * global_batch)
     dist.barrier()
     return logger.records if logging_rank else []
+
+
+def describe_run(provider, parallelism, parameters, global_batch, num_microbatches, micro_batch, lanes, device,
+                 precision, train_iters) -> str:
+    """The run's opening line: what runs where, with how many parameters (this rank's shard), at which batch."""
+    modules = " | ".join(
+        f"{name}: ranks {p.first_rank}-{p.first_rank + p.num_ranks - 1} TP{p.tp} PP{p.pp} DP{p.dp}"
+        + (f" EP{p.ep}" if p.ep > 1 else "") + (f", {parameters[name]:,} params" if name in parameters else "")
+        for name, p in parallelism.items()
+    )
+    return (f"mimo run: provider {provider} | {modules} | global batch {global_batch} = {num_microbatches} "
+            f"micro-batches x {micro_batch} x {lanes} lanes | {train_iters} iterations | {device.type} {precision}")
 
 
 def _chain(first, rest):

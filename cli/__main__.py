@@ -1,0 +1,3 @@
+from mimo.cli.main import main
+
+main()

@@ -1,0 +1,54 @@
+"""The `mimo` command."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+import typer
+
+from mimo.errors import UsageError
+
+from .options import loop_parameters, provider_parameters, run_config, with_options
+from .providers import providers_app
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+                  help="Train multimodal models on megatron-core; model families come as provider plugins.")
+app.add_typer(providers_app, name="providers")
+
+
+def fail(message: str) -> typer.Exit:
+    """Print one line naming the problem and exit 2."""
+    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    return typer.Exit(code=2)
+
+
+def _quiet_import_notices() -> None:
+    """megatron-core announces missing optional kernels and experimental APIs on every import and build; on a
+    run they would bury the log. Real warnings still show."""
+    for message in (".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*", ".*is experimental.*",
+                    ".*full scope is deprecated.*"):
+        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
+    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+
+
+def _run(**kwargs):
+    """Train a provider's model. Loop options only; the model's own settings go through --set/--provider-config."""
+    _quiet_import_notices()
+    from mimo.core.train import run
+
+    try:
+        run(run_config(kwargs))
+    except UsageError as err:
+        raise fail(str(err)) from None
+
+
+app.command("run", context_settings={"max_content_width": 120})(
+    with_options(_run, provider_parameters() + loop_parameters())
+)
+
+
+def main():  # pragma: no cover - console entry point
+    sys.exit(app())

@@ -1,0 +1,67 @@
+"""`mimo providers list|show`: what is installed, from which distribution, and each provider's settings."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from mimo.errors import UsageError
+
+providers_app = typer.Typer(no_args_is_help=True, help="Installed model providers and their settings.")
+
+
+def _registry():
+    from mimo.plugins import Registry
+
+    return Registry()
+
+
+@providers_app.command("list")
+def list_providers(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """Installed providers, the distribution of each, and plugins that failed to load."""
+    registry = _registry()
+    rows = [
+        {"name": name, "description": provider.description, "distribution": plugin.distribution,
+         "entry_point": plugin.name, "conflict": len(claims) > 1}
+        for name, claims in sorted(registry.providers.items()) for provider, plugin in claims
+    ]
+    broken = [{"entry_point": p.name, "distribution": p.distribution, "error": p.error} for p in registry.broken]
+    if as_json:
+        typer.echo(json.dumps({"providers": rows, "broken": broken}, indent=2))
+        return
+    console = Console()
+    table = Table("provider", "description", "distribution", title="Providers")
+    for row in rows:
+        note = " [red](name conflict)[/red]" if row["conflict"] else ""
+        table.add_row(row["name"] + note, row["description"], row["distribution"])
+    console.print(table)
+    if broken:
+        problems = Table("entry point", "distribution", "error", title="Plugins that failed to load")
+        for row in broken:
+            problems.add_row(row["entry_point"], row["distribution"], row["error"])
+        console.print(problems)
+
+
+@providers_app.command("show")
+def show_provider(name: str, as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
+    """A provider's settings with their types, defaults and help (set them with `mimo run --set key=value`)."""
+    from mimo.plugins.settings import describe_fields
+
+    from .main import fail
+
+    try:
+        provider, plugin = _registry().get(name)
+    except UsageError as err:
+        raise fail(str(err)) from None
+    fields = describe_fields(provider.settings, dict(provider.defaults))
+    if as_json:
+        typer.echo(json.dumps({"name": provider.name, "description": provider.description,
+                               "distribution": plugin.distribution, "settings": fields}, indent=2, default=str))
+        return
+    table = Table("setting", "type", "default", "help", title=f"{provider.name}: {provider.description}")
+    for f in fields:
+        table.add_row(f["name"], f["type"], repr(f["default"]), f["help"])
+    Console().print(table)

@@ -1,0 +1,52 @@
+"""Test helpers: run the `mimo` CLI in a subprocess, build throwaway provider distributions."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_mimo(*args: str, extra_path: list[Path] = (), timeout: int = 600, env: dict | None = None):
+    """Run `mimo ARGS` in a fresh interpreter (training enables process-wide CPU redirection and a world)."""
+    environment = {**os.environ, **(env or {})}
+    if extra_path:
+        environment["PYTHONPATH"] = os.pathsep.join([str(p) for p in extra_path] +
+                                                    [environment.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-m", "mimo.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env=environment)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def install_distribution(source: Path, target: Path) -> Path:
+    """pip-install the distribution at `source` into the folder `target` (no deps, offline build)."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(source)], check=True, capture_output=True, text=True)
+    return target
+
+
+def write_distribution(root: Path, dist_name: str, module: str, entry_point: str, code: str) -> Path:
+    """Write a minimal provider distribution: a pyproject with one `mimo.providers` entry point and a module."""
+    root.mkdir(parents=True)
+    (root / "pyproject.toml").write_text(textwrap.dedent(f"""
+        [build-system]
+        requires = ["setuptools>=68"]
+        build-backend = "setuptools.build_meta"
+        [project]
+        name = "{dist_name}"
+        version = "1.0"
+        [project.entry-points."mimo.providers"]
+        {entry_point} = "{module}"
+        [tool.setuptools]
+        py-modules = ["{module}"]
+    """))
+    (root / f"{module}.py").write_text(textwrap.dedent(code))
+    return root
