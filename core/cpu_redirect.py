@@ -4,7 +4,8 @@ megatron-core hard-codes CUDA in places that have no flag (DDP grad buffers, the
 dist_checkpointing's save, the bridge communicators, a few model constructors). On a CPU run this module
 redirects those calls: CUDA device arguments become the CPU, `torch.cuda.synchronize`/streams/events become
 no-ops, the CUDA RNG state is the CPU generator's, and NCCL process groups become gloo. It is enabled only by
-`enable()` from `launch` when the run's device is the CPU, and never on a GPU run.
+`enable()` from `launch` when the run's device is the CPU (on a GPU host too: CUDA then reads as absent), and
+never on a GPU run.
 
 Limits (see docs/cpu.md): CUDA-only kernels (transformer-engine, mamba-ssm, fused kernels) stay unavailable;
 memory figures read 0; the redirect is per process and applies to the thread that enabled it and to torch
@@ -91,12 +92,11 @@ def enable() -> None:
     global _enabled
     if _enabled:
         return
-    if torch.cuda.is_available():
-        raise RuntimeError("cpu_redirect must not be enabled when a GPU run is possible; use --device cpu only")
     _enabled = True
     _CudaToCpu().__enter__()  # stays pushed for the life of the process
 
     cuda = torch.cuda
+    cuda.is_available = lambda: False  # a CPU run on a GPU host: nothing may take the GPU path
     cuda.current_device = lambda: 0
     cuda.set_device = lambda *a, **k: None
     cuda.device_count = lambda: 0
