@@ -59,3 +59,17 @@ def test_learning_rate_schedules(tmp_path, style, extra, expected):
 def test_bad_loop_options_are_one_line(args, message):
     result = run_mimo("run", "--provider", "mock-vlm", *args)
     assert result.returncode == 2 and message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_parameter_counts_match_the_built_model():
+    """mock-vlm's analytic counts (used by `model_shape`) equal the parameters megatron-core builds."""
+    from mimo.providers.mock_vlm import MockVLMSettings
+    from mimo.providers.mock_vlm.model import parameter_counts
+
+    settings = ("projection=affine", "vision_layers=3", "ffn_hidden_size=100")
+    result = run_mimo("run", "--provider", "mock-vlm", "--device", "cpu", "--train-iters", "1",
+                      *[arg for s in settings for arg in ("--set", s)])
+    expected = parameter_counts(MockVLMSettings(projection="affine", vision_layers=3, ffn_hidden_size=100))
+    banner = next(line for line in result.stdout.splitlines() if line.startswith("mimo run:"))
+    assert f"images: ranks 0-0 TP1 PP1 DP1, {expected['images']:,} params" in banner
+    assert f"language: ranks 0-0 TP1 PP1 DP1, {expected['language']:,} params" in banner

@@ -1,0 +1,21 @@
+"""The wheel `pip install .` builds holds every package of the source tree under its `mimo.*` name."""
+
+import subprocess
+import sys
+import zipfile
+
+from helpers import REPO
+
+SOURCE_PACKAGES = ("cli", "core", "plugins", "providers")
+
+
+def test_wheel_contains_every_package(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(REPO)], check=True, capture_output=True)
+    wheel = next(tmp_path.glob("mimo-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {f"mimo/{p.relative_to(REPO)}" for top in SOURCE_PACKAGES for p in (REPO / top).rglob("*.py")}
+    expected |= {"mimo/__init__.py", "mimo/errors.py"}
+    assert expected <= names, f"missing from the wheel (add them to pyproject's packages): {sorted(expected - names)}"
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "[mimo.providers]" in entry_points and "mock-vlm = mimo.providers.mock_vlm" in entry_points
