@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import warnings
 
@@ -28,7 +29,7 @@ def _quiet_import_notices() -> None:
     """megatron-core announces missing optional kernels and experimental APIs on every import and build; on a
     run they would bury the log. Real warnings still show."""
     for message in (".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*", ".*is experimental.*",
-                    ".*full scope is deprecated.*"):
+                    ".*full scope is deprecated.*", ".*an autograd kernel was not registered.*"):
         warnings.filterwarnings("ignore", message=message, category=UserWarning)
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -37,10 +38,15 @@ def _quiet_import_notices() -> None:
 def _run(**kwargs):
     """Train a provider's model. Loop options only; the model's own settings go through --set/--provider-config."""
     _quiet_import_notices()
-    from mimo.core.train import run
+    from mimo.core import launch
+    from mimo.core.train import prepare, train
 
+    config = run_config(kwargs)
     try:
-        run(run_config(kwargs))
+        plan = prepare(config)  # every check that needs no process group, before any worker starts
+        if config.launch.nproc_per_node > 1 and "RANK" not in os.environ:
+            raise typer.Exit(code=launch.start_workers(config.launch, sys.argv[1:]))
+        train(plan)
     except UsageError as err:
         raise fail(str(err)) from None
 

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import typer
 
 from mimo.core.config import (
-    COMPONENTS, LayoutOptions, LoggingOptions, OptimizerOptions, RunConfig, SchedulerOptions, TrainingOptions,
+    COMPONENTS, LaunchOptions, LayoutOptions, LoggingOptions, OptimizerOptions, RunConfig, SchedulerOptions, TrainingOptions,
 )
 
 
@@ -56,7 +56,7 @@ def run_config(kwargs: dict) -> RunConfig:
     part = {cls: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)}) for cls in COMPONENTS.values()}
     return RunConfig(
         provider=kwargs["provider"], provider_settings=list(kwargs.get("set") or []),
-        provider_config=kwargs.get("provider_config"), training=part[TrainingOptions],
+        provider_config=kwargs.get("provider_config"), launch=part[LaunchOptions], training=part[TrainingOptions],
         optimizer=part[OptimizerOptions], scheduler=part[SchedulerOptions], logging=part[LoggingOptions],
         layout=part[LayoutOptions],
     )

@@ -25,6 +25,7 @@ class TrainingOptions:
     seed: int = option(1234, "seed for weights, data order and dropout: the same seed repeats a run")
     precision: Literal["fp32", "bf16"] = option("fp32", "parameter and compute precision")
     device: Literal["auto", "cuda", "cpu"] = option("auto", "auto uses CUDA when a GPU is visible")
+    num_microbatches: int | None = option(None, "micro-batches per iteration (sets the global batch size)")
 
 
 @dataclass
@@ -58,6 +59,15 @@ class LoggingOptions:
 
 
 @dataclass
+class LaunchOptions:
+    nproc_per_node: int = option(1, "worker processes to start on this node (under torchrun/srun: ignored)")
+    nnodes: int = option(1, "nodes in the run; each starts mimo run with the same options")
+    rdzv_endpoint: str | None = option(None, "host:port where the nodes meet (multi-node; default: this host)")
+    rdzv_id: str = option("mimo", "run id shared by the nodes of one run")
+    distributed_timeout_minutes: float = option(10.0, "a collective waiting longer (e.g. a rank died) fails the run")
+
+
+@dataclass
 class LayoutOptions:
     """Which ranks run which module and how each module's ranks split; checked before any process group."""
 
@@ -71,7 +81,7 @@ class LayoutOptions:
 
 DEFAULT_TRAIN_ITERS = 100
 
-COMPONENTS = {"Training": TrainingOptions, "Optimizer": OptimizerOptions, "Learning-rate schedule": SchedulerOptions,
+COMPONENTS = {"Launch": LaunchOptions, "Training": TrainingOptions, "Optimizer": OptimizerOptions, "Learning-rate schedule": SchedulerOptions,
               "Logging": LoggingOptions, "Parallel layout": LayoutOptions}
 
 
@@ -80,6 +90,7 @@ class RunConfig:
     provider: str
     provider_settings: list[str] = field(default_factory=list)  # `--set key=value` assignments
     provider_config: Path | None = None
+    launch: LaunchOptions = field(default_factory=LaunchOptions)
     training: TrainingOptions = field(default_factory=TrainingOptions)
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
@@ -93,9 +104,14 @@ class RunConfig:
             raise UsageError("give at most one of --train-iters and --train-samples")
         for name, value in (("--micro-batch-size", t.micro_batch_size), ("--log-interval", self.logging.log_interval),
                             ("--train-iters", t.train_iters), ("--train-samples", t.train_samples),
-                            ("--global-batch-size", t.global_batch_size)):
+                            ("--global-batch-size", t.global_batch_size), ("--num-microbatches", t.num_microbatches),
+                            ("--nproc-per-node", self.launch.nproc_per_node), ("--nnodes", self.launch.nnodes)):
             if value is not None and value < 1:
                 raise UsageError(f"{name} must be at least 1, got {value}")
+        if t.global_batch_size is not None and t.num_microbatches is not None:
+            raise UsageError("give at most one of --global-batch-size and --num-microbatches")
+        if self.launch.nnodes > 1 and not self.launch.rdzv_endpoint:
+            raise UsageError("--nnodes > 1 needs --rdzv-endpoint host:port, the same on every node")
         if s.lr_warmup_iters and s.lr_warmup_samples:
             raise UsageError("give at most one of --lr-warmup-iters and --lr-warmup-samples")
         if s.lr_decay_iters is not None and s.lr_decay_samples is not None:

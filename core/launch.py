@@ -60,3 +60,29 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_workers(options, argv: list[str]) -> int:
+    """Start `options.nproc_per_node` copies of `mimo ARGV` on this node with torch's elastic launcher.
+
+    The workers join one world (nodes meet at `rdzv_endpoint`); if any worker fails, the launcher stops the
+    others. Returns the exit code for the parent: 0, or 1 after printing which rank failed.
+    """
+    import sys
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=options.nnodes, max_nodes=options.nnodes, nproc_per_node=options.nproc_per_node,
+        run_id=options.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=options.rdzv_endpoint or "localhost:0",
+        max_restarts=0, monitor_interval=0.5, start_method="spawn",
+    )
+    try:
+        elastic_launch(config, sys.executable)("-m", "mimo.cli", *argv)
+    except ChildFailedError as err:
+        rank, failure = min(err.failures.items())
+        print(f"error: worker rank {rank} failed with exit code {failure.exitcode}; the other workers were "
+              f"stopped (see its output above)", file=sys.stderr, flush=True)
+        return 1
+    return 0

@@ -10,11 +10,30 @@ from mimo.plugins import BuildContext, Encoder
 from .topology import LANGUAGE, Topology
 
 
+def _seeded_mimo_model_class():
+    """MimoModel that reseeds before building the encoders and before building the LLM, so each module's
+    initial weights are the same whichever modules a rank builds (colocated, heterogeneous, any TP)."""
+    from megatron.core.models.mimo import MimoModel
+
+    class SeededMimoModel(MimoModel):
+        init_seed = 0
+
+        def _initialize_submodules(self):
+            torch.manual_seed(self.init_seed)
+            super()._initialize_submodules()
+
+        def _initialize_language_model(self):
+            torch.manual_seed(self.init_seed + 1)
+            super()._initialize_language_model()
+
+    return SeededMimoModel
+
+
 def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: BuildContext,
-                device: torch.device):
+                device: torch.device, seed: int):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.enums import ModelType
-    from megatron.core.models.mimo import MimoModel, MimoModelConfig
+    from megatron.core.models.mimo import MimoModelConfig
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     encoders = hooks.build_encoders(settings=settings, ctx=ctx)
@@ -34,7 +53,9 @@ def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: Bu
         special_token_ids={name: e.placeholder_token_id for name, e in encoders.items()},
         module_to_grid_map=topology.grids,
     )
-    model = MimoModel(config).to(device)
+    model_class = _seeded_mimo_model_class()
+    model_class.init_seed = seed
+    model = model_class(config).to(device)
     model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)

@@ -36,19 +36,18 @@ class Trainer:
     """Holds what a step needs and runs steps; the loop owns everything around it."""
 
     def __init__(self, model, optimizer, scheduler, hooks, settings, topology: Topology, device: torch.device,
-                 params_dtype: torch.dtype, num_microbatches: int, global_batch_size: int):
+                 params_dtype: torch.dtype, num_microbatches: int, global_batch_size: int, micro_batch_size: int,
+                 seq_length: int):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.hooks, self.settings, self.topology = hooks, settings, topology
         self.device, self.params_dtype = device, params_dtype
         self.num_microbatches, self.global_batch_size = num_microbatches, global_batch_size
-        self._token_source = _is_token_source(topology)
+        self._token_source = is_token_source(topology)
         self._totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, tokens] of this rank
         config = model.config  # the language model's TransformerConfig; the schedule reads it
         config.finalize_model_grads_func = self._finalize_grads
-        from megatron.core.pipeline_parallel.schedules import forward_backward_no_pipelining
-
-        self._schedule = forward_backward_no_pipelining  # colocated, PP = 1
-        self._schedule_pgs = topology.pg_collections[LANGUAGE]
+        self._schedule = _schedule(topology, config)
+        self._shape = {"seq_length": seq_length, "micro_batch_size": micro_batch_size}
 
     def forward_step(self, data_iterator, model):
         batch = next(data_iterator)
@@ -84,8 +83,7 @@ class Trainer:
         self._totals.zero_()
         self._schedule(
             forward_step_func=self.forward_step, data_iterator=data_iterator, model=[self.model],
-            num_microbatches=self.num_microbatches, seq_length=0, micro_batch_size=0, forward_only=False,
-            pg_collection=self._schedule_pgs,
+            num_microbatches=self.num_microbatches, forward_only=False, **self._shape,
         )
         lr = self.optimizer.param_groups[0]["lr"]
         ok, grad_norm, _ = self.optimizer.step()
@@ -96,7 +94,31 @@ class Trainer:
                           skipped=not ok, lr=lr)
 
 
-def _is_token_source(topology: Topology) -> bool:
+def _schedule(topology: Topology, config):
+    """megatron-core's schedule for the layout: no pipelining when colocated; the multimodule 1F1B schedule with
+    the bridge communicator when the encoders and the LLM have ranks of their own."""
+    from megatron.core.pipeline_parallel import schedules
+
+    if topology.colocated:
+        return partial(schedules.forward_backward_no_pipelining, pg_collection=topology.pg_collections[LANGUAGE])
+    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+
+    encoders = [name for name in topology.parallelism if name != LANGUAGE]
+    communicator = MultiModulePipelineCommunicator(
+        topology.grids, {**{name: [LANGUAGE] for name in encoders}, LANGUAGE: []}, config,
+        dim_mapping={"s": 0, "b": 1, "h": 2},  # MimoModel's LLM activations are [s, b, h]
+        module_output_ndim={name: 2 for name in encoders},  # encoder outputs are [tokens, h]
+    )
+    pgs = MultiModuleProcessGroupCollection(
+        module_pgs=dict(topology.pg_collections),
+        language_model_module_name=LANGUAGE if topology.holds(LANGUAGE) else None,
+    )
+    return partial(schedules.forward_backward_pipelining_without_interleaving, p2p_communicator=communicator,
+                   pg_collection=pgs)
+
+
+def is_token_source(topology: Topology) -> bool:
     """One rank per LLM data lane: the last pipeline stage's first TP (and CP) rank."""
     pgc = topology.pg_collections.get(LANGUAGE)
     if pgc is None:

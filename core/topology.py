@@ -23,11 +23,18 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def plan(layout: LayoutOptions, world_size: int, shapes: dict[str, ModuleShape]) -> dict[str, ModuleParallelism]:
-    """Per-module parallelism for this run, or a UsageError naming the option to change."""
+def plan(layout: LayoutOptions, world_size: int, shapes: dict[str, ModuleShape],
+         micro_batch_size: int) -> dict[str, ModuleParallelism]:
+    """Per-module parallelism for this run, or a UsageError naming the option to change and a value that works."""
     k = layout.encoder_ranks
     if not 0 <= k < world_size:
-        raise UsageError(f"--encoder-ranks {k} must leave ranks for the LLM: use 0 (colocated) to {world_size - 1}")
+        raise UsageError(f"--encoder-ranks {k} must leave ranks for the LLM in a world of {world_size}: "
+                         f"use 0 (colocated) to {world_size - 1}")
+    if k == 0 and layout.encoder_tp != layout.llm_tp:
+        raise UsageError(f"colocated modules share the LLM's TP: set --encoder-tp {layout.llm_tp}, or give the "
+                         f"encoders ranks of their own with --encoder-ranks")
+    if k == 0 and layout.llm_pp > 1:
+        raise UsageError("--llm-pp > 1 needs the encoders on ranks of their own: set --encoder-ranks")
     encoder_span, llm_span = ((0, world_size), (0, world_size)) if k == 0 else ((0, k), (k, world_size - k))
     parallelism = {
         name: ModuleParallelism(*encoder_span, tp=layout.encoder_tp) for name in shapes if name != LANGUAGE
@@ -37,7 +44,53 @@ def plan(layout: LayoutOptions, world_size: int, shapes: dict[str, ModuleShape])
     )
     for name, par in parallelism.items():
         _check_module(name, par, shapes[name])
+    if k:
+        _check_bridge(parallelism, micro_batch_size)
     return parallelism
+
+
+def _check_bridge(parallelism: dict[str, ModuleParallelism], micro_batch_size: int) -> None:
+    """Encoder DP and LLM DP must fan out or in evenly: the bridge splits micro-batches by whole samples."""
+    llm = parallelism[LANGUAGE]
+    encoder = next(p for name, p in parallelism.items() if name != LANGUAGE)
+    e, l = encoder.dp, llm.dp
+    if max(e, l) % min(e, l):
+        total = encoder.num_ranks + llm.num_ranks
+        fits = [n for n in range(1, total) if n % encoder.tp == 0 and (total - n) % (llm.tp * llm.pp) == 0
+                and _divide(n // encoder.tp, (total - n) // (llm.tp * llm.pp))]
+        hint = f"try --encoder-ranks {fits[0]}" if fits else "change --encoder-ranks or the TP/PP sizes"
+        raise UsageError(f"encoder DP {e} and LLM DP {l} must divide one another for the bridge: {hint}")
+    if e > l and micro_batch_size % (e // l):
+        raise UsageError(f"--micro-batch-size {micro_batch_size} cannot be split over the {e // l} encoder ranks "
+                         f"that feed each LLM lane: use a multiple of {e // l}")
+
+
+def _divide(a: int, b: int) -> bool:
+    return max(a, b) % min(a, b) == 0
+
+
+def data_positions(parallelism: dict[str, ModuleParallelism], rank: int, micro_batch_size: int) -> tuple[int, int]:
+    """Which positions of each micro-batch (all lanes side by side) this rank reads: (first, count).
+
+    An LLM rank reads its lane. An encoder rank reads the lanes it feeds through the bridge (the bridge pairs
+    encoder DP rank r with LLM DP ranks in order), or its share of one lane when several encoder ranks feed it.
+    """
+    llm = parallelism[LANGUAGE]
+    if rank in llm.ranks:
+        return _dp_rank(llm, rank) * micro_batch_size, micro_batch_size
+    encoder = next(p for p in parallelism.values() if rank in p.ranks)
+    r, e, l = _dp_rank(encoder, rank), encoder.dp, llm.dp
+    if e <= l:
+        lanes = l // e
+        return r * lanes * micro_batch_size, lanes * micro_batch_size
+    parts = e // l
+    share = micro_batch_size // parts
+    return (r // parts) * micro_batch_size + (r % parts) * share, share
+
+
+def _dp_rank(par: ModuleParallelism, rank: int) -> int:
+    """DP coordinate of `rank` in a [tp, cp, dp, pp] grid (tp varies fastest)."""
+    return (rank - par.first_rank) // (par.tp * par.cp) % par.dp
 
 
 def _check_module(name: str, par: ModuleParallelism, shape: ModuleShape) -> None:

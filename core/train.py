@@ -1,14 +1,15 @@
-"""The run, top to bottom: config -> launch -> topology -> model/optimizer -> loop."""
+"""The run, top to bottom: config -> (validated plan) -> launch -> topology -> model/optimizer -> loop."""
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from mimo.errors import UsageError
-from mimo.plugins import BuildContext, DataContext, Registry
+from mimo.plugins import BuildContext, DataContext, ModuleParallelism, Provider, Registry
 from mimo.plugins.settings import build_settings
 
 from . import launch, topology
@@ -16,11 +17,31 @@ from .config import DEFAULT_TRAIN_ITERS, RunConfig
 from .metrics import MetricsLogger
 from .model import build_model, count_parameters
 from .optim import build_optimizer, build_scheduler
-from .step import Trainer, _is_token_source
+from .step import Trainer, is_token_source
 
 
-def run(config: RunConfig, registry: Registry | None = None) -> list[dict]:
-    """Train as configured; return the logged records (on the logging rank; empty elsewhere)."""
+@dataclass
+class Plan:
+    """Everything decided about a run before any process exists: validated, so workers only execute it."""
+
+    config: RunConfig
+    provider: Provider
+    hooks: object
+    settings: object
+    shapes: dict
+    parallelism: dict[str, ModuleParallelism]
+    world_size: int
+    global_batch_size: int
+    num_microbatches: int
+    train_iters: int
+
+    @property
+    def num_lanes(self) -> int:
+        return self.parallelism[topology.LANGUAGE].dp
+
+
+def prepare(config: RunConfig, registry: Registry | None = None, world_size: int | None = None) -> Plan:
+    """Check the options, the provider and its settings, and the layout; raise UsageError on the first problem."""
     config.validate()
     registry = registry or Registry()
     provider, _ = registry.get(config.provider)
@@ -28,67 +49,75 @@ def run(config: RunConfig, registry: Registry | None = None) -> list[dict]:
     settings = build_settings(provider, config.provider_settings, config.provider_config)
     shapes = hooks.model_shape(settings=settings)
     t = config.training
-
-    # Everything that can be checked is checked before any process group exists.
-    world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
-    parallelism = topology.plan(config.layout, world_size, shapes)
+    if world_size is None:
+        world_size = int(os.environ.get("WORLD_SIZE", config.launch.nnodes * config.launch.nproc_per_node))
+    parallelism = topology.plan(config.layout, world_size, shapes, t.micro_batch_size)
     lanes = parallelism[topology.LANGUAGE].dp
-    global_batch = t.global_batch_size or t.micro_batch_size * lanes
-    if global_batch % (t.micro_batch_size * lanes):
+    per_microbatch = t.micro_batch_size * lanes
+    global_batch = t.global_batch_size or per_microbatch * (t.num_microbatches or 1)
+    if global_batch % per_microbatch:
         raise UsageError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size x LLM "
                          f"data-parallel size = {t.micro_batch_size} x {lanes}")
-    num_microbatches = global_batch // (t.micro_batch_size * lanes)
     train_iters = t.train_iters or (t.train_samples // global_batch if t.train_samples else DEFAULT_TRAIN_ITERS)
     if train_iters < 1:
         raise UsageError(f"--train-samples {t.train_samples} is less than one global batch ({global_batch})")
-    params_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    return Plan(config, provider, hooks, settings, shapes, parallelism, world_size, global_batch,
+                global_batch // per_microbatch, train_iters)
 
-    device = launch.init_process(t.device)
-    topo = topology.build(parallelism, backend="nccl" if device.type == "cuda" else "gloo")
-    llm_pgs = topo.pg_collections.get(topology.LANGUAGE)
-    seed_pgs = llm_pgs or next(iter(topo.pg_collections.values()))
+
+def train(plan: Plan) -> list[dict]:
+    """Run the plan in this process (one rank of the world). Returns the logged records on the logging rank."""
+    config, t = plan.config, plan.config.training
+    params_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    device = launch.init_process(t.device, config.launch.distributed_timeout_minutes)
+    if dist.get_world_size() != plan.world_size:
+        raise UsageError(f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} joined")
+    topo = topology.build(plan.parallelism, backend="nccl" if device.type == "cuda" else "gloo")
+    seed_pgs = topo.pg_collections.get(topology.LANGUAGE) or next(iter(topo.pg_collections.values()))
     launch.seed_everything(t.seed, seed_pgs.tp.rank(), seed_pgs.ep.rank(), seed_pgs.expt_tp.rank())
 
-    ctx = BuildContext(params_dtype=params_dtype, parallelism=parallelism, pg_collections=topo.pg_collections)
-    model = build_model(hooks, settings, config.provider, topo, ctx, device)
+    ctx = BuildContext(params_dtype=params_dtype, parallelism=plan.parallelism, pg_collections=topo.pg_collections)
+    model = build_model(plan.hooks, plan.settings, config.provider, topo, ctx, device, t.seed)
     optimizer = build_optimizer(model, config.optimizer, params_dtype)
-    scheduler = build_scheduler(optimizer, config.scheduler, config.optimizer, global_batch,
-                                train_iters * global_batch)
-    trainer = Trainer(model, optimizer, scheduler, hooks, settings, topo, device, params_dtype,
-                      num_microbatches, global_batch)
+    scheduler = build_scheduler(optimizer, config.scheduler, config.optimizer, plan.global_batch_size,
+                                plan.train_iters * plan.global_batch_size)
 
-    lane = llm_pgs.dp.rank() if llm_pgs else 0
-    data = iter(hooks.data_provider(settings=settings, ctx=DataContext(
-        micro_batch_size=t.micro_batch_size, num_microbatches=num_microbatches, lane=lane, num_lanes=lanes,
-        seed=t.seed)))
-    logging_rank = _is_token_source(topo) and lane == 0
-    first = next(data)
-    data = _chain(first, data)
-    tokens_per_iteration = global_batch * first["input_ids"].shape[1]
-    logger = MetricsLogger(config.logging.log_interval, train_iters, config.logging.metrics_file, logging_rank,
-                           tokens_per_iteration)
+    first, count = topology.data_positions(plan.parallelism, dist.get_rank(), t.micro_batch_size)
+    data = iter(plan.hooks.data_provider(settings=plan.settings, ctx=DataContext(
+        micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches, num_lanes=plan.num_lanes,
+        seed=t.seed, first_position=first, num_positions=count)))
+    first_batch = next(data)
+    data = _chain(first_batch, data)
+    seq_length = first_batch["input_ids"].shape[1]
+    trainer = Trainer(model, optimizer, scheduler, plan.hooks, plan.settings, topo, device, params_dtype,
+                      plan.num_microbatches, plan.global_batch_size, t.micro_batch_size, seq_length)
 
+    logging_rank = is_token_source(topo) and first == 0
+    logger = MetricsLogger(config.logging.log_interval, plan.train_iters, config.logging.metrics_file, logging_rank,
+                           plan.global_batch_size * seq_length)
     if logging_rank:
-        print(describe_run(config.provider, parallelism, count_parameters(model), global_batch, num_microbatches,
-                           t.micro_batch_size, lanes, device, t.precision, train_iters), flush=True)
+        print(describe_run(plan, count_parameters(model), device, t.precision), flush=True)
     model.train()
-    for iteration in range(1, train_iters + 1):
-        result = trainer.step(data)
-        logger.update(iteration, result, iteration * global_batch)
+    for iteration in range(1, plan.train_iters + 1):
+        logger.update(iteration, trainer.step(data), iteration * plan.global_batch_size)
     dist.barrier()
     return logger.records if logging_rank else []
 
 
-def describe_run(provider, parallelism, parameters, global_batch, num_microbatches, micro_batch, lanes, device,
-                 precision, train_iters) -> str:
+def run(config: RunConfig, registry: Registry | None = None) -> list[dict]:
+    return train(prepare(config, registry))
+
+
+def describe_run(plan: Plan, parameters: dict[str, int], device: torch.device, precision: str) -> str:
     """The run's opening line: what runs where, with how many parameters (this rank's shard), at which batch."""
     modules = " | ".join(
         f"{name}: ranks {p.first_rank}-{p.first_rank + p.num_ranks - 1} TP{p.tp} PP{p.pp} DP{p.dp}"
         + (f" EP{p.ep}" if p.ep > 1 else "") + (f", {parameters[name]:,} params" if name in parameters else "")
-        for name, p in parallelism.items()
+        for name, p in plan.parallelism.items()
     )
-    return (f"mimo run: provider {provider} | {modules} | global batch {global_batch} = {num_microbatches} "
-            f"micro-batches x {micro_batch} x {lanes} lanes | {train_iters} iterations | {device.type} {precision}")
+    return (f"mimo run: provider {plan.config.provider} | {modules} | global batch {plan.global_batch_size} = "
+            f"{plan.num_microbatches} micro-batches x {plan.config.training.micro_batch_size} x {plan.num_lanes} "
+            f"lanes | {plan.train_iters} iterations | {device.type} {precision}")
 
 
 def _chain(first, rest):

@@ -85,17 +85,22 @@ class BuildContext:
 
 @dataclass(frozen=True)
 class DataContext:
-    """Passed to `data_provider`: the data lane this rank reads and what the loop needs from it.
+    """Passed to `data_provider`: which samples this rank reads.
 
-    A global batch is `num_lanes * num_microbatches * micro_batch_size` consecutive samples of one stream; lane
-    `l` takes the l-th contiguous share. The global batch's content is therefore the same for any layout.
+    A global batch is `num_lanes * num_microbatches * micro_batch_size` consecutive samples of one stream; LLM
+    data-parallel lane `l` takes the l-th contiguous share, one micro-batch at a time. Laid side by side, the
+    lanes' m-th micro-batches form `num_lanes * micro_batch_size` positions; this rank reads positions
+    `[first_position, first_position + num_positions)` of each: one lane on an LLM rank, several lanes on an
+    encoder rank that feeds several LLM lanes, part of a lane on one of several encoder ranks feeding one lane.
+    The global batch's content is therefore the same for any layout.
     """
 
-    micro_batch_size: int
+    micro_batch_size: int  # per LLM lane
     num_microbatches: int
-    lane: int  # this rank's data-parallel lane; all ranks of one lane see identical micro-batches
     num_lanes: int
     seed: int
+    first_position: int = 0
+    num_positions: int | None = None  # default: one lane's micro-batch
     start_sample: int = 0  # samples consumed before this run (a resumed run starts past them)
     data_path: str | None = None
     num_workers: int = 0
@@ -104,12 +109,19 @@ class DataContext:
     def global_batch_size(self) -> int:
         return self.num_lanes * self.num_microbatches * self.micro_batch_size
 
+    @property
+    def lane(self) -> int:
+        """The (first) LLM lane this rank reads."""
+        return self.first_position // self.micro_batch_size
+
     def sample_indices(self):
-        """Yield, forever, the global sample indices of each of this lane's micro-batches in order."""
+        """Yield, forever, the global sample indices of each micro-batch this rank reads, in order."""
+        count = self.num_positions or self.micro_batch_size
         share = self.num_microbatches * self.micro_batch_size
         start = self.start_sample
         while True:
-            first = start + self.lane * share
             for m in range(self.num_microbatches):
-                yield list(range(first + m * self.micro_batch_size, first + (m + 1) * self.micro_batch_size))
+                yield [start + (p // self.micro_batch_size) * share + m * self.micro_batch_size
+                       + p % self.micro_batch_size
+                       for p in range(self.first_position, self.first_position + count)]
             start += self.global_batch_size
