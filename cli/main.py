@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
 import warnings
+from typing import Annotated
 
 import typer
 
@@ -54,6 +56,26 @@ def _run(**kwargs):
 app.command("run", context_settings={"max_content_width": 120})(
     with_options(_run, provider_parameters() + loop_parameters())
 )
+
+
+def _plan(as_json: bool = False, **kwargs):
+    """Show which ranks run which module with which TP/DP/PP/EP, parameter counts, and whether the layout is
+    valid (exit 2 if not), for the same options as `mimo run`, without starting workers."""
+    _quiet_import_notices()
+    from mimo.core.train import prepare
+
+    from .plan import describe, print_plan
+
+    try:
+        print_plan(describe(prepare(run_config(kwargs))), as_json)
+    except UsageError as err:
+        raise fail(str(err)) from None
+
+
+app.command("plan", context_settings={"max_content_width": 120})(with_options(_plan, [
+    inspect.Parameter("as_json", inspect.Parameter.KEYWORD_ONLY, default=False,
+                      annotation=Annotated[bool, typer.Option("--json", help="machine-readable output")]),
+] + provider_parameters() + loop_parameters()))
 
 
 def main():  # pragma: no cover - console entry point

@@ -81,8 +81,8 @@ def start_workers(options, argv: list[str]) -> int:
     try:
         elastic_launch(config, sys.executable)("-m", "mimo.cli", *argv)
     except ChildFailedError as err:
-        rank, failure = min(err.failures.items())
-        print(f"error: worker rank {rank} failed with exit code {failure.exitcode}; the other workers were "
-              f"stopped (see its output above)", file=sys.stderr, flush=True)
+        rank, failure = err.get_first_failure()
+        print(f"error: worker rank {rank} failed first (exit code {failure.exitcode}); the launcher stopped the "
+              f"others (see its output above)", file=sys.stderr, flush=True)
         return 1
     return 0

@@ -40,6 +40,7 @@ class MetricsLogger:
             "elapsed_ms": elapsed_ms,
             "tokens_per_sec": self.tokens_per_iteration / (elapsed_ms / 1000),
             "skipped_iterations": self._skipped,
+            **{f"grad_norm_{name}": norm for name, norm in result.module_grad_norms.items()},
         }
         self._reset()
         self.records.append(record)

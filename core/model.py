@@ -57,6 +57,7 @@ def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: Bu
     model_class.init_seed = seed
     model = model_class(config).to(device)
     model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
+    freeze(model, hooks.frozen_parameters(settings=settings), provider_name, device)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
     for name, module in held_modules(model):
@@ -69,6 +70,25 @@ def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: Bu
         else:
             model.modality_submodules[name] = wrapped
     return model
+
+
+def freeze(model, prefixes: list[str], provider_name: str, device: torch.device) -> None:
+    """Stop the parameters under `prefixes` from training. A prefix must match on some rank (world collective):
+    in a heterogeneous layout each rank holds only its own modules."""
+    import torch.distributed as dist
+
+    matches = torch.zeros(len(prefixes), dtype=torch.int64, device=device)
+    for name, param in model.named_parameters():
+        for i, prefix in enumerate(prefixes):
+            if name.startswith(prefix):
+                param.requires_grad_(False)
+                matches[i] += 1
+    if prefixes:
+        dist.all_reduce(matches)
+    unmatched = [p for p, n in zip(prefixes, matches.tolist()) if n == 0]
+    if unmatched:
+        raise UsageError(f"provider '{provider_name}': frozen_parameters names '{unmatched[0]}', which matches no "
+                         f"parameter (names start with language_model. or modality_submodules.<modality>.)")
 
 
 def _transformer_config(module):

@@ -8,8 +8,34 @@ import torch
 from .config import OptimizerOptions, SchedulerOptions
 
 
+def _recording_optimizer_class():
+    from megatron.core.models.mimo.optimizer import MimoOptimizer
+
+    class RecordingMimoOptimizer(MimoOptimizer):
+        """MimoOptimizer that also keeps each module's gradient norm (before clipping) for the logs.
+
+        Same reduction as megatron-core's: every rank computes its modules' norms, a world MAX shares them."""
+
+        module_grad_norms: dict[str, float] = {}
+
+        @torch.no_grad()
+        def get_grad_norm(self) -> float:
+            names = sorted(self.module_infos)
+            norm_sq = torch.zeros(len(names), device="cuda", dtype=torch.float32)
+            for i, name in enumerate(names):
+                info = self.module_infos[name]
+                if info.is_active and info.optimizer:
+                    norm_sq[i] = (info.optimizer.get_grad_norm() or 0.0) ** 2
+            torch.distributed.all_reduce(norm_sq, op=torch.distributed.ReduceOp.MAX)
+            self.module_grad_norms = dict(zip(names, norm_sq.sqrt().tolist()))
+            return torch.sqrt(norm_sq.sum()).item()
+
+    return RecordingMimoOptimizer
+
+
 def build_optimizer(model, options: OptimizerOptions, params_dtype: torch.dtype):
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.models.mimo.optimizer import get_mimo_optimizer
+    from megatron.core.optimizer import OptimizerConfig
 
     config = OptimizerConfig(
         optimizer="adam", lr=options.lr, min_lr=options.min_lr, weight_decay=options.weight_decay,
@@ -17,8 +43,24 @@ def build_optimizer(model, options: OptimizerOptions, params_dtype: torch.dtype)
         clip_grad=options.clip_grad, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
         use_distributed_optimizer=False,
     )
-    # Given a MimoModel, megatron-core builds a MimoOptimizer: one optimizer per module grid.
-    return get_megatron_optimizer(config, [model], use_gloo_process_groups=False)
+    # megatron-core builds one optimizer per module grid; the global grad norm and clipping span all of them.
+    built = get_mimo_optimizer(model, config)
+    for name in _frozen_everywhere(model, sorted(built.module_infos)):
+        built.module_infos[name].optimizer = None  # nothing to step, no state to keep or checkpoint
+    return _recording_optimizer_class()(built.module_infos, built.config)
+
+
+def _frozen_everywhere(model, names: list[str]) -> list[str]:
+    """Modules with no trainable parameter on any rank (world collective)."""
+    from .model import held_modules
+
+    trainable = dict.fromkeys(names, 0)
+    for name, module in held_modules(model):
+        trainable[name] = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    counts = torch.tensor([trainable[n] for n in names], dtype=torch.int64,
+                          device=next(model.parameters()).device)
+    torch.distributed.all_reduce(counts)
+    return [n for n, c in zip(names, counts.tolist()) if c == 0]
 
 
 def build_scheduler(optimizer, options: SchedulerOptions, optim: OptimizerOptions, global_batch_size: int,

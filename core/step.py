@@ -20,6 +20,7 @@ class StepResult:
     grad_norm: float | None
     skipped: bool
     lr: float  # the learning rate this iteration's update used
+    module_grad_norms: dict[str, float]
 
 
 def to_device(value, device: torch.device, float_dtype: torch.dtype):
@@ -91,7 +92,7 @@ class Trainer:
             self.scheduler.step(increment=self.global_batch_size)
         loss_sum, tokens = self._global_totals
         return StepResult(lm_loss=loss_sum / max(tokens, 1), num_tokens=int(tokens), grad_norm=grad_norm,
-                          skipped=not ok, lr=lr)
+                          skipped=not ok, lr=lr, module_grad_norms=dict(self.optimizer.module_grad_norms))
 
 
 def _schedule(topology: Topology, config):

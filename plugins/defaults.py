@@ -12,3 +12,8 @@ def loss(output_tensor, loss_mask):
     """Sum of the language model's per-token losses over the tokens that count, and their number."""
     mask = loss_mask.float()
     return (output_tensor.float() * mask).sum(), mask.sum().to(torch.int)
+
+
+@hookimpl(trylast=True)
+def frozen_parameters():
+    return []

@@ -53,3 +53,12 @@ def loss(settings, output_tensor, loss_mask):
 
     mimo's default sums the per-token loss over `loss_mask`; the loop divides by the global token count.
     """
+
+
+@hookspec(firstresult=True)
+def frozen_parameters(settings):
+    """Return name prefixes of parameters that do not train (a training stage), as named in megatron-core's
+    MimoModel: `language_model.`, `modality_submodules.<modality>.encoders.`, `...input_projections.`.
+
+    A module with nothing left to train gets no optimizer. mimo's default freezes nothing.
+    """

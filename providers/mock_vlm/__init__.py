@@ -34,6 +34,8 @@ class MockVLMSettings:
     image_probability: float = _setting(1.0, "fraction of samples that carry an image (others are text only)")
     num_classes: int = _setting(8, "synthetic data: image classes, each with its own caption")
     dropout: float = _setting(0.0, "hidden and attention dropout of both models")
+    freeze_vision: bool = _setting(False, "do not train the ViT (the projection still trains)")
+    freeze_language: bool = _setting(False, "do not train the language model")
 
     def __post_init__(self):
         if self.image_size % self.patch_size:
@@ -89,3 +91,9 @@ def data_provider(settings: MockVLMSettings, ctx):
     from .data import synthetic_batches
 
     return synthetic_batches(settings, ctx)
+
+
+@hookimpl
+def frozen_parameters(settings: MockVLMSettings):
+    frozen = [f"modality_submodules.{IMAGES}.encoders."] if settings.freeze_vision else []
+    return frozen + (["language_model."] if settings.freeze_language else [])

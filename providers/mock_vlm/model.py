@@ -30,7 +30,8 @@ def vision_spec(settings, ctx) -> Encoder:
         hidden_dropout=settings.dropout, attention_dropout=settings.dropout,
     )
     projection_config = ctx.transformer_config(
-        IMAGES, num_layers=1, hidden_size=settings.hidden_size, num_attention_heads=1,
+        # The projection has no attention; its head count only has to suit the encoder's TP, like the ViT's.
+        IMAGES, num_layers=1, hidden_size=settings.hidden_size, num_attention_heads=settings.vision_heads,
         ffn_hidden_size=settings.hidden_size, gated_linear_unit=False,
     )
     vit = ModuleSpec(

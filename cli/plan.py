@@ -1,0 +1,55 @@
+"""`mimo plan`: the layout a `mimo run` with the same options would use, checked, without starting workers."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+
+def describe(plan) -> dict:
+    from mimo.core.topology import LANGUAGE
+
+    modules = []
+    for name, par in plan.parallelism.items():
+        shape = plan.shapes[name]
+        shards = par.tp * par.pp * (par.ep if shape.num_experts else 1)
+        modules.append({
+            "module": name, "ranks": [par.first_rank, par.first_rank + par.num_ranks - 1],
+            "tp": par.tp, "cp": par.cp, "dp": par.dp, "pp": par.pp, "ep": par.ep, "expert_tp": par.expt_tp,
+            "layers": shape.num_layers, "parameters": shape.num_parameters,
+            "active_parameters": shape.num_active_parameters,
+            # Sharded weights divide by the model-parallel size; norms and biases repeat, so this is approximate.
+            "parameters_per_rank": shape.num_parameters // shards if shape.num_parameters else None,
+        })
+    encoder_dp = [p.dp for n, p in plan.parallelism.items() if n != LANGUAGE]
+    return {
+        "provider": plan.config.provider, "world_size": plan.world_size,
+        "layout": "colocated" if plan.config.layout.encoder_ranks == 0 else "heterogeneous",
+        "modules": modules, "global_batch_size": plan.global_batch_size,
+        "micro_batch_size": plan.config.training.micro_batch_size, "num_microbatches": plan.num_microbatches,
+        "llm_data_parallel_lanes": plan.num_lanes, "encoder_data_parallel": encoder_dp[0] if encoder_dp else None,
+        "train_iters": plan.train_iters, "valid": True,
+    }
+
+
+def print_plan(summary: dict, as_json: bool) -> None:
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+        return
+    table = Table("module", "ranks", "TP", "DP", "PP", "EP", "layers", "parameters", "per rank (≈)",
+                  title=f"{summary['provider']}: {summary['layout']} layout on {summary['world_size']} ranks")
+    for m in summary["modules"]:
+        total = f"{m['parameters']:,}" if m["parameters"] else "?"
+        if m["active_parameters"]:
+            total += f" ({m['active_parameters']:,} active)"
+        table.add_row(m["module"], f"{m['ranks'][0]}-{m['ranks'][1]}", str(m["tp"]), str(m["dp"]), str(m["pp"]),
+                      str(m["ep"]), str(m["layers"]), total,
+                      f"{m['parameters_per_rank']:,}" if m["parameters_per_rank"] else "?")
+    console = Console()
+    console.print(table)
+    console.print(f"global batch {summary['global_batch_size']} = {summary['num_microbatches']} micro-batches x "
+                  f"{summary['micro_batch_size']} samples x {summary['llm_data_parallel_lanes']} LLM lanes; "
+                  f"{summary['train_iters']} iterations. Layout valid.")
