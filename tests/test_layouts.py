@@ -20,6 +20,7 @@ LAYOUTS = {
     "encoder1-llm1": ("--nproc-per-node", "2", "--encoder-ranks", "1"),
     "encoder1-llm3dp": ("--nproc-per-node", "4", "--encoder-ranks", "1"),
     "encoder2tp-llm2dp": ("--nproc-per-node", "4", "--encoder-ranks", "2", "--encoder-tp", "2"),
+    "encoder2dp-llm2dp": ("--nproc-per-node", "4", "--encoder-ranks", "2"),  # encoder DP ranks without images
 }
 
 
