@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import typer
 
 from mimo.core.config import (
-    COMPONENTS, LaunchOptions, LayoutOptions, LoggingOptions, OptimizerOptions, RunConfig, SchedulerOptions, TrainingOptions,
+    COMPONENTS, CheckpointOptions, LaunchOptions, LayoutOptions, LoggingOptions, OptimizerOptions, RunConfig, SchedulerOptions, TrainingOptions,
 )
 
 
@@ -58,5 +58,5 @@ def run_config(kwargs: dict) -> RunConfig:
         provider=kwargs["provider"], provider_settings=list(kwargs.get("set") or []),
         provider_config=kwargs.get("provider_config"), launch=part[LaunchOptions], training=part[TrainingOptions],
         optimizer=part[OptimizerOptions], scheduler=part[SchedulerOptions], logging=part[LoggingOptions],
-        layout=part[LayoutOptions],
+        checkpoint=part[CheckpointOptions], layout=part[LayoutOptions],
     )

@@ -65,3 +65,13 @@ def show_provider(name: str, as_json: bool = typer.Option(False, "--json", help=
     for f in fields:
         table.add_row(f["name"], f["type"], repr(f["default"]), f["help"])
     Console().print(table)
+
+
+def _register_new() -> None:
+    """`mimo providers new`: the scaffold lives in scaffold.py with its templates."""
+    from .scaffold import new_provider
+
+    providers_app.command("new")(new_provider)
+
+
+_register_new()

@@ -37,6 +37,7 @@ class OptimizerOptions:
     adam_beta2: float = option(0.999, "Adam beta2")
     adam_eps: float = option(1e-8, "Adam epsilon")
     clip_grad: float = option(1.0, "clip the global gradient norm (across all modules) to this; 0 disables")
+    use_distributed_optimizer: bool = option(False, "shard optimizer state over data-parallel ranks (ZeRO-1)")
 
 
 @dataclass
@@ -68,6 +69,26 @@ class LaunchOptions:
 
 
 @dataclass
+class CheckpointOptions:
+    save: Path | None = option(None, "save checkpoints here (Megatron layout: iter_NNNNNNN/ and a tracker file)")
+    save_interval: int | None = option(None, "iterations between saves (default: only at the end)")
+    load: Path | None = option(None, "resume from the latest checkpoint here, if there is one")
+    pretrained: Path | None = option(None, "start from these weights (strict) when --load has no checkpoint")
+    finetune: bool = option(False, "load weights only; iteration, optimizer, schedule and data start anew")
+    no_save_optim: bool = option(False, "save weights without optimizer state")
+    no_load_optim: bool = option(False, "do not load optimizer state (start a fresh optimizer)")
+    no_load_scheduler: bool = option(False, "do not load the learning-rate schedule's state")
+    no_save_rng: bool = option(False, "do not save RNG states")
+    no_load_rng: bool = option(False, "do not load RNG states")
+    dist_ckpt_optim_fully_reshardable: bool = option(
+        False, "save distributed-optimizer state so it loads at any data-parallel size")
+    ckpt_assume_constant_structure: bool = option(
+        False, "reuse the first save's plan for later saves (faster; the state's structure must not change)")
+    async_save: bool = option(False, "write checkpoints in the background while training goes on")
+    keep_last: int | None = option(None, "keep only the newest N checkpoints (never the one the tracker names)")
+
+
+@dataclass
 class LayoutOptions:
     """Which ranks run which module and how each module's ranks split; checked before any process group."""
 
@@ -82,7 +103,7 @@ class LayoutOptions:
 DEFAULT_TRAIN_ITERS = 100
 
 COMPONENTS = {"Launch": LaunchOptions, "Training": TrainingOptions, "Optimizer": OptimizerOptions, "Learning-rate schedule": SchedulerOptions,
-              "Logging": LoggingOptions, "Parallel layout": LayoutOptions}
+              "Logging": LoggingOptions, "Checkpoints": CheckpointOptions, "Parallel layout": LayoutOptions}
 
 
 @dataclass
@@ -95,6 +116,7 @@ class RunConfig:
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     logging: LoggingOptions = field(default_factory=LoggingOptions)
+    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     layout: LayoutOptions = field(default_factory=LayoutOptions)
 
     def validate(self) -> None:
@@ -112,6 +134,14 @@ class RunConfig:
             raise UsageError("give at most one of --global-batch-size and --num-microbatches")
         if self.launch.nnodes > 1 and not self.launch.rdzv_endpoint:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint host:port, the same on every node")
+        c = self.checkpoint
+        for name, value in (("--save-interval", c.save_interval), ("--keep-last", c.keep_last)):
+            if value is not None and value < 1:
+                raise UsageError(f"{name} must be at least 1, got {value}")
+        if c.save_interval and not c.save:
+            raise UsageError("--save-interval needs --save DIR")
+        if c.finetune and not c.load:
+            raise UsageError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
         if s.lr_warmup_iters and s.lr_warmup_samples:
             raise UsageError("give at most one of --lr-warmup-iters and --lr-warmup-samples")
         if s.lr_decay_iters is not None and s.lr_decay_samples is not None:

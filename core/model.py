@@ -58,6 +58,7 @@ def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: Bu
     model = model_class(config).to(device)
     model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
     freeze(model, hooks.frozen_parameters(settings=settings), provider_name, device)
+    _attach_tp_groups(model, topology)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                use_distributed_optimizer=False)
     for name, module in held_modules(model):
@@ -70,6 +71,18 @@ def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: Bu
         else:
             model.modality_submodules[name] = wrapped
     return model
+
+
+def _attach_tp_groups(model, topology: Topology) -> None:
+    """Give every megatron module its module's TP group. Some (CLIPViTModel) keep none, and their
+    `sharded_state_dict` would then ask the global parallel_state, which mimo never sets up."""
+    from megatron.core.transformer.module import MegatronModule
+
+    for name, module in held_modules(model):
+        tp = topology.pg_collections[name].tp
+        for sub in module.modules():
+            if isinstance(sub, MegatronModule) and getattr(sub, "tp_group", None) is None:
+                sub.tp_group = tp
 
 
 def freeze(model, prefixes: list[str], provider_name: str, device: torch.device) -> None:

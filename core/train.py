@@ -13,6 +13,7 @@ from mimo.plugins import BuildContext, DataContext, ModuleParallelism, Provider,
 from mimo.plugins.settings import build_settings
 
 from . import launch, topology
+from .checkpoint import Checkpointer, run_info
 from .config import DEFAULT_TRAIN_ITERS, RunConfig
 from .metrics import MetricsLogger
 from .model import build_model, count_parameters
@@ -67,7 +68,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
 
 def train(plan: Plan) -> list[dict]:
     """Run the plan in this process (one rank of the world). Returns the logged records on the logging rank."""
-    config, t = plan.config, plan.config.training
+    config, t, c = plan.config, plan.config.training, plan.config.checkpoint
     params_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
     device = launch.init_process(t.device, config.launch.distributed_timeout_minutes)
     if dist.get_world_size() != plan.world_size:
@@ -83,11 +84,26 @@ def train(plan: Plan) -> list[dict]:
                                 plan.train_iters * plan.global_batch_size)
 
     first, count = topology.data_positions(plan.parallelism, dist.get_rank(), t.micro_batch_size)
-    data = iter(plan.hooks.data_provider(settings=plan.settings, ctx=DataContext(
-        micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches, num_lanes=plan.num_lanes,
-        seed=t.seed, first_position=first, num_positions=count)))
-    first_batch = next(data)
-    data = _chain(first_batch, data)
+
+    def open_data(start_sample: int):
+        return iter(plan.hooks.data_provider(settings=plan.settings, ctx=DataContext(
+            micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches,
+            num_lanes=plan.num_lanes, seed=t.seed, first_position=first, num_positions=count,
+            start_sample=start_sample)))
+
+    checkpointer, start_iteration, consumed = None, 0, 0
+    source = open_data(0)
+    if c.save or c.load or c.pretrained:
+        lane_state = hasattr(source, "state_dict")  # a data iterator with its own state is tied to its lane
+        checkpointer = Checkpointer(c, model, optimizer, scheduler, topo, run_info(plan, plan.settings, lane_state),
+                                    lambda: {"loader": source.state_dict() if lane_state else None})
+        start_iteration, consumed, data_state = checkpointer.load()
+        if consumed:
+            source = open_data(consumed)  # index-addressed data continues from the samples already seen
+        if data_state and data_state.get("loader") is not None:
+            source.load_state_dict(data_state["loader"])
+    first_batch = next(source)
+    data = _chain(first_batch, source)
     seq_length = first_batch["input_ids"].shape[1]
     trainer = Trainer(model, optimizer, scheduler, plan.hooks, plan.settings, topo, device, params_dtype,
                       plan.num_microbatches, plan.global_batch_size, t.micro_batch_size, seq_length)
@@ -97,10 +113,22 @@ def train(plan: Plan) -> list[dict]:
                            plan.global_batch_size * seq_length)
     if logging_rank:
         print(describe_run(plan, count_parameters(model), device, t.precision), flush=True)
+        if start_iteration:
+            print(f"resumed from {c.load} at iteration {start_iteration} ({consumed} samples consumed)", flush=True)
     model.train()
-    for iteration in range(1, plan.train_iters + 1):
-        logger.update(iteration, trainer.step(data), iteration * plan.global_batch_size)
+    for iteration in range(start_iteration + 1, plan.train_iters + 1):
+        result = trainer.step(data)
+        consumed += plan.global_batch_size
+        logger.update(iteration, result, consumed)
+        if checkpointer and c.save:
+            checkpointer.wait(blocking=False)
+            if iteration == plan.train_iters or (c.save_interval and iteration % c.save_interval == 0):
+                checkpointer.save(iteration, consumed)
+    if checkpointer:
+        checkpointer.wait(blocking=True)
     dist.barrier()
+    # Tear the groups down while every rank is still here: gloo's threads abort a process that exits with them.
+    dist.destroy_process_group()
     return logger.records if logging_rank else []
 
 

@@ -1,0 +1,343 @@
+"""Distributed checkpoints through megatron-core's dist_checkpointing (torch_dist), in Megatron's layout:
+
+    <dir>/latest_checkpointed_iteration.txt      the tracker: the newest complete checkpoint
+    <dir>/iter_0000010/                          metadata.json, .metadata, *.distcp shards, common.pt
+
+Every rank writes its shards; only then, after a barrier, rank 0 replaces the tracker atomically. A kill at any
+moment therefore leaves the tracker naming a complete checkpoint. Model, optimizer, per-module RNG and per-lane
+data state are sharded objects, so a checkpoint loads into another layout (another DP size; colocated <->
+heterogeneous) wherever the state allows it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mimo.errors import UsageError
+
+from .config import CheckpointOptions
+from .topology import LANGUAGE, Topology
+
+TRACKER = "latest_checkpointed_iteration.txt"
+COMMON = "common.pt"
+VERSION = 1
+
+
+def iteration_dir(root: Path, iteration: int) -> Path:
+    return Path(root) / f"iter_{iteration:07d}"
+
+
+def read_tracker(root: Path) -> int | None:
+    """The iteration the tracker names; None when `root` holds no checkpoint yet."""
+    tracker = Path(root) / TRACKER
+    if not tracker.exists():
+        return None
+    text = tracker.read_text().strip()
+    if not text.isdigit():
+        raise UsageError(f"checkpoint tracker {tracker} is corrupted (holds {text[:40]!r}, not an iteration)")
+    return int(text)
+
+
+def read_common(directory: Path) -> dict:
+    """The run-level state of one checkpoint (rank 0 wrote it); a clear error when missing or unreadable."""
+    path = Path(directory) / COMMON
+    if not path.is_file():
+        raise UsageError(f"checkpoint {directory} is incomplete: {path} is missing")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same problem for the user
+        raise UsageError(f"checkpoint file {path} cannot be read ({type(err).__name__}: {err})") from None
+
+
+class Checkpointer:
+    """Saves and loads one run's state. Every method is collective over the world."""
+
+    def __init__(self, options: CheckpointOptions, model, optimizer, scheduler, topology: Topology,
+                 run_info: dict, data_state_fn):
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        self.options, self.model, self.optimizer, self.scheduler = options, model, optimizer, scheduler
+        self.topology, self.run_info, self.data_state_fn = topology, run_info, data_state_fn
+        # One strategy for the whole run: with cached_metadata it reuses the first save's plan.
+        self.strategy = TorchDistSaveShardedStrategy(cached_metadata=options.ckpt_assume_constant_structure)
+        self.async_queue = None
+        if options.async_save:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.async_queue = AsyncCallsQueue()
+
+    # ---- saving ----
+
+    def save(self, iteration: int, consumed_samples: int) -> None:
+        from megatron.core import dist_checkpointing
+
+        if self.async_queue is not None:
+            self.async_queue.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
+        directory = iteration_dir(self.options.save, iteration)
+        if dist.get_rank() == 0:
+            if directory.exists():  # a save killed before its tracker update; never the tracked one
+                shutil.rmtree(directory)
+            directory.mkdir(parents=True)
+        dist.barrier()
+        state = self._sharded_state(loading=False, optimizer=not self.options.no_save_optim,
+                                    rng=not self.options.no_save_rng)
+        state.update(self._common(iteration, consumed_samples))
+        request = dist_checkpointing.save(state, str(directory), sharded_strategy=self.strategy,
+                                          async_sharded_save=self.async_queue is not None, async_strategy="mcore")
+        if request is None:
+            self._commit(iteration, state)
+        else:
+            request.finalize_fns.append(lambda: self._commit(iteration, state))
+            self.async_queue.schedule_async_request(request)
+
+    def wait(self, blocking: bool = True) -> None:
+        """Finish background saves (blocking), or only those already written (not blocking)."""
+        if self.async_queue is not None:
+            self.async_queue.maybe_finalize_async_calls(blocking=blocking)
+
+    def _commit(self, iteration: int, state: dict) -> None:
+        """After every rank has written: common.pt, then the tracker (atomically), then pruning."""
+        from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
+
+        dist.barrier()
+        if dist.get_rank() == 0:
+            root = Path(self.options.save)
+            # What megatron-core's own (legacy) readers load from common.pt: every non-sharded entry.
+            common = extract_sharded_base(extract_nonpersistent(state)[1])[1]
+            _atomic_write(iteration_dir(root, iteration) / COMMON, lambda f: torch.save(common, f))
+            _atomic_write(root / TRACKER, lambda f: f.write(f"{iteration}\n".encode()))
+            if self.options.keep_last:
+                _prune(root, self.options.keep_last, keep=iteration)
+        dist.barrier()
+
+    def _common(self, iteration: int, consumed_samples: int) -> dict:
+        scheduler_state = self.scheduler.state_dict()
+        # megatron-core's scheduler leaves its WSD fields out of state_dict()
+        scheduler_state.update(wsd_decay_steps=self.scheduler.wsd_decay_steps,
+                               lr_wsd_decay_style=self.scheduler.lr_wsd_decay_style)
+        return {
+            "checkpoint_version": VERSION,
+            "iteration": iteration,
+            "consumed_samples": consumed_samples,
+            "opt_param_scheduler": scheduler_state,
+            "run": self.run_info,
+            "contents": {"optimizer": not self.options.no_save_optim, "rng": not self.options.no_save_rng},
+        }
+
+    def _sharded_state(self, loading: bool, optimizer: bool, rng: bool) -> dict:
+        from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+        model_state = self.model.sharded_state_dict()
+        state = {"model": model_state}
+        held = self.topology.pg_collections
+        if optimizer:
+            sharding = "fully_reshardable" if self.options.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+            optimizer_state = self.optimizer.sharded_state_dict(
+                model_state, is_loading=loading, metadata={"distrib_optim_sharding_type": sharding})
+            state["optimizer"] = {name: _own_common(sub, f"optimizer.{name}", held.get(name))
+                                  for name, sub in optimizer_state.items()}
+        if rng:
+            payload = _rng_state()
+            state["rng_state"] = {
+                name: ShardedObject(f"rng_state.{name}", payload, (pgc.pp.size(), pgc.tp.size()),
+                                    (pgc.pp.rank(), pgc.tp.rank()), replica_id=pgc.dp.rank())
+                for name, pgc in held.items()
+            }
+        if LANGUAGE in held:  # one data state per LLM lane, with the number of lanes it was saved under
+            pgc = held[LANGUAGE]
+            state["data_state"] = ShardedObject(
+                "data_state", self.data_state_fn(), (pgc.dp.size(),), (pgc.dp.rank(),),
+                replica_id=(pgc.tp.rank(), pgc.pp.rank(), pgc.cp.rank()))
+        return state
+
+    # ---- loading ----
+
+    def load(self) -> tuple[int, int, dict | None]:
+        """Restore what the options say; return (iteration, consumed samples, this lane's saved data state)."""
+        opts = self.options
+        iteration = read_tracker(opts.load) if opts.load else None
+        if iteration is None:
+            if opts.load and opts.finetune:
+                raise UsageError(f"--finetune: no checkpoint in {opts.load} ({TRACKER} is missing)")
+            if opts.pretrained:
+                self._load_weights_only(opts.pretrained, what="--pretrained")
+            return 0, 0, None
+        directory = iteration_dir(opts.load, iteration)
+        if not directory.is_dir():
+            raise UsageError(f"{Path(opts.load) / TRACKER} names iteration {iteration}, but {directory} is missing")
+        common = read_common(directory)
+        self._check_compatible(common, directory)
+        if opts.finetune:
+            self._load_weights_only(opts.load, what="--finetune", common=common)
+            return 0, 0, None
+
+        load_optim = common["contents"]["optimizer"] and not opts.no_load_optim
+        if not common["contents"]["optimizer"] and not opts.no_load_optim and dist.get_rank() == 0:
+            print(f"warning: {directory} holds no optimizer state (saved with --no-save-optim): loading the "
+                  f"weights and starting a fresh optimizer", flush=True)
+        load_rng = common["contents"]["rng"] and not opts.no_load_rng
+        saved_lanes = common["run"]["layout"][LANGUAGE]["dp"]
+        lanes = self.topology.parallelism[LANGUAGE].dp
+        state = self._sharded_state(loading=True, optimizer=load_optim, rng=load_rng)
+        if saved_lanes != lanes:
+            state.pop("data_state", None)  # saved per lane: it cannot be split or merged
+        loaded = self._dist_load(state, directory)
+        self.model.load_state_dict(loaded["model"])
+        if load_optim:
+            self.optimizer.load_state_dict({n: _merge_common(sub) for n, sub in loaded["optimizer"].items()})
+        if not opts.no_load_scheduler:
+            self._load_scheduler(common["opt_param_scheduler"])
+        if load_rng:
+            _set_rng_state(next(iter(loaded["rng_state"].values())))
+        if saved_lanes != lanes and common["run"]["lane_data_state"]:
+            raise UsageError(f"the checkpoint's data state was saved for {saved_lanes} LLM data-parallel lanes, "
+                             f"this run has {lanes}: resume with the same layout, or pass --finetune")
+        return iteration, common["consumed_samples"], loaded.get("data_state")
+
+    def _load_weights_only(self, root: Path, what: str, common: dict | None = None) -> None:
+        iteration = read_tracker(root)
+        if iteration is None:
+            raise UsageError(f"{what} {root}: no checkpoint there ({TRACKER} is missing)")
+        directory = iteration_dir(root, iteration)
+        self._check_compatible(common or read_common(directory), directory)
+        model_state = self.model.sharded_state_dict()
+        self.model.load_state_dict(self._dist_load({"model": model_state}, directory)["model"])
+
+    def _dist_load(self, state: dict, directory: Path) -> dict:
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.core import CheckpointingException
+        from megatron.core.dist_checkpointing.validation import StrictHandling
+        from torch.distributed.checkpoint.api import CheckpointException
+
+        try:
+            loaded, missing, _ = dist_checkpointing.load(state, str(directory), strict=StrictHandling.RETURN_ALL)
+        except (CheckpointingException, CheckpointException, OSError, EOFError, RuntimeError, ValueError,
+                pickle.UnpicklingError) as err:  # a truncated or corrupted file surfaces as any of these
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UsageError(f"checkpoint {directory} cannot be loaded: {first[:400]}") from None
+        # A key the model needs that the checkpoint lacks is an error; extra keys in the checkpoint are fine.
+        if missing:
+            raise UsageError(f"checkpoint {directory} lacks {len(missing)} key(s) this run needs, e.g. "
+                             f"'{sorted(missing)[0]}'")
+        return loaded
+
+    def _check_compatible(self, common: dict, directory: Path) -> None:
+        if common.get("checkpoint_version") != VERSION:
+            raise UsageError(f"{directory} has checkpoint version {common.get('checkpoint_version')}, "
+                             f"this mimo reads version {VERSION}")
+        saved = common["run"]["provider"]
+        if saved != self.run_info["provider"]:
+            raise UsageError(f"{directory} was saved by provider '{saved}', this run uses "
+                             f"'{self.run_info['provider']}'")
+
+    def _load_scheduler(self, saved: dict) -> None:
+        try:
+            self.scheduler.load_state_dict(saved)
+        except AssertionError as err:
+            raise UsageError(f"the learning-rate schedule differs from the checkpoint's ({err}); pass "
+                             f"--no-load-scheduler to start this run's schedule from the checkpoint's weights") from None
+
+
+_OWN_COMMON = "module_common"
+
+
+def _own_common(sub: dict, key: str, pgc) -> dict:
+    """Move a module's non-sharded optimizer state (param groups, step) into a sharded object of its own.
+
+    megatron-core saves non-sharded state from rank 0 only, which in a heterogeneous layout holds no LLM; its
+    MimoOptimizer extracts param groups only from the mixed-precision format, not from the fp32 one."""
+    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
+    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedObject
+
+    if not sub or pgc is None:
+        return sub
+    # Local objects (param ids) are filled in from the running optimizer at load: leave them to megatron-core.
+    sharded, common = extract_matching_values(sub, lambda v: isinstance(v, (ShardedBase, LocalNonpersistentObject)))
+    sharded[_OWN_COMMON] = ShardedObject(f"{key}.{_OWN_COMMON}", common, (1,), (0,),
+                                         replica_id=(pgc.tp.rank(), pgc.pp.rank(), pgc.dp.rank()))
+    return sharded
+
+
+def _merge_common(sub: dict) -> dict:
+    from megatron.core.dist_checkpointing.dict_utils import merge
+
+    if not sub or _OWN_COMMON not in sub:
+        return sub
+    common = sub.pop(_OWN_COMMON)
+    return merge(sub, common)
+
+
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {
+        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _atomic_write(path: Path, write) -> None:
+    """Write to a temporary file, flush it to disk, then rename over `path` (atomic on POSIX)."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _prune(root: Path, keep_last: int, keep: int) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints; never `keep` (the tracker's)."""
+    complete = sorted(int(p.name[5:]) for p in root.glob("iter_*") if (p / COMMON).is_file())
+    for iteration in complete[:-keep_last]:
+        if iteration != keep:
+            shutil.rmtree(iteration_dir(root, iteration), ignore_errors=True)
+
+
+def run_info(plan, settings, lane_data_state: bool) -> dict:
+    """What a checkpoint records about the run that saved it (shown by `mimo ckpt inspect`)."""
+    def plain(value):
+        if dataclasses.is_dataclass(value):
+            return {k: plain(v) for k, v in dataclasses.asdict(value).items()}
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
+        return str(value) if isinstance(value, Path) else value
+
+    return {
+        "provider": plan.config.provider,
+        "options": plain(plan.config),
+        "settings": plain(settings),
+        "layout": {name: {**plain(p), "dp": p.dp} for name, p in plan.parallelism.items()},
+        "world_size": plan.world_size,
+        "parameters": {name: s.num_parameters for name, s in plan.shapes.items()},
+        # Whether each lane's data iterator has a state of its own (then it cannot move to another layout).
+        "lane_data_state": lane_data_state,
+    }
