@@ -14,11 +14,13 @@ import typer
 from mimo.errors import UsageError
 
 from .options import loop_parameters, provider_parameters, run_config, with_options
+from .ckpt import ckpt_app
 from .providers import providers_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Train multimodal models on megatron-core; model families come as provider plugins.")
 app.add_typer(providers_app, name="providers")
+app.add_typer(ckpt_app, name="ckpt")
 
 
 def fail(message: str) -> typer.Exit:
@@ -31,10 +33,14 @@ def _quiet_import_notices() -> None:
     """megatron-core announces missing optional kernels and experimental APIs on every import and build; on a
     run they would bury the log. Real warnings still show."""
     for message in (".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*", ".*is experimental.*",
-                    ".*full scope is deprecated.*", ".*an autograd kernel was not registered.*"):
-        warnings.filterwarnings("ignore", message=message, category=UserWarning)
+                    ".*full scope is deprecated.*", ".*an autograd kernel was not registered.*",
+                    ".*deprecating ShardedTensor.*", ".*argument order of load has been changed.*",
+                    ".*torch.distributed is disabled, unavailable or uninitialized.*"):
+        warnings.filterwarnings("ignore", message=message)
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+    # mimo writes common.pt for Megatron's tools; megatron-core then notes it reads the "legacy" file.
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.common").setLevel(logging.ERROR)
 
 
 def _run(**kwargs):

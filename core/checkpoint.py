@@ -16,6 +16,7 @@ import os
 import pickle
 import random
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,12 @@ from .topology import LANGUAGE, Topology
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
 VERSION = 1
+
+
+def _fault_point(stage: str, iteration: int) -> None:
+    """Crash-safety tests kill a saving process at named stages: MIMO_FAULT_KILL_AT=<stage>@<iteration>."""
+    if os.environ.get("MIMO_FAULT_KILL_AT") == f"{stage}@{iteration}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def iteration_dir(root: Path, iteration: int) -> Path:
@@ -88,11 +95,12 @@ class Checkpointer:
                 shutil.rmtree(directory)
             directory.mkdir(parents=True)
         dist.barrier()
+        _fault_point("before-shards", iteration)
         state = self._sharded_state(loading=False, optimizer=not self.options.no_save_optim,
                                     rng=not self.options.no_save_rng)
         state.update(self._common(iteration, consumed_samples))
-        request = dist_checkpointing.save(state, str(directory), sharded_strategy=self.strategy,
-                                          async_sharded_save=self.async_queue is not None, async_strategy="mcore")
+        background = {"async_sharded_save": True, "async_strategy": "mcore"} if self.async_queue else {}
+        request = dist_checkpointing.save(state, str(directory), sharded_strategy=self.strategy, **background)
         if request is None:
             self._commit(iteration, state)
         else:
@@ -108,12 +116,14 @@ class Checkpointer:
         """After every rank has written: common.pt, then the tracker (atomically), then pruning."""
         from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
 
+        _fault_point("after-shards", iteration)
         dist.barrier()
         if dist.get_rank() == 0:
             root = Path(self.options.save)
             # What megatron-core's own (legacy) readers load from common.pt: every non-sharded entry.
             common = extract_sharded_base(extract_nonpersistent(state)[1])[1]
             _atomic_write(iteration_dir(root, iteration) / COMMON, lambda f: torch.save(common, f))
+            _fault_point("before-tracker", iteration)
             _atomic_write(root / TRACKER, lambda f: f.write(f"{iteration}\n".encode()))
             if self.options.keep_last:
                 _prune(root, self.options.keep_last, keep=iteration)
@@ -130,17 +140,24 @@ class Checkpointer:
             "consumed_samples": consumed_samples,
             "opt_param_scheduler": scheduler_state,
             "run": self.run_info,
-            "contents": {"optimizer": not self.options.no_save_optim, "rng": not self.options.no_save_rng},
+            "contents": {"optimizer": not self.options.no_save_optim, "rng": not self.options.no_save_rng,
+                         "optimizer_sharding": self._optimizer_sharding(),
+                         "distributed_optimizer": self.optimizer.config.use_distributed_optimizer},
         }
 
-    def _sharded_state(self, loading: bool, optimizer: bool, rng: bool) -> dict:
+    def _optimizer_sharding(self) -> str:
+        return "fully_reshardable" if self.options.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+
+    def _sharded_state(self, loading: bool, optimizer: bool, rng: bool, sharding: str | None = None) -> dict:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
         model_state = self.model.sharded_state_dict()
         state = {"model": model_state}
         held = self.topology.pg_collections
+        if optimizer and loading:
+            _allocate_optimizer_state(self.optimizer)
         if optimizer:
-            sharding = "fully_reshardable" if self.options.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
+            sharding = sharding or self._optimizer_sharding()
             optimizer_state = self.optimizer.sharded_state_dict(
                 model_state, is_loading=loading, metadata={"distrib_optim_sharding_type": sharding})
             state["optimizer"] = {name: _own_common(sub, f"optimizer.{name}", held.get(name))
@@ -184,16 +201,22 @@ class Checkpointer:
         if not common["contents"]["optimizer"] and not opts.no_load_optim and dist.get_rank() == 0:
             print(f"warning: {directory} holds no optimizer state (saved with --no-save-optim): loading the "
                   f"weights and starting a fresh optimizer", flush=True)
+        if load_optim:
+            self._check_optimizer_resharding(common)
         load_rng = common["contents"]["rng"] and not opts.no_load_rng
         saved_lanes = common["run"]["layout"][LANGUAGE]["dp"]
         lanes = self.topology.parallelism[LANGUAGE].dp
-        state = self._sharded_state(loading=True, optimizer=load_optim, rng=load_rng)
+        # Distributed-optimizer state loads in the format it was saved in.
+        state = self._sharded_state(loading=True, optimizer=load_optim, rng=load_rng,
+                                    sharding=common["contents"]["optimizer_sharding"])
         if saved_lanes != lanes:
             state.pop("data_state", None)  # saved per lane: it cannot be split or merged
         loaded = self._dist_load(state, directory)
         self.model.load_state_dict(loaded["model"])
         if load_optim:
-            self.optimizer.load_state_dict({n: _merge_common(sub) for n, sub in loaded["optimizer"].items()})
+            with torch.no_grad():  # megatron-core's dp_reshardable loader copies into parameters without it
+                self.optimizer.load_state_dict({n: _merge_common(sub) for n, sub in loaded["optimizer"].items()})
+            _unshare_adam_steps(self.optimizer)
         if not opts.no_load_scheduler:
             self._load_scheduler(common["opt_param_scheduler"])
         if load_rng:
@@ -202,6 +225,22 @@ class Checkpointer:
             raise UsageError(f"the checkpoint's data state was saved for {saved_lanes} LLM data-parallel lanes, "
                              f"this run has {lanes}: resume with the same layout, or pass --finetune")
         return iteration, common["consumed_samples"], loaded.get("data_state")
+
+    def _check_optimizer_resharding(self, common: dict) -> None:
+        """Distributed-optimizer state saved per DP shard (dp_reshardable) loads only at the same DP size."""
+        contents = common["contents"]
+        if contents["distributed_optimizer"] != self.optimizer.config.use_distributed_optimizer:
+            raise UsageError("the checkpoint's optimizer state was saved "
+                             f"{'with' if contents['distributed_optimizer'] else 'without'} "
+                             "--use-distributed-optimizer: resume the same way, or pass --no-load-optim")
+        if not contents["distributed_optimizer"] or contents["optimizer_sharding"] != "dp_reshardable":
+            return
+        for name, par in self.topology.parallelism.items():
+            saved = common["run"]["layout"][name]["dp"]
+            if saved != par.dp:
+                raise UsageError(f"the checkpoint's distributed-optimizer state is sharded for {name} DP {saved}, "
+                                 f"this run has DP {par.dp}: resume at DP {saved}, or pass --no-load-optim (save "
+                                 f"with --dist-ckpt-optim-fully-reshardable to reshard later)")
 
     def _load_weights_only(self, root: Path, what: str, common: dict | None = None) -> None:
         iteration = read_tracker(root)
@@ -218,16 +257,23 @@ class Checkpointer:
         from megatron.core.dist_checkpointing.validation import StrictHandling
         from torch.distributed.checkpoint.api import CheckpointException
 
+        _verify_files(directory)
         try:
-            loaded, missing, _ = dist_checkpointing.load(state, str(directory), strict=StrictHandling.RETURN_ALL)
+            # megatron-core calls keys this run asks for but the checkpoint lacks "unexpected".
+            loaded, _, absent = dist_checkpointing.load(state, str(directory), strict=StrictHandling.RETURN_ALL)
         except (CheckpointingException, CheckpointException, OSError, EOFError, RuntimeError, ValueError,
                 pickle.UnpicklingError) as err:  # a truncated or corrupted file surfaces as any of these
+            if isinstance(err, CheckpointException) and err.failures:  # torch wraps each rank's error
+                err = next(iter(err.failures.values()))[0]  # (exception, traceback summary)
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise UsageError(f"checkpoint {directory} cannot be loaded: {first[:400]}") from None
         # A key the model needs that the checkpoint lacks is an error; extra keys in the checkpoint are fine.
-        if missing:
-            raise UsageError(f"checkpoint {directory} lacks {len(missing)} key(s) this run needs, e.g. "
-                             f"'{sorted(missing)[0]}'")
+        # Every rank must agree before one of them stops: the others would wait in the next collective.
+        any_absent = torch.tensor([len(absent)], dtype=torch.int64, device=_device_of(state))
+        dist.all_reduce(any_absent, op=dist.ReduceOp.MAX)
+        if any_absent.item():
+            named = f", e.g. {', '.join(repr(k) for k in sorted(absent)[:3])}" if absent else " (on another rank)"
+            raise UsageError(f"checkpoint {directory} lacks state this run needs{named}")
         return loaded
 
     def _check_compatible(self, common: dict, directory: Path) -> None:
@@ -274,6 +320,67 @@ def _merge_common(sub: dict) -> dict:
         return sub
     common = sub.pop(_OWN_COMMON)
     return merge(sub, common)
+
+
+def _verify_files(directory: Path) -> None:
+    """Name a missing or truncated shard before loading: torch's reader would only say EOFError."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        storage = FileSystemReader(str(directory)).read_metadata().storage_data
+    except Exception as err:  # noqa: BLE001 - unreadable metadata, whatever the cause
+        raise UsageError(f"checkpoint file {directory / '.metadata'} cannot be read ({type(err).__name__})") from None
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        path = directory / name
+        if not path.is_file():
+            raise UsageError(f"checkpoint file {path} is missing")
+        if path.stat().st_size < size:
+            raise UsageError(f"checkpoint file {path} is truncated ({path.stat().st_size} of {size} bytes)")
+
+
+def _device_of(state: dict) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _allocate_optimizer_state(mimo_optimizer) -> None:
+    """A distributed optimizer describes its checkpoint from its state, which exists only after a step; give a
+    fresh one its state tensors (megatron-core's own helper; the loaded values replace them)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for info in mimo_optimizer.module_infos.values():
+        inner = getattr(info.optimizer, "chained_optimizers", [info.optimizer])
+        for opt in inner:
+            if isinstance(opt, DistributedOptimizer):
+                if not opt.optimizer.state:
+                    opt._init_optimizer_states_with_dummy_values()
+                _skip_adam_step_on_load(opt)
+
+
+def _unshare_adam_steps(mimo_optimizer) -> None:
+    """megatron-core's distributed optimizer (without Apex or TE) restores torch Adam's `step` as one tensor
+    shared by every parameter's state; Adam increments it in place once per parameter. Give each its own."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for info in mimo_optimizer.module_infos.values():
+        for opt in getattr(info.optimizer, "chained_optimizers", [info.optimizer]):
+            if isinstance(opt, DistributedOptimizer):
+                for state in opt.optimizer.state.values():
+                    if isinstance(state.get("step"), torch.Tensor):
+                        state["step"] = state["step"].clone()
+
+
+def _skip_adam_step_on_load(opt) -> None:
+    """megatron-core 0.19.2 copies every state tensor of a parameter when it loads distributed-optimizer
+    state, torch Adam's per-parameter `step` included, but hands over no `step` (it restores steps from the
+    common state): a KeyError without Apex or TE. Mark `step` as nothing to copy."""
+    if getattr(opt, "_mimo_skips_step", False):
+        return
+    original = opt._set_main_param_and_optimizer_states
+    opt._set_main_param_and_optimizer_states = lambda param, tensors: original(param, {"step": None, **tensors})
+    opt._mimo_skips_step = True
 
 
 def _rng_state() -> dict:

@@ -30,7 +30,7 @@ def _seeded_mimo_model_class():
 
 
 def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: BuildContext,
-                device: torch.device, seed: int):
+                device: torch.device, seed: int, distributed_optimizer: bool = False):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.enums import ModelType
     from megatron.core.models.mimo import MimoModelConfig
@@ -60,7 +60,7 @@ def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: Bu
     freeze(model, hooks.frozen_parameters(settings=settings), provider_name, device)
     _attach_tp_groups(model, topology)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
+                                               use_distributed_optimizer=distributed_optimizer)
     for name, module in held_modules(model):
         if ctx.params_dtype != torch.float32:
             module = module.to(ctx.params_dtype)  # conv and embedding layers are created in fp32

@@ -41,7 +41,7 @@ def build_optimizer(model, options: OptimizerOptions, params_dtype: torch.dtype)
         optimizer="adam", lr=options.lr, min_lr=options.min_lr, weight_decay=options.weight_decay,
         adam_beta1=options.adam_beta1, adam_beta2=options.adam_beta2, adam_eps=options.adam_eps,
         clip_grad=options.clip_grad, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
-        use_distributed_optimizer=False,
+        use_distributed_optimizer=options.use_distributed_optimizer,
     )
     # megatron-core builds one optimizer per module grid; the global grad norm and clipping span all of them.
     built = get_mimo_optimizer(model, config)

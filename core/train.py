@@ -78,7 +78,8 @@ def train(plan: Plan) -> list[dict]:
     launch.seed_everything(t.seed, seed_pgs.tp.rank(), seed_pgs.ep.rank(), seed_pgs.expt_tp.rank())
 
     ctx = BuildContext(params_dtype=params_dtype, parallelism=plan.parallelism, pg_collections=topo.pg_collections)
-    model = build_model(plan.hooks, plan.settings, config.provider, topo, ctx, device, t.seed)
+    model = build_model(plan.hooks, plan.settings, config.provider, topo, ctx, device, t.seed,
+                        config.optimizer.use_distributed_optimizer)
     optimizer = build_optimizer(model, config.optimizer, params_dtype)
     scheduler = build_scheduler(optimizer, config.scheduler, config.optimizer, plan.global_batch_size,
                                 plan.train_iters * plan.global_batch_size)

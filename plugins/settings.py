@@ -86,6 +86,12 @@ def _check_all(provider: Provider, values: dict, source: str, from_text: bool = 
 def _coerce(key: str, value: Any, expected, from_text: bool, provider_name: str) -> Any:
     if from_text and not _accepts(expected, str):
         value = yaml.safe_load(value) if value.strip() else None
+    if isinstance(value, str) and _accepts(expected, float):
+        # YAML 1.1 reads 1e-3 (no dot) as text; a float setting means a number.
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if _matches(value, expected):
         # YAML reads 1e-3 as a float but "1" as an int: an int is a valid float setting.
         return float(value) if _accepts(expected, float) and type(value) is int else value

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -13,13 +15,29 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def run_mimo(*args: str, extra_path: list[Path] = (), timeout: int = 600, env: dict | None = None):
-    """Run `mimo ARGS` in a fresh interpreter (training enables process-wide CPU redirection and a world)."""
+    """Run `mimo ARGS` in a fresh interpreter (training enables process-wide CPU redirection and a world).
+
+    The run gets a session of its own, and whatever it leaves behind is killed when it ends: a process killed
+    mid-save leaves dist_checkpointing's writer processes orphaned."""
     environment = {**os.environ, **(env or {})}
     if extra_path:
         environment["PYTHONPATH"] = os.pathsep.join([str(p) for p in extra_path] +
                                                     [environment.get("PYTHONPATH", "")])
-    return subprocess.run([sys.executable, "-m", "mimo.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, env=environment)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        # A neutral working directory: `python -m` puts it first on sys.path, and the repository root holds
+        # build metadata (mimo.egg-info) that could shadow the installed distribution's entry points.
+        proc = subprocess.Popen([sys.executable, "-m", "mimo.cli", *args], stdout=out, stderr=err, text=True,
+                                env=environment, cwd=tempfile.gettempdir(), start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(proc.args, code, out.read(), err.read())
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -6,7 +6,7 @@ import zipfile
 
 from helpers import REPO
 
-SOURCE_PACKAGES = ("cli", "core", "plugins", "providers")
+SOURCE_PACKAGES = ("cli", "core", "plugins", "providers", "testing")
 
 
 def test_wheel_contains_every_package(tmp_path):

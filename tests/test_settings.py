@@ -38,6 +38,13 @@ def test_set_parses_typed_values():
     assert isinstance(s.width, float) and isinstance(s.name, str)
 
 
+def test_exponent_without_a_dot_is_a_number(tmp_path):
+    assert build_settings(PROVIDER, ["width=1e-3"]).width == 0.001
+    config = tmp_path / "s.yaml"
+    config.write_text("width: 2e-2\n")
+    assert build_settings(PROVIDER, [], config).width == 0.02
+
+
 def test_set_null_for_optional():
     assert build_settings(PROVIDER, ["heads=null"]).heads is None
 

@@ -1,0 +1,49 @@
+"""`check_provider`: every contract check, in the order a run meets them, for one provider."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from mimo.plugins import Registry
+
+from .data_check import check_data
+from .flops_check import check_flops
+from .model_check import check_model_shape, check_specs, module_reports, vocab_size
+from .report import ContractReport
+from .settings_check import check_registration, check_settings_round_trip
+from .subject import load_subject
+from .train_check import CPU_PARAMETER_LIMIT, check_build_and_train, too_large
+
+
+def check_provider(name: str, settings=(), *, registry: Registry | None = None, build: bool = True,
+                   max_parameters: int = CPU_PARAMETER_LIMIT) -> ContractReport:
+    """Check provider `name` with `settings` (`key=value` strings, as `mimo run --set`) against the contract.
+
+    Raises ContractError ("hook: rule") at the first broken rule; returns the report otherwise. `build=False`
+    skips the subprocess that builds, trains and checkpoints the model (it needs the provider installed, not
+    just in `registry`); so does a model larger than `max_parameters`, with a note saying so.
+    """
+    subject = load_subject(name, settings, registry)
+    report = ContractReport(provider=name)
+    check_registration(subject)
+    with tempfile.TemporaryDirectory(prefix="mimo-settings-") as directory:
+        check_settings_round_trip(subject, Path(directory))
+    shapes = check_model_shape(subject)
+    report.modules = module_reports(shapes)
+    encoders, language = check_specs(subject, shapes)
+    report.seq_length = check_data(subject, encoders, vocab_size(language))
+    report.flops, note = check_flops(subject, shapes, report.seq_length)
+    report.notes += [note] if note else []
+    report.hooks_called |= subject.called
+    skip = "not built: build=False" if not build else too_large(shapes, max_parameters)
+    if skip:
+        report.notes.append(skip)
+        return report
+    result = check_build_and_train(name, settings)
+    for module, count in result["built_parameters"].items():
+        report.modules[module].built_parameters = count
+    report.losses = result["losses"]
+    report.hooks_called |= set(result["hooks_called"])
+    report.notes += result["notes"]
+    return report
