@@ -54,6 +54,13 @@ class SchedulerOptions:
 
 
 @dataclass
+class DataOptions:
+    data: Path | None = option(None, "an energon dataset directory or metadataset file (default: the provider's "
+                                     "synthetic data)")
+    num_workers: int = option(2, "data loader worker processes per data lane")
+
+
+@dataclass
 class LoggingOptions:
     log_interval: int = option(10, "iterations between log lines")
     metrics_file: Path | None = option(None, "append one JSON object per logged iteration to this file")
@@ -103,7 +110,7 @@ class LayoutOptions:
 DEFAULT_TRAIN_ITERS = 100
 
 COMPONENTS = {"Launch": LaunchOptions, "Training": TrainingOptions, "Optimizer": OptimizerOptions, "Learning-rate schedule": SchedulerOptions,
-              "Logging": LoggingOptions, "Checkpoints": CheckpointOptions, "Parallel layout": LayoutOptions}
+              "Data": DataOptions, "Logging": LoggingOptions, "Checkpoints": CheckpointOptions, "Parallel layout": LayoutOptions}
 
 
 @dataclass
@@ -115,6 +122,7 @@ class RunConfig:
     training: TrainingOptions = field(default_factory=TrainingOptions)
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
+    data: DataOptions = field(default_factory=DataOptions)
     logging: LoggingOptions = field(default_factory=LoggingOptions)
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     layout: LayoutOptions = field(default_factory=LayoutOptions)
@@ -134,6 +142,10 @@ class RunConfig:
             raise UsageError("give at most one of --global-batch-size and --num-microbatches")
         if self.launch.nnodes > 1 and not self.launch.rdzv_endpoint:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint host:port, the same on every node")
+        if self.data.num_workers < 0:
+            raise UsageError(f"--num-workers must be 0 or more, got {self.data.num_workers}")
+        if self.data.data is not None and not self.data.data.exists():
+            raise UsageError(f"--data {self.data.data}: no such file or directory")
         c = self.checkpoint
         for name, value in (("--save-interval", c.save_interval), ("--keep-last", c.keep_last)):
             if value is not None and value < 1:

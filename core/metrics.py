@@ -40,6 +40,7 @@ class MetricsLogger:
             "elapsed_ms": elapsed_ms,
             "tokens_per_sec": self.tokens_per_iteration / (elapsed_ms / 1000),
             "skipped_iterations": self._skipped,
+            "skipped_samples": result.skipped_samples,
             **{f"grad_norm_{name}": norm for name, norm in result.module_grad_norms.items()},
         }
         self._reset()
@@ -58,4 +59,5 @@ def format_line(r: dict, total_iters: int) -> str:
         f"iteration {r['iteration']:>6}/{total_iters} | consumed samples {r['consumed_samples']:>8} | "
         f"elapsed ms/iter {r['elapsed_ms']:8.1f} | tokens/s {r['tokens_per_sec']:9.0f} | lr {r['lr']:.3E} | "
         f"lm loss {r['lm_loss']:.6E} | grad norm {grad_norm} | skipped {r['skipped_iterations']}"
+        + (f" | unreadable samples skipped {r['skipped_samples']}" if r["skipped_samples"] else "")
     )

@@ -21,6 +21,7 @@ class StepResult:
     skipped: bool
     lr: float  # the learning rate this iteration's update used
     module_grad_norms: dict[str, float]
+    skipped_samples: int = 0  # unreadable samples the data dropped so far, all lanes
 
 
 def to_device(value, device: torch.device, float_dtype: torch.dtype):
@@ -38,13 +39,14 @@ class Trainer:
 
     def __init__(self, model, optimizer, scheduler, hooks, settings, topology: Topology, device: torch.device,
                  params_dtype: torch.dtype, num_microbatches: int, global_batch_size: int, micro_batch_size: int,
-                 seq_length: int):
+                 seq_length: int, skipped_samples=lambda: 0):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.hooks, self.settings, self.topology = hooks, settings, topology
         self.device, self.params_dtype = device, params_dtype
         self.num_microbatches, self.global_batch_size = num_microbatches, global_batch_size
         self._token_source = is_token_source(topology)
-        self._totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, tokens] of this rank
+        self._totals = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, tokens, skipped samples]
+        self._skipped_samples = skipped_samples
         config = model.config  # the language model's TransformerConfig; the schedule reads it
         config.finalize_model_grads_func = self._finalize_grads
         self._schedule = _schedule(topology, config)
@@ -61,7 +63,7 @@ class Trainer:
     def _loss(self, output_tensor, loss_mask):
         loss_sum, num_tokens = self.hooks.loss(settings=self.settings, output_tensor=output_tensor,
                                                loss_mask=loss_mask)
-        self._totals += torch.stack([loss_sum.detach().double(), num_tokens.double()])
+        self._totals[:2] += torch.stack([loss_sum.detach().double(), num_tokens.double()])
         return loss_sum, num_tokens, {}
 
     def _finalize_grads(self, model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
@@ -69,6 +71,7 @@ class Trainer:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         # Only one rank per LLM data lane contributes, so every rank of every grid learns the same totals.
+        self._totals[2] = self._skipped_samples()
         totals = self._totals if self._token_source else torch.zeros_like(self._totals)
         dist.all_reduce(totals)
         self._global_totals = totals.tolist()
@@ -90,9 +93,10 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=self.global_batch_size)
-        loss_sum, tokens = self._global_totals
+        loss_sum, tokens, skipped_samples = self._global_totals
         return StepResult(lm_loss=loss_sum / max(tokens, 1), num_tokens=int(tokens), grad_norm=grad_norm,
-                          skipped=not ok, lr=lr, module_grad_norms=dict(self.optimizer.module_grad_norms))
+                          skipped=not ok, lr=lr, module_grad_norms=dict(self.optimizer.module_grad_norms),
+                          skipped_samples=int(skipped_samples))
 
 
 def _schedule(topology: Topology, config):

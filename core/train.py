@@ -90,7 +90,8 @@ def train(plan: Plan) -> list[dict]:
         return iter(plan.hooks.data_provider(settings=plan.settings, ctx=DataContext(
             micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches,
             num_lanes=plan.num_lanes, seed=t.seed, first_position=first, num_positions=count,
-            start_sample=start_sample)))
+            start_sample=start_sample, data_path=str(config.data.data) if config.data.data else None,
+            num_workers=config.data.num_workers)))
 
     checkpointer, start_iteration, consumed = None, 0, 0
     source = open_data(0)
@@ -107,7 +108,8 @@ def train(plan: Plan) -> list[dict]:
     data = _chain(first_batch, source)
     seq_length = first_batch["input_ids"].shape[1]
     trainer = Trainer(model, optimizer, scheduler, plan.hooks, plan.settings, topo, device, params_dtype,
-                      plan.num_microbatches, plan.global_batch_size, t.micro_batch_size, seq_length)
+                      plan.num_microbatches, plan.global_batch_size, t.micro_batch_size, seq_length,
+                      skipped_samples=lambda: getattr(source, "skipped_samples", 0))
 
     logging_rank = is_token_source(topo) and first == 0
     logger = MetricsLogger(config.logging.log_interval, plan.train_iters, config.logging.metrics_file, logging_rank,

@@ -87,6 +87,9 @@ class BuildContext:
 class DataContext:
     """Passed to `data_provider`: which samples this rank reads.
 
+    The iterator a provider returns may also offer `state_dict()` / `load_state_dict(state)` (saved per lane in
+    checkpoints) and `skipped_samples` (a running count of samples dropped as unreadable, shown in the log).
+
     A global batch is `num_lanes * num_microbatches * micro_batch_size` consecutive samples of one stream; LLM
     data-parallel lane `l` takes the l-th contiguous share, one micro-batch at a time. Laid side by side, the
     lanes' m-th micro-batches form `num_lanes * micro_batch_size` positions; this rank reads positions
@@ -113,6 +116,20 @@ class DataContext:
     def lane(self) -> int:
         """The (first) LLM lane this rank reads."""
         return self.first_position // self.micro_batch_size
+
+    @property
+    def lanes(self) -> range:
+        """The LLM lanes this rank reads samples of (several on an encoder rank feeding several lanes)."""
+        count = self.num_positions or self.micro_batch_size
+        return range(self.lane, self.lane + max(count // self.micro_batch_size, 1))
+
+    @property
+    def lane_part(self) -> tuple[int, int]:
+        """(part, parts): which share of each of its lane's micro-batches this rank reads; (0, 1) for all."""
+        count = self.num_positions or self.micro_batch_size
+        if count >= self.micro_batch_size:
+            return 0, 1
+        return (self.first_position % self.micro_batch_size) // count, self.micro_batch_size // count
 
     def sample_indices(self):
         """Yield, forever, the global sample indices of each micro-batch this rank reads, in order."""
