@@ -3,3 +3,7 @@
 
 class UsageError(Exception):
     """A user-fixable problem: bad option, unknown provider or setting, invalid layout, bad checkpoint."""
+
+
+class TrainingStopped(Exception):
+    """Training cannot go on (e.g. too many non-finite iterations in a row): the CLI prints one line, exits 1."""

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from mimo.errors import UsageError
+from mimo.errors import TrainingStopped, UsageError
 
 from .options import loop_parameters, provider_parameters, run_config, with_options
 from .ckpt import ckpt_app
@@ -57,6 +57,9 @@ def _run(**kwargs):
         train(plan)
     except UsageError as err:
         raise fail(str(err)) from None
+    except TrainingStopped as err:
+        typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
+        raise typer.Exit(code=1) from None
 
 
 app.command("run", context_settings={"max_content_width": 120})(

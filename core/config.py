@@ -64,6 +64,10 @@ class DataOptions:
 class LoggingOptions:
     log_interval: int = option(10, "iterations between log lines")
     metrics_file: Path | None = option(None, "append one JSON object per logged iteration to this file")
+    tensorboard_dir: Path | None = option(None, "write TensorBoard scalars here (Megatron's names)")
+    log_timers: bool = option(False, "time data, forward, backward, bridge and optimizer per module (syncs GPUs)")
+    peak_tflops: float | None = option(None, "the GPU's dense bf16 peak TFLOP/s for MFU (default: known GPUs)")
+    max_nan_iters: int = option(10, "stop after this many iterations in a row with a non-finite loss or grad norm")
 
 
 @dataclass
@@ -142,6 +146,8 @@ class RunConfig:
             raise UsageError("give at most one of --global-batch-size and --num-microbatches")
         if self.launch.nnodes > 1 and not self.launch.rdzv_endpoint:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint host:port, the same on every node")
+        if self.logging.max_nan_iters < 1:
+            raise UsageError(f"--max-nan-iters must be at least 1, got {self.logging.max_nan_iters}")
         if self.data.num_workers < 0:
             raise UsageError(f"--num-workers must be 0 or more, got {self.data.num_workers}")
         if self.data.data is not None and not self.data.data.exists():

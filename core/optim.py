@@ -3,6 +3,8 @@ learning-rate scheduler, which counts in samples as Megatron's does."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .config import OptimizerOptions, SchedulerOptions
@@ -12,14 +14,25 @@ def _recording_optimizer_class():
     from megatron.core.models.mimo.optimizer import MimoOptimizer
 
     class RecordingMimoOptimizer(MimoOptimizer):
-        """MimoOptimizer that also keeps each module's gradient norm (before clipping) for the logs.
+        """MimoOptimizer that keeps each module's gradient norm (before clipping) for the logs and skips the
+        update when the global norm is not finite (megatron-core only does that for fp16's loss scaler).
 
         Same reduction as megatron-core's: every rank computes its modules' norms, a world MAX shares them."""
 
         module_grad_norms: dict[str, float] = {}
+        grad_norm: float = 0.0
 
         @torch.no_grad()
+        def prepare_grads(self) -> bool:
+            found_inf = super().prepare_grads()
+            self.grad_norm = self._module_norms()
+            return found_inf or not math.isfinite(self.grad_norm)  # step() then skips the update on every rank
+
         def get_grad_norm(self) -> float:
+            return self.grad_norm  # computed once, in prepare_grads
+
+        @torch.no_grad()
+        def _module_norms(self) -> float:
             names = sorted(self.module_infos)
             norm_sq = torch.zeros(len(names), device="cuda", dtype=torch.float32)
             for i, name in enumerate(names):

@@ -3,7 +3,8 @@ finalization with one per-token normalization for every grid, then the optimizer
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from functools import partial
 
 import torch
@@ -18,10 +19,13 @@ class StepResult:
     lm_loss: float  # per-token loss over the whole global batch
     num_tokens: int  # tokens that counted in the loss, whole global batch
     grad_norm: float | None
-    skipped: bool
+    skipped: bool  # no update was made (non-finite loss or gradients)
     lr: float  # the learning rate this iteration's update used
     module_grad_norms: dict[str, float]
     skipped_samples: int = 0  # unreadable samples the data dropped so far, all lanes
+    loss_scale: float = 1.0
+    num_zeros: int | None = None
+    moe_losses: dict[str, float] = field(default_factory=dict)  # each auxiliary loss, mean over MoE layers
 
 
 def to_device(value, device: torch.device, float_dtype: torch.dtype):
@@ -39,7 +43,7 @@ class Trainer:
 
     def __init__(self, model, optimizer, scheduler, hooks, settings, topology: Topology, device: torch.device,
                  params_dtype: torch.dtype, num_microbatches: int, global_batch_size: int, micro_batch_size: int,
-                 seq_length: int, skipped_samples=lambda: 0):
+                 seq_length: int, skipped_samples=lambda: 0, timers=None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.hooks, self.settings, self.topology = hooks, settings, topology
         self.device, self.params_dtype = device, params_dtype
@@ -49,15 +53,20 @@ class Trainer:
         self._skipped_samples = skipped_samples
         config = model.config  # the language model's TransformerConfig; the schedule reads it
         config.finalize_model_grads_func = self._finalize_grads
-        self._schedule = _schedule(topology, config)
+        self._schedule, communicator = _schedule(topology, config)
+        self.timers = timers
+        if communicator is not None:
+            timers.watch_bridge(communicator)
         self._shape = {"seq_length": seq_length, "micro_batch_size": micro_batch_size}
 
     def forward_step(self, data_iterator, model):
-        batch = next(data_iterator)
+        with self.timers.phase("data"):
+            batch = next(data_iterator)
         model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
         model_inputs = to_device(model_inputs, self.device, torch.float32)
         modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
-        output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None)
+        with self.timers.phase("forward"):
+            output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None)
         return output, partial(self._loss, loss_mask=loss_mask)
 
     def _loss(self, output_tensor, loss_mask):
@@ -85,18 +94,28 @@ class Trainer:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._totals.zero_()
-        self._schedule(
-            forward_step_func=self.forward_step, data_iterator=data_iterator, model=[self.model],
-            num_microbatches=self.num_microbatches, forward_only=False, **self._shape,
-        )
+        from megatron.core.pipeline_parallel import schedules
+
+        with self.timers.backward_of(schedules):
+            self._schedule(
+                forward_step_func=self.forward_step, data_iterator=data_iterator, model=[self.model],
+                num_microbatches=self.num_microbatches, forward_only=False, **self._shape,
+            )
+        loss_sum, tokens, skipped_samples = self._global_totals  # the same on every rank
+        moe_losses = _moe_losses()
+        lm_loss = loss_sum / max(tokens, 1)
         lr = self.optimizer.param_groups[0]["lr"]
-        ok, grad_norm, _ = self.optimizer.step()
+        ok, num_zeros, grad_norm = False, None, None
+        if math.isfinite(lm_loss):  # every rank agrees, so all skip the optimizer's collectives together
+            with self.timers.phase("optimizer"):
+                ok, _, num_zeros = self.optimizer.step()
+            grad_norm = self.optimizer.grad_norm
         if ok:
             self.scheduler.step(increment=self.global_batch_size)
-        loss_sum, tokens, skipped_samples = self._global_totals
-        return StepResult(lm_loss=loss_sum / max(tokens, 1), num_tokens=int(tokens), grad_norm=grad_norm,
+        return StepResult(lm_loss=lm_loss, num_tokens=int(tokens), grad_norm=grad_norm,
                           skipped=not ok, lr=lr, module_grad_norms=dict(self.optimizer.module_grad_norms),
-                          skipped_samples=int(skipped_samples))
+                          skipped_samples=int(skipped_samples), loss_scale=float(self.optimizer.get_loss_scale()),
+                          num_zeros=num_zeros, moe_losses=moe_losses)
 
 
 def _schedule(topology: Topology, config):
@@ -105,7 +124,8 @@ def _schedule(topology: Topology, config):
     from megatron.core.pipeline_parallel import schedules
 
     if topology.colocated:
-        return partial(schedules.forward_backward_no_pipelining, pg_collection=topology.pg_collections[LANGUAGE])
+        return partial(schedules.forward_backward_no_pipelining,
+                       pg_collection=topology.pg_collections[LANGUAGE]), None
     from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
     from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
 
@@ -120,7 +140,22 @@ def _schedule(topology: Topology, config):
         language_model_module_name=LANGUAGE if topology.holds(LANGUAGE) else None,
     )
     return partial(schedules.forward_backward_pipelining_without_interleaving, p2p_communicator=communicator,
-                   pg_collection=pgs)
+                   pg_collection=pgs), communicator
+
+
+def _moe_losses() -> dict[str, float]:
+    """This rank's MoE auxiliary losses of the step (megatron-core's tracker), each averaged over the MoE layers
+    that reported it; the tracker is cleared for the next step."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    losses = {}
+    for name, entry in get_moe_layer_wise_logging_tracker().items():
+        values = entry["values"].float()
+        reported = values[values != 0]
+        if reported.numel():
+            losses[name.replace("_", "-")] = reported.mean().item()
+    clear_aux_losses_tracker()
+    return losses
 
 
 def is_token_source(topology: Topology) -> bool:

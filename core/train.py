@@ -19,6 +19,7 @@ from .metrics import MetricsLogger
 from .model import build_model, count_parameters
 from .optim import build_optimizer, build_scheduler
 from .step import Trainer, is_token_source
+from .timers import StepTimers
 
 
 @dataclass
@@ -107,26 +108,33 @@ def train(plan: Plan) -> list[dict]:
     first_batch = next(source)
     data = _chain(first_batch, source)
     seq_length = first_batch["input_ids"].shape[1]
+    timers = StepTimers(list(plan.parallelism), list(topo.pg_collections), device, config.logging.log_timers)
     trainer = Trainer(model, optimizer, scheduler, plan.hooks, plan.settings, topo, device, params_dtype,
                       plan.num_microbatches, plan.global_batch_size, t.micro_batch_size, seq_length,
-                      skipped_samples=lambda: getattr(source, "skipped_samples", 0))
+                      skipped_samples=lambda: getattr(source, "skipped_samples", 0), timers=timers)
 
     logging_rank = is_token_source(topo) and first == 0
-    logger = MetricsLogger(config.logging.log_interval, plan.train_iters, config.logging.metrics_file, logging_rank,
-                           plan.global_batch_size * seq_length)
+    flops = plan.hooks.model_flops(settings=plan.settings)
+    logger = MetricsLogger(config.logging, plan.train_iters, logging_rank, plan.global_batch_size,
+                           plan.global_batch_size * seq_length,
+                           3 * sum(flops.values()) * plan.global_batch_size if flops else None,  # fwd + 2x bwd
+                           plan.world_size, device, timers)
     if logging_rank:
         print(describe_run(plan, count_parameters(model), device, t.precision), flush=True)
         if start_iteration:
             print(f"resumed from {c.load} at iteration {start_iteration} ({consumed} samples consumed)", flush=True)
     model.train()
-    for iteration in range(start_iteration + 1, plan.train_iters + 1):
-        result = trainer.step(data)
-        consumed += plan.global_batch_size
-        logger.update(iteration, result, consumed)
-        if checkpointer and c.save:
-            checkpointer.wait(blocking=False)
-            if iteration == plan.train_iters or (c.save_interval and iteration % c.save_interval == 0):
-                checkpointer.save(iteration, consumed)
+    try:
+        for iteration in range(start_iteration + 1, plan.train_iters + 1):
+            result = trainer.step(data)
+            consumed += plan.global_batch_size
+            logger.update(iteration, result, consumed)
+            if checkpointer and c.save:
+                checkpointer.wait(blocking=False)
+                if iteration == plan.train_iters or (c.save_interval and iteration % c.save_interval == 0):
+                    checkpointer.save(iteration, consumed)
+    finally:
+        logger.close()
     if checkpointer:
         checkpointer.wait(blocking=True)
     dist.barrier()

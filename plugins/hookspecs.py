@@ -62,3 +62,11 @@ def frozen_parameters(settings):
 
     A module with nothing left to train gets no optimizer. mimo's default freezes nothing.
     """
+
+
+@hookspec(firstresult=True)
+def model_flops(settings):
+    """Return `{module name: forward FLOPs per sample}` (matmul FLOPs, 2 per multiply-add; MoE counts the
+    experts a token is routed to, not all of them). The loop takes training as 3x forward for TFLOP/s and MFU.
+    Optional: without it those figures are left out of the logs.
+    """

@@ -97,3 +97,10 @@ def data_provider(settings: MockVLMSettings, ctx):
 def frozen_parameters(settings: MockVLMSettings):
     frozen = [f"modality_submodules.{IMAGES}.encoders."] if settings.freeze_vision else []
     return frozen + (["language_model."] if settings.freeze_language else [])
+
+
+@hookimpl
+def model_flops(settings: MockVLMSettings):
+    from .model import forward_flops
+
+    return forward_flops(settings)

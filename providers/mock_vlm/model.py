@@ -87,3 +87,17 @@ def parameter_counts(settings) -> dict[str, int]:
     proj = (vh * h + h + h * h + h) if settings.projection == "mlp" else vh * h + h
     llm = 2 * settings.vocab_size * h + layers(settings.num_layers, h, _ffn(settings, h)) + 2 * h
     return {IMAGES: vit + proj, "language": llm}
+
+
+def forward_flops(settings) -> dict[str, float]:
+    """Forward matmul FLOPs per sample (2 per multiply-add), images weighted by how often a sample has one."""
+    def transformer(tokens, h, ffn, layers):  # qkv + projection, MLP, attention scores and context
+        return layers * (2 * tokens * (4 * h * h + 2 * h * ffn) + 4 * tokens * tokens * h)
+
+    vh, h, patches = settings.vision_hidden_size, settings.hidden_size, settings.image_tokens
+    vit = 2 * patches * 3 * settings.patch_size**2 * vh + transformer(
+        patches, vh, _ffn(settings, vh), settings.vision_layers)
+    projection = 2 * patches * (vh * h + (h * h if settings.projection == "mlp" else 0))
+    s = settings.seq_length
+    llm = transformer(s, h, _ffn(settings, h), settings.num_layers) + 2 * s * h * settings.vocab_size
+    return {IMAGES: settings.image_probability * (vit + projection), "language": float(llm)}
