@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from .model import held_modules
+from .timers import StepTimers
 from .topology import LANGUAGE, Topology
 
 
@@ -54,7 +55,7 @@ class Trainer:
         config = model.config  # the language model's TransformerConfig; the schedule reads it
         config.finalize_model_grads_func = self._finalize_grads
         self._schedule, communicator = _schedule(topology, config)
-        self.timers = timers
+        self.timers = timers or StepTimers([], [], device, enabled=False)
         if communicator is not None:
             timers.watch_bridge(communicator)
         self._shape = {"seq_length": seq_length, "micro_batch_size": micro_batch_size}

@@ -106,6 +106,9 @@ def _check_module(name: str, par: ModuleParallelism, shape: ModuleShape) -> None
             raise UsageError(f"{tp_opt} {par.tp} does not divide the {who}'s {count} {what}: use one of {_divisors(count)}")
     if par.pp > 1 and shape.num_layers % par.pp:
         raise UsageError(f"--llm-pp {par.pp} does not divide the LLM's {shape.num_layers} layers: use one of {_divisors(shape.num_layers)}")
+    if is_llm and shape.num_experts and par.tp > 1:
+        raise UsageError(f"--llm-tp {par.tp} with a mixture-of-experts LLM needs sequence parallelism, which mimo "
+                         f"does not enable yet: keep --llm-tp 1 and split the experts with --llm-ep")
     if par.ep > 1 and not shape.num_experts:
         raise UsageError(f"--llm-ep {par.ep} needs a mixture-of-experts LLM; this provider's LLM has no experts")
     if shape.num_experts and shape.num_experts % par.ep:

@@ -1,5 +1,95 @@
-"""Nemotron MoE VLM providers (RADIO vision encoder + hybrid Mamba/MoE/attention LLM).
+"""Nemotron MoE VLM: a RADIO vision encoder, a linear projection and a hybrid Mamba / MoE / attention LLM.
 
-Work in progress: the local backend's plain-PyTorch Mamba-2 mixer (`mamba_mixer.py`) is here; the provider is
-not registered yet.
+One family (`NemotronVLMSettings`), four variants that differ only in their defaults: the 20- and 54-layer
+models, a mid-size 20-layer model for one GPU, and a tiny one for tests and CPU smoke runs. See README.md for
+the backends, parameter names and Nemotron checkpoints.
 """
+
+from __future__ import annotations
+
+from mimo import ModuleShape, Provider, hookimpl
+
+from .settings import ENCODER, IMAGES, PATTERN_20L, PATTERN_54L, NemotronVLMSettings
+
+__all__ = ["ENCODER", "IMAGES", "NemotronVLMSettings", "VARIANTS"]
+
+# The mid-size model: the 20-layer pattern at reduced width and expert count, the full RADIO encoder. In bf16 on
+# one 80 GB H100 (local backend) micro-batch 4 of 2048 tokens peaks at 68 GB; micro-batch 8 does not fit.
+MID = dict(hidden_size=1536, num_attention_heads=16, kv_channels=96, num_experts=32,
+           moe_ffn_hidden_size=768, moe_shared_expert_intermediate_size=1536, mamba_num_heads=32,
+           mamba_num_groups=4, projection_hidden_size=6144, max_patches=2048, seq_length=2048)
+
+# The tiny model: every layer kind, few experts, a two-layer RADIO, small images; a tenth of a second per step
+# on a CPU. No position-embedding jitter, so that every parallel layout computes exactly the same thing.
+TINY = dict(
+    vision_layers=2, vision_hidden_size=32, vision_heads=2, vision_ffn_hidden_size=64, class_tokens=2,
+    max_image_size=256, image_size=64, min_patches=16, max_patches=64, projection_hidden_size=64,
+    hybrid_pattern="M*EME", hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
+    num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64,
+    mamba_num_heads=4, mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=16, vocab_size=256, seq_length=64,
+    num_classes=8, cpe_augmentation=False,
+)
+
+VARIANTS = [
+    Provider("nemotron-moe-vlm-20l", "Nemotron MoE VLM, 20-layer hybrid LLM (hidden 2688, 128 experts) + RADIO-H",
+             NemotronVLMSettings, {"hybrid_pattern": PATTERN_20L}),
+    Provider("nemotron-moe-vlm-54l", "Nemotron MoE VLM, 54-layer hybrid LLM (hidden 2688, 128 experts) + RADIO-H",
+             NemotronVLMSettings, {"hybrid_pattern": PATTERN_54L}),
+    Provider("nemotron-moe-vlm-mid", "Nemotron MoE VLM at reduced width (20 layers, hidden 1536, 32 experts), "
+             "for one 80 GB GPU", NemotronVLMSettings, MID),
+    Provider("nemotron-moe-vlm-tiny", "Nemotron MoE VLM architecture at toy size, for tests and CPU smoke runs",
+             NemotronVLMSettings, TINY),
+]
+
+
+@hookimpl
+def register_providers():
+    return VARIANTS
+
+
+@hookimpl
+def model_shape(settings: NemotronVLMSettings):
+    from .counts import parameter_counts
+
+    counts = parameter_counts(settings)
+    s = settings
+    return {
+        IMAGES: ModuleShape(s.vision_layers, s.vision_hidden_size, s.vision_heads, num_query_groups=s.vision_heads,
+                            num_parameters=counts[IMAGES].total, num_active_parameters=counts[IMAGES].active),
+        "language": ModuleShape(s.num_layers, s.hidden_size, s.num_attention_heads,
+                                num_query_groups=s.num_query_groups, num_experts=s.num_experts,
+                                num_parameters=counts["language"].total,
+                                num_active_parameters=counts["language"].active),
+    }
+
+
+@hookimpl
+def build_encoders(settings: NemotronVLMSettings, ctx):
+    from .model import vision_spec
+
+    return {IMAGES: vision_spec(settings, ctx)}
+
+
+@hookimpl
+def build_language_model(settings: NemotronVLMSettings, ctx):
+    from .model import language_spec
+
+    return language_spec(settings, ctx)
+
+
+@hookimpl
+def data_provider(settings: NemotronVLMSettings, ctx):
+    from .data import synthetic_batches
+
+    return synthetic_batches(settings, ctx)
+
+
+@hookimpl
+def frozen_parameters(settings: NemotronVLMSettings):
+    """stage1 trains the projection only, stage2 everything but the vision encoder, stage3 everything."""
+    frozen = {
+        "stage1": [f"modality_submodules.{IMAGES}.encoders.", "language_model."],
+        "stage2": [f"modality_submodules.{IMAGES}.encoders."],
+        "stage3": [],
+    }
+    return frozen[settings.stage]

@@ -1,0 +1,109 @@
+"""Synthetic image+caption data for the Nemotron VLM family.
+
+Each of `num_classes` classes has a fixed coarse colour pattern and a fixed caption. A sample is one image of its
+class (random size and aspect ratio, stretched pattern plus noise) followed by the caption, so the caption's first
+token is predictable only from the image and the rest from the text: the loss falls when both models learn.
+
+Images go through mimo's image modes (`mimo.core.data`): with dynamic resolution each keeps its aspect ratio and
+becomes `[patches, 3*P*P]` rows of one packed buffer with `imgs_sizes` and a fresh THD PackedSeqParams per
+micro-batch; otherwise each is one `image_size` tile. An image takes as many placeholders as the encoder emits
+tokens for it (class tokens dropped, pixel shuffle applied). Sample `i` depends only on (seed, i), so every
+layout reads the same global batch.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mimo.core.data import DynamicResolution, FixedTiles
+
+from .settings import ENCODER, IMAGES, NemotronVLMSettings
+from .tokens import image_token_id, tokenizer_of
+
+_TASK_SEED = 1234  # the task (patterns, captions) is fixed; the run's seed picks the samples
+_PATTERN_CELLS = 4  # a class pattern is a 4 x 4 grid of colours, stretched over the image
+
+
+def image_mode(s: NemotronVLMSettings):
+    if s.dynamic_resolution:
+        return DynamicResolution(patch_size=s.patch_size, min_patches=s.min_patches, max_patches=s.max_patches,
+                                 pixel_shuffle_factor=s.shuffle_factor)
+    return FixedTiles(image_size=s.image_size, patch_size=s.patch_size, pixel_shuffle_factor=s.shuffle_factor)
+
+
+def _captions(s: NemotronVLMSettings, gen: torch.Generator) -> torch.Tensor:
+    """[num_classes, seq_length + 1] caption tokens: a tokenized sentence per class, or random text tokens."""
+    image_id = image_token_id(s)
+    tokenizer = tokenizer_of(s)
+    if tokenizer is None:
+        captions = torch.randint(0, s.vocab_size - 1, (s.num_classes, s.seq_length + 1), generator=gen)
+        return captions + (captions >= image_id).long()  # every id but the image token
+    rows = []
+    for label in range(s.num_classes):
+        ids = tokenizer.encode(f"A picture of pattern number {label}. ")
+        rows.append(torch.tensor(ids * (s.seq_length // max(len(ids), 1) + 2))[: s.seq_length + 1])
+    return torch.stack(rows)
+
+
+class SyntheticTask:
+    """The fixed task (class patterns and captions) and how a sample and a micro-batch are made from it."""
+
+    def __init__(self, s: NemotronVLMSettings):
+        gen = torch.Generator().manual_seed(_TASK_SEED)
+        self.settings, self.mode, self.image_id = s, image_mode(s), image_token_id(s)
+        self.patterns = torch.rand(s.num_classes, 3, _PATTERN_CELLS, _PATTERN_CELLS, generator=gen)
+        self.captions = _captions(s, gen)
+
+    def _image_size(self, gen: torch.Generator) -> tuple[int, int]:
+        """(height, width) in pixels: the fitted grid of a random aspect ratio in [1/2, 2] and a patch count
+        log-uniform in [min_patches, max_patches] (fixed tiles: always image_size)."""
+        s = self.settings
+        if not s.dynamic_resolution:
+            return s.image_size, s.image_size
+        aspect = math.exp((float(torch.rand(1, generator=gen)) * 2 - 1) * math.log(2))
+        patches = math.exp(math.log(s.min_patches) + float(torch.rand(1, generator=gen))
+                           * (math.log(s.max_patches) - math.log(s.min_patches)))
+        rows, cols = self.mode.grid(max(1, round(math.sqrt(patches / aspect) * s.patch_size)),
+                                    max(1, round(math.sqrt(patches * aspect) * s.patch_size)))
+        return rows * s.patch_size, cols * s.patch_size
+
+    def sample(self, seed: int, index: int) -> dict:
+        """Tokens [seq_length + 1] (the image's placeholders first) and the processed image or None."""
+        s = self.settings
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        label = int(torch.randint(s.num_classes, (1,), generator=gen))
+        image = None
+        if float(torch.rand(1, generator=gen)) < s.image_probability:
+            height, width = self._image_size(gen)
+            pixels = F.interpolate(self.patterns[label][None], size=(height, width), mode="nearest")[0]
+            pixels = (pixels + 0.1 * torch.randn(pixels.shape, generator=gen)).clamp(0, 1)
+            image = self.mode.process(pixels)
+        n = image.num_tokens if image is not None else 0
+        tokens = torch.cat([torch.full((n,), self.image_id), self.captions[label, : s.seq_length - n + 1]])
+        return {"tokens": tokens, "image": image}
+
+    def collate(self, samples: list[dict]) -> dict:
+        """Stack samples into one micro-batch in the layout MimoModel expects."""
+        tokens = torch.stack([x["tokens"] for x in samples])  # [b, seq + 1]
+        input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        loss_mask = (labels != self.image_id).float()
+        batch = {
+            "input_ids": input_ids,
+            "labels": labels.masked_fill(loss_mask == 0, 0),
+            "loss_mask": loss_mask,
+            "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids).contiguous(),
+            "modality_inputs": {},
+        }
+        images = [x["image"] for x in samples if x["image"] is not None]
+        if images:  # collate builds a new PackedSeqParams each time (RADIO shifts its boundaries in place)
+            batch["modality_inputs"][IMAGES] = {ENCODER: self.mode.collate(images)}
+        return batch
+
+
+def synthetic_batches(s: NemotronVLMSettings, ctx):
+    task = SyntheticTask(s)
+    for indices in ctx.sample_indices():
+        yield task.collate([task.sample(ctx.seed, i) for i in indices])

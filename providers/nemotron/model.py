@@ -1,0 +1,143 @@
+"""The family's modules as megatron-core specs: RADIO (RADIOViTModel) + projection, and a HybridModel LLM."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from megatron.core.activations import fast_gelu, squared_relu
+from megatron.core.models.hybrid.hybrid_model import HybridModel
+from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
+from megatron.core.models.vision.multimodal_projector import MultimodalProjector
+from megatron.core.models.vision.radio import RADIOViTModel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from mimo import Encoder
+
+from .settings import ENCODER, IMAGES, NemotronVLMSettings
+from .specs import hybrid_stack_spec, projection_submodules, resolve_backend, vit_layer_spec
+from .tokens import image_token_id
+
+
+def pixel_shuffle(tokens: torch.Tensor, rows: int, cols: int, side: int) -> torch.Tensor:
+    """[rows * cols, c] patch features (row-major) -> [(rows/side) * (cols/side), side * side * c].
+
+    Each output token is a side x side block of patches; its channels are ordered (row in block, column in
+    block, channel), the order of Megatron-LM's and InternVL's pixel_shuffle (version 2).
+    """
+    if side == 1:
+        return tokens
+    c = tokens.shape[-1]
+    blocks = tokens.reshape(rows // side, side, cols // side, side, c).permute(0, 2, 1, 3, 4)
+    return blocks.reshape((rows // side) * (cols // side), side * side * c)
+
+
+class RadioEncoder(RADIOViTModel):
+    """megatron-core's RADIOViTModel (same parameters, same names) whose output is one row per LLM token:
+    the class tokens of each image (tile) dropped, then each image's patch grid pixel-shuffled.
+
+    Fixed tiles: `x [N, 3, H, W]` -> `[N * (H/P) * (W/P) / shuffle, shuffle * hidden]`.
+    Dynamic resolution: `x [1, total_patches, 3*P*P]`, `imgs_sizes [N, 2]` (pixels), optional THD
+    `packed_seq_params` -> the images' tokens in order.
+    """
+
+    def __init__(self, *args, shuffle_side: int = 1, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.shuffle_side = shuffle_side
+
+    def forward(self, x, attention_mask=None, imgs_sizes=None, packed_seq_params=None, num_frames=None):
+        cls = self.class_token_len if self.add_class_token else 0
+        x = x.to(self.embedder.weight.dtype)  # pixels arrive in fp32 from a loader that does not know the model
+        if not self.dynamic_resolution:
+            out = super().forward(x, attention_mask)[:, cls:]  # [N, patches, hidden]
+            rows, cols = x.shape[-2] // self.patch_dim, x.shape[-1] // self.patch_dim
+            return torch.cat([pixel_shuffle(tile, rows, cols, self.shuffle_side) for tile in out])
+        grids = (torch.as_tensor(imgs_sizes) // self.patch_dim).tolist()
+        lengths = [r * c for r, c in grids]
+        # RADIOViTModel shifts the THD boundaries in place for its class tokens: give it a copy it may change.
+        packed_seq_params = _packed_params(lengths, packed_seq_params, x.device)
+        out = super().forward(x, attention_mask, imgs_sizes, packed_seq_params)[0]  # [patches + N * cls, hidden]
+        tokens, start = [], 0
+        for (rows, cols), n in zip(grids, lengths):
+            tokens.append(pixel_shuffle(out[start + cls:start + cls + n], rows, cols, self.shuffle_side))
+            start += cls + n
+        return torch.cat(tokens)
+
+
+def _packed_params(lengths: list[int], given: PackedSeqParams | None, device) -> PackedSeqParams:
+    """A fresh THD PackedSeqParams for images of `lengths` patches (checked against the one given)."""
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if given is not None:
+        if not torch.equal(given.cu_seqlens_q.cpu().to(torch.int32), cu):
+            raise ValueError(f"packed_seq_params.cu_seqlens_q {given.cu_seqlens_q.tolist()} does not match the "
+                             f"images' patch counts {lengths}")
+        return dataclasses.replace(given, cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device))
+    longest = max(lengths)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
+
+
+# ----------------------------------------------------------------------------------------------------- specs
+
+
+def vision_spec(s: NemotronVLMSettings, ctx) -> Encoder:
+    backend = resolve_backend(s.backend)
+    pgc = ctx.pg_collection(IMAGES)
+    vit_config = ctx.transformer_config(
+        IMAGES, num_layers=s.vision_layers, hidden_size=s.vision_hidden_size, num_attention_heads=s.vision_heads,
+        ffn_hidden_size=s.vision_ffn_hidden_size, kv_channels=s.vision_hidden_size // s.vision_heads,
+        normalization="LayerNorm", layernorm_epsilon=1e-6, add_bias_linear=True, add_qkv_bias=True,
+        activation_func=fast_gelu, gated_linear_unit=False, hidden_dropout=s.dropout, attention_dropout=s.dropout,
+        init_method_std=s.init_method_std,
+    )
+    projection_config = ctx.transformer_config(
+        # No attention: the head count only has to suit the encoder grid's TP, like the ViT's.
+        IMAGES, num_layers=1, hidden_size=s.hidden_size, ffn_hidden_size=s.projection_hidden_size,
+        num_attention_heads=s.vision_heads, add_bias_linear=False, activation_func=squared_relu,
+        gated_linear_unit=False, init_method_std=s.init_method_std,
+    )
+    encoder = ModuleSpec(module=RadioEncoder, params=dict(
+        transformer_config=vit_config, transformer_layer_spec=vit_layer_spec(backend),
+        add_class_token=s.class_tokens > 0, class_token_len=s.class_tokens, patch_dim=s.patch_size,
+        img_h=s.image_size, img_w=s.image_size, max_img_h=s.max_image_size, max_img_w=s.max_image_size,
+        has_cpe=True, embedder_bias=False, dynamic_resolution=s.dynamic_resolution,
+        # RADIO jitters its position embeddings in training mode unless told not to; never for a frozen encoder.
+        force_cpe_eval_mode=not (s.cpe_augmentation and s.trains_vision), shuffle_side=s.shuffle_side,
+        pg_collection=pgc,
+    ))
+    projection = ModuleSpec(module=MultimodalProjector, params=dict(
+        config=projection_config, submodules=projection_submodules(backend),
+        projector_type=s.projection, input_size=s.vision_output_size, pg_collection=pgc,
+    ))
+    spec = ModuleSpec(module=VisionModalitySubmodules, params={"pg_collection": pgc},
+                      submodules={"encoders": {ENCODER: encoder}, "input_projections": [projection]})
+    return Encoder(spec=spec, placeholder_token_id=image_token_id(s))
+
+
+def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
+    backend = resolve_backend(s.backend)
+    if ctx.parallelism["language"].tp > 1:  # megatron-core's TransformerConfig refuses it, less clearly
+        raise ValueError("--llm-tp > 1: megatron-core trains MoE layers under tensor parallelism only with "
+                         "sequence parallelism, which mimo does not enable; use --llm-tp 1 (and --llm-ep to "
+                         "split the experts)")
+    config = ctx.transformer_config(
+        "language", num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
+        num_query_groups=s.num_query_groups, kv_channels=s.kv_channels, ffn_hidden_size=s.moe_ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=1e-5, add_bias_linear=False, gated_linear_unit=False,
+        activation_func=squared_relu, hidden_dropout=s.dropout, attention_dropout=s.dropout,
+        init_method_std=s.init_method_std, mamba_num_heads=s.mamba_num_heads, mamba_head_dim=s.mamba_head_dim,
+        mamba_num_groups=s.mamba_num_groups, mamba_state_dim=s.mamba_state_dim,
+        num_moe_experts=s.num_experts, moe_router_topk=s.moe_router_topk, moe_ffn_hidden_size=s.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=s.moe_shared_expert_intermediate_size,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
+        moe_router_topk_scaling_factor=s.moe_router_topk_scaling_factor,
+        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=s.moe_aux_loss_coeff,
+        moe_grouped_gemm=backend == "te",
+    )
+    return ModuleSpec(module=HybridModel, params=dict(
+        config=config, hybrid_stack_spec=hybrid_stack_spec(backend, s.mamba_conv_kernel, s.num_experts),
+        vocab_size=s.vocab_size, max_sequence_length=s.seq_length, hybrid_layer_pattern=s.hybrid_pattern,
+        share_embeddings_and_output_weights=False, position_embedding_type="none",
+        pg_collection=ctx.pg_collection("language"),
+    ))

@@ -1,0 +1,142 @@
+"""The settings of the Nemotron MoE VLM family: one dataclass; the variants differ only in defaults (see
+`VARIANTS` in `__init__.py`). The defaults are the 20-layer model's."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+IMAGES = "images"  # the modality, also the encoder grid's module name
+ENCODER = "radio"  # the encoder's name inside the modality: modality_submodules.images.encoders.radio
+LAYER_SYMBOLS = {"M": "Mamba", "E": "MoE", "*": "attention"}
+
+PATTERN_20L = "MEMEM*EMEMEM*EMEMEM*"
+PATTERN_54L = "MEMEM*EMEM*EMEM*EMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEME"
+
+
+def _setting(default, help: str):
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class NemotronVLMSettings:
+    # -- what trains, and with which kernels
+    stage: Literal["stage1", "stage2", "stage3"] = _setting(
+        "stage3", "stage1: train the projection only; stage2: freeze the vision encoder; stage3: train all")
+    backend: Literal["auto", "te", "local"] = _setting(
+        "auto", "te: transformer-engine + mamba-ssm kernels; local: plain megatron-core/PyTorch modules (any "
+        "device); auto: te when both are installed and a GPU is visible")
+
+    # -- vision encoder (RADIO ViT)
+    vision_layers: int = _setting(32, "transformer layers of the RADIO encoder")
+    vision_hidden_size: int = _setting(1280, "hidden size of the RADIO encoder")
+    vision_heads: int = _setting(16, "attention heads of the RADIO encoder")
+    vision_ffn_hidden_size: int = _setting(5120, "MLP size of the RADIO encoder")
+    patch_size: int = _setting(16, "ViT patch size in pixels")
+    class_tokens: int = _setting(8, "class tokens RADIO adds per image (tile); dropped after the encoder; 0: none")
+    max_image_size: int = _setting(2048, "side in pixels of RADIO's position-embedding grid (CPE)")
+    cpe_augmentation: bool = _setting(True, "jitter RADIO's position embeddings (CPE) while the encoder trains, "
+                                            "as RADIOViTModel does in training mode; never while it is frozen")
+    dynamic_resolution: bool = _setting(True, "images keep their aspect ratio, packed into one THD sequence; "
+                                              "false: every image is one image_size x image_size tile")
+    image_size: int = _setting(512, "tile side in pixels (without dynamic resolution)")
+    min_patches: int = _setting(256, "dynamic resolution: fewest patches per image")
+    max_patches: int = _setting(4096, "dynamic resolution: most patches per image")
+    pixel_shuffle: bool = _setting(True, "merge each 2x2 block of patch features into one token (4x fewer)")
+    projection: Literal["mlp", "affine"] = _setting(
+        "affine", "vision-to-LLM projection: one linear layer, or an MLP (squared ReLU); no biases")
+    projection_hidden_size: int = _setting(20480, "hidden size of the mlp projection (4 x its input)")
+
+    # -- language model (hybrid Mamba / MoE / attention)
+    hybrid_pattern: str = _setting(PATTERN_20L, "one symbol per layer: M Mamba, E MoE, * attention")
+    hidden_size: int = _setting(2688, "hidden size of the language model")
+    num_attention_heads: int = _setting(32, "query heads of the attention layers")
+    num_query_groups: int = _setting(8, "key/value heads of the attention layers (grouped-query attention)")
+    kv_channels: int = _setting(128, "head dimension of the attention layers")
+    num_experts: int = _setting(128, "routed experts per MoE layer")
+    moe_router_topk: int = _setting(6, "experts each token is routed to")
+    moe_ffn_hidden_size: int = _setting(1856, "hidden size of each routed expert")
+    moe_shared_expert_intermediate_size: int = _setting(3712, "hidden size of the shared expert")
+    moe_router_topk_scaling_factor: float = _setting(2.5, "scale of the (normalized sigmoid) routing weights")
+    moe_aux_loss_coeff: float = _setting(1e-4, "coefficient of the per-sequence load-balancing loss")
+    mamba_num_heads: int = _setting(64, "Mamba-2 heads")
+    mamba_head_dim: int = _setting(64, "Mamba-2 head dimension")
+    mamba_num_groups: int = _setting(8, "Mamba-2 groups (B/C projections shared by heads of a group)")
+    mamba_state_dim: int = _setting(128, "Mamba-2 state size")
+    mamba_conv_kernel: int = _setting(4, "Mamba-2 causal convolution width")
+    vocab_size: int = _setting(131072, "vocabulary size (embedding and output layer, untied)")
+    seq_length: int = _setting(8192, "tokens per sample, image tokens included")
+    init_method_std: float = _setting(0.0173, "standard deviation of the initial weights (all modules)")
+
+    # -- tokens and synthetic data
+    tokenizer_path: str | None = _setting(
+        None, "local Hugging Face tokenizer folder; gives the image token and the synthetic captions' tokens")
+    image_token_id: int | None = _setting(None, "image placeholder token (default: the tokenizer's <image>, "
+                                                "else vocab_size - 1)")
+    image_probability: float = _setting(1.0, "synthetic data: fraction of samples with an image")
+    num_classes: int = _setting(16, "synthetic data: image classes, each with its own caption")
+    dropout: float = _setting(0.0, "hidden and attention dropout of both models")
+
+    def __post_init__(self):
+        bad = sorted(set(self.hybrid_pattern) - set(LAYER_SYMBOLS))
+        if not self.hybrid_pattern or bad:
+            raise ValueError(f"hybrid_pattern {self.hybrid_pattern!r} must be made of M (Mamba), E (MoE) and "
+                             f"* (attention)" + (f"; it has {bad}" if bad else ""))
+        for groups, heads in (("num_query_groups", "num_attention_heads"), ("mamba_num_groups", "mamba_num_heads")):
+            if getattr(self, heads) % getattr(self, groups):
+                raise ValueError(f"{groups} {getattr(self, groups)} does not divide {heads} {getattr(self, heads)}")
+        if not 1 <= self.moe_router_topk <= self.num_experts:
+            raise ValueError(f"moe_router_topk {self.moe_router_topk} must lie in [1, num_experts]")
+        if self.vision_hidden_size % self.vision_heads:
+            raise ValueError(f"vision_heads {self.vision_heads} does not divide vision_hidden_size "
+                             f"{self.vision_hidden_size}")
+        for name in ("image_size", "max_image_size"):
+            if getattr(self, name) % (self.patch_size * self.shuffle_side):
+                raise ValueError(f"{name} {getattr(self, name)} is not a multiple of "
+                                 f"{self.patch_size * self.shuffle_side} (patch_size x the pixel-shuffle side)")
+        if self.class_tokens < 0:
+            raise ValueError(f"class_tokens must be >= 0, got {self.class_tokens}")
+        if self.dynamic_resolution and not 1 <= self.min_patches <= self.max_patches <= self.max_grid ** 2:
+            raise ValueError(f"need 1 <= min_patches <= max_patches <= {self.max_grid ** 2} (the position grid of "
+                             f"max_image_size), got {self.min_patches}, {self.max_patches}")
+        if self.max_image_tokens >= self.seq_length:
+            raise ValueError(f"an image can take {self.max_image_tokens} tokens, which leaves no text in "
+                             f"seq_length {self.seq_length}")
+        if self.image_token_id is not None and not 0 <= self.image_token_id < self.vocab_size:
+            raise ValueError(f"image_token_id {self.image_token_id} is outside the vocabulary of {self.vocab_size}")
+        if not 0.0 <= self.image_probability <= 1.0:
+            raise ValueError(f"image_probability must lie in [0, 1], got {self.image_probability}")
+
+    # -- derived quantities
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.hybrid_pattern)
+
+    @property
+    def shuffle_factor(self) -> int:
+        """Patches merged into one token (1 or 4)."""
+        return 4 if self.pixel_shuffle else 1
+
+    @property
+    def shuffle_side(self) -> int:
+        return math.isqrt(self.shuffle_factor)
+
+    @property
+    def max_grid(self) -> int:
+        return self.max_image_size // self.patch_size
+
+    @property
+    def max_image_tokens(self) -> int:
+        patches = self.max_patches if self.dynamic_resolution else (self.image_size // self.patch_size) ** 2
+        return patches // self.shuffle_factor
+
+    @property
+    def vision_output_size(self) -> int:
+        """Width of an encoder token after pixel shuffle: the projection's input size."""
+        return self.vision_hidden_size * self.shuffle_factor
+
+    @property
+    def trains_vision(self) -> bool:
+        return self.stage == "stage3"

@@ -1,0 +1,135 @@
+"""Layer specs for both backends.
+
+`te` uses megatron-core's own transformer-engine specs (the hybrid stack of `hybrid_layer_specs`, the ViT layer of
+`vit_layer_specs`). `local` is the same architecture from megatron-core's local pieces: each TE module is replaced
+by the local module in `TE_TO_LOCAL`, and nothing else changes (tests walk both specs side by side to check it).
+Parameter names are therefore equal in both backends except inside the routed experts (see README.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+from functools import partial
+
+import torch
+from megatron.core.extensions import transformer_engine as te
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
+from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+from megatron.core.ssm.mamba_mixer import MambaMixer
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_layer import (
+    MoETransformerLayer, TransformerLayer, TransformerLayerSubmodules,
+)
+
+from .attention import PackedSDPAttention
+from .layers import LayerNormColumnParallelLinear, LocalHybridStack
+from .mamba_mixer import LocalMambaMixer, MambaMixerSubmodules
+
+# Each TE (or kernel-backed) module and its local counterpart, with identical parameters and names. The routed
+# experts are the one structural difference: TEGroupedMLP (one grouped GEMM) against megatron's SequentialMLP
+# (one MLP per expert); their distributed-checkpoint keys are the same (megatron-core makes them so).
+TE_TO_LOCAL = {
+    te.TELayerNormColumnParallelLinear: LayerNormColumnParallelLinear,
+    te.TEColumnParallelLinear: ColumnParallelLinear,
+    te.TERowParallelLinear: RowParallelLinear,
+    te.TEDotProductAttention: PackedSDPAttention,
+    te.TENorm: WrappedTorchNorm,
+    MambaMixer: LocalMambaMixer,
+    HybridStack: LocalHybridStack,
+}
+
+
+def te_available() -> bool:
+    """transformer-engine and mamba-ssm both import, and a GPU is visible (their kernels need one)."""
+    from megatron.core.ssm import mamba_mixer
+
+    return te.HAVE_TE and mamba_mixer.HAVE_MAMBA_SSM and torch.cuda.is_available()
+
+
+def resolve_backend(requested: str) -> str:
+    if requested == "auto":
+        return "te" if te_available() else "local"
+    if requested == "te" and not te_available():
+        missing = [name for name, ok in (("transformer-engine", te.HAVE_TE),
+                                         ("mamba-ssm", importlib.util.find_spec("mamba_ssm") is not None),
+                                         ("a visible GPU", torch.cuda.is_available())) if not ok]
+        raise RuntimeError(f"backend 'te' needs {', '.join(missing) or 'transformer-engine and mamba-ssm'}; "
+                           f"use backend=local (or auto)")
+    return requested
+
+
+# --------------------------------------------------------------------------------------------- language model
+
+
+def _te_hybrid_stack(conv_kernel: int) -> ModuleSpec:
+    """megatron-core's TE hybrid stack with only the layer kinds this family uses (M, E, *)."""
+    from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
+
+    sub = hybrid_stack_spec.submodules
+    mixer = sub.mamba_layer.submodules.mixer  # copied, not changed: the spec is megatron-core's module global
+    mixer = dataclasses.replace(mixer, params={**mixer.params, "d_conv": conv_kernel})
+    mamba = dataclasses.replace(sub.mamba_layer, submodules=dataclasses.replace(sub.mamba_layer.submodules,
+                                                                                mixer=mixer))
+    return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
+        mamba_layer=mamba, attention_layer=sub.attention_layer, moe_layer=sub.moe_layer))
+
+
+def _local_hybrid_stack(conv_kernel: int, num_experts: int) -> ModuleSpec:
+    """The same stack from local modules: the norms fused into the first linear of each layer kind, like TE's."""
+    mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+        mixer=ModuleSpec(module=LocalMambaMixer, params={"d_conv": conv_kernel}, submodules=MambaMixerSubmodules(
+            in_proj=LayerNormColumnParallelLinear, out_proj=RowParallelLinear)),
+        mamba_bda=get_bias_dropout_add))
+    attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        self_attention=ModuleSpec(
+            module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+            submodules=SelfAttentionSubmodules(linear_qkv=LayerNormColumnParallelLinear,
+                                               core_attention=PackedSDPAttention, linear_proj=RowParallelLinear)),
+        self_attn_bda=get_bias_dropout_add))
+    moe = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+        pre_mlp_layernorm=WrappedTorchNorm,
+        mlp=get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False),
+        mlp_bda=get_bias_dropout_add))
+    return ModuleSpec(module=LocalHybridStack, submodules=HybridStackSubmodules(
+        mamba_layer=mamba, attention_layer=attention, moe_layer=moe))
+
+
+def hybrid_stack_spec(backend: str, conv_kernel: int, num_experts: int) -> ModuleSpec:
+    return _te_hybrid_stack(conv_kernel) if backend == "te" else _local_hybrid_stack(conv_kernel, num_experts)
+
+
+# --------------------------------------------------------------------------------------------- vision encoder
+
+
+def vit_layer_spec(backend: str) -> ModuleSpec:
+    """A pre-norm ViT layer without a causal mask; te is megatron-core's own TE ViT layer."""
+    if backend == "te":
+        from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
+
+        return get_vit_layer_with_transformer_engine_spec()
+    return ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
+        self_attention=ModuleSpec(
+            module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask},
+            submodules=SelfAttentionSubmodules(linear_qkv=LayerNormColumnParallelLinear,
+                                               core_attention=PackedSDPAttention, linear_proj=RowParallelLinear)),
+        self_attn_bda=get_bias_dropout_add,
+        pre_mlp_layernorm=IdentityOp,
+        mlp=partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(
+            linear_fc1=LayerNormColumnParallelLinear, linear_fc2=RowParallelLinear)),
+        mlp_bda=get_bias_dropout_add))
+
+
+def projection_submodules(backend: str) -> MLPSubmodules:
+    """fc1 and fc2 of the projection, no norm. fc1 is megatron's ColumnParallelLinear in both backends: the
+    affine projection builds it with gather_output=True, which TE's linear layers refuse."""
+    return MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                         linear_fc2=te.TERowParallelLinear if backend == "te" else RowParallelLinear)
