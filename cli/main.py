@@ -41,6 +41,7 @@ def _quiet_import_notices() -> None:
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     # mimo writes common.pt for Megatron's tools; megatron-core then notes it reads the "legacy" file.
     logging.getLogger("megatron.core.dist_checkpointing.strategies.common").setLevel(logging.ERROR)
+    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").setLevel(logging.ERROR)
 
 
 def _run(**kwargs):

@@ -17,6 +17,7 @@ import pickle
 import random
 import shutil
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -89,6 +90,7 @@ class Checkpointer:
 
         if self.async_queue is not None:
             self.async_queue.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
+        self._save_started = time.perf_counter()
         directory = iteration_dir(self.options.save, iteration)
         if dist.get_rank() == 0:
             if directory.exists():  # a save killed before its tracker update; never the tracked one
@@ -127,6 +129,7 @@ class Checkpointer:
             _atomic_write(root / TRACKER, lambda f: f.write(f"{iteration}\n".encode()))
             if self.options.keep_last:
                 _prune(root, self.options.keep_last, keep=iteration)
+            _report("saved", iteration_dir(root, iteration), time.perf_counter() - self._save_started)
         dist.barrier()
 
     def _common(self, iteration: int, consumed_samples: int) -> dict:
@@ -180,6 +183,13 @@ class Checkpointer:
 
     def load(self) -> tuple[int, int, dict | None]:
         """Restore what the options say; return (iteration, consumed samples, this lane's saved data state)."""
+        started = time.perf_counter()
+        result = self._load()
+        if result[0] and dist.get_rank() == 0:
+            _report("loaded", iteration_dir(self.options.load, result[0]), time.perf_counter() - started)
+        return result
+
+    def _load(self) -> tuple[int, int, dict | None]:
         opts = self.options
         iteration = read_tracker(opts.load) if opts.load else None
         if iteration is None:
@@ -402,6 +412,12 @@ def _set_rng_state(state: dict) -> None:
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
     get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _report(verb: str, directory: Path, seconds: float) -> None:
+    size = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+    print(f"{verb} checkpoint {directory} in {seconds:.2f} s ({size / 2**30:.3f} GiB, "
+          f"{size / 2**30 / max(seconds, 1e-9):.2f} GiB/s)", flush=True)
 
 
 def _atomic_write(path: Path, write) -> None:

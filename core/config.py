@@ -67,6 +67,8 @@ class LoggingOptions:
     tensorboard_dir: Path | None = option(None, "write TensorBoard scalars here (Megatron's names)")
     log_timers: bool = option(False, "time data, forward, backward, bridge and optimizer per module (syncs GPUs)")
     peak_tflops: float | None = option(None, "the GPU's dense bf16 peak TFLOP/s for MFU (default: known GPUs)")
+    flop_check_iteration: int | None = option(
+        None, "count this iteration's FLOPs with torch's counter and compare with the provider's model_flops")
     max_nan_iters: int = option(10, "stop after this many iterations in a row with a non-finite loss or grad norm")
 
 

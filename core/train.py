@@ -126,7 +126,10 @@ def train(plan: Plan) -> list[dict]:
     model.train()
     try:
         for iteration in range(start_iteration + 1, plan.train_iters + 1):
-            result = trainer.step(data)
+            if iteration == config.logging.flop_check_iteration:
+                result = _counted_step(trainer, data, logger, device)
+            else:
+                result = trainer.step(data)
             consumed += plan.global_batch_size
             logger.update(iteration, result, consumed)
             if checkpointer and c.save:
@@ -141,6 +144,23 @@ def train(plan: Plan) -> list[dict]:
     # Tear the groups down while every rank is still here: gloo's threads abort a process that exits with them.
     dist.destroy_process_group()
     return logger.records if logging_rank else []
+
+
+def _counted_step(trainer, data, logger, device):
+    """One step under torch's FLOP counter (forward and backward, every rank's share summed), compared with the
+    provider's model_flops figure the logs use for TFLOP/s and MFU."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        result = trainer.step(data)
+    counted = torch.tensor([float(counter.get_total_flops())], dtype=torch.float64, device=device)
+    dist.all_reduce(counted)
+    if logger.enabled:
+        reported = logger.flops_per_iteration
+        ratio = f"{reported / counted.item():.3f}" if reported and counted.item() else "n/a"
+        print(f"FLOP check: torch's counter {counted.item():.4e} FLOPs this iteration, model_flops x 3 "
+              f"{reported or 0:.4e} (ratio {ratio})", flush=True)
+    return result
 
 
 def run(config: RunConfig, registry: Registry | None = None) -> list[dict]:
