@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -68,3 +70,24 @@ def write_distribution(root: Path, dist_name: str, module: str, entry_point: str
     """))
     (root / f"{module}.py").write_text(textwrap.dedent(code))
     return root
+
+
+@contextlib.contextmanager
+def world_of_one():
+    """A one-process gloo world on the CPU (CUDA redirected), torn down afterwards if this created it."""
+    import torch.distributed as dist
+
+    from mimo.core import cpu_redirect
+
+    cpu_redirect.enable()  # megatron's RNG tracker reads "CUDA" generator state; on the CPU it is the CPU's
+    created = not dist.is_initialized()
+    if created:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if created:
+            dist.destroy_process_group()

@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 
 from helpers import REPO, install_distribution, read_metrics, run_mimo, write_distribution
 

@@ -3,9 +3,10 @@ the whole mixer against a from-scratch reference, and its parameters against meg
 
 from __future__ import annotations
 
-import socket
 
 import pytest
+
+from helpers import world_of_one
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -13,7 +14,6 @@ import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
-from mimo.core import cpu_redirect
 from mimo.core.launch import seed_everything
 from mimo.providers.nemotron.mamba_mixer import LocalMambaMixer, MambaMixerSubmodules, ssd_scan
 
@@ -91,18 +91,10 @@ def test_chunk_size_does_not_change_the_result():
 @pytest.fixture(scope="module")
 def pg_collection():
     """A world of one (gloo) and explicit process groups: no megatron parallel_state initialization."""
-    cpu_redirect.enable()  # megatron's RNG tracker reads "CUDA" generator state; on the CPU it is the CPU's
-    created = not dist.is_initialized()
-    if created:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    group = dist.new_group([0])
-    yield ProcessGroupCollection(tp=group, cp=group, pp=group, dp=group, dp_cp=group, tp_cp=group, ep=group,
-                                 expt_tp=group, expt_dp=group, tp_ep=group, mp=group)
-    if created:
-        dist.destroy_process_group()
+    with world_of_one():
+        group = dist.new_group([0])
+        yield ProcessGroupCollection(tp=group, cp=group, pp=group, dp=group, dp_cp=group, tp_cp=group, ep=group,
+                                     expt_tp=group, expt_dp=group, tp_ep=group, mp=group)
 
 
 def make_config(hidden=16, heads=4, head_dim=8, groups=2, state=6, dtype=torch.float32, **kwargs):

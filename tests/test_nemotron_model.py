@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import socket
 
 import pytest
+
+from helpers import world_of_one
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -18,7 +19,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
-from mimo.core import cpu_redirect, topology
+from mimo.core import topology
 from mimo.core.config import LayoutOptions
 from mimo.core.launch import seed_everything
 from mimo.plugins import BuildContext, DataContext
@@ -37,16 +38,8 @@ from mimo.providers.nemotron.settings import PATTERN_20L, PATTERN_54L
 @pytest.fixture(scope="module")
 def world():
     """A world of one (gloo); process groups come from mimo's topology, as in a run."""
-    cpu_redirect.enable()
-    created = not dist.is_initialized()
-    if created:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    if created:
-        dist.destroy_process_group()
+    with world_of_one():
+        yield
 
 
 def build(seed: int = 0, **overrides):

@@ -1,6 +1,5 @@
 """What a run reports: TensorBoard scalars, non-finite iterations, per-module timing."""
 
-import os
 
 from helpers import install_distribution, read_metrics, run_mimo, write_distribution
 

@@ -7,6 +7,10 @@ parameters by shifting each later lane's cumulative sequence lengths by the prev
 dynamic-resolution when it has `imgs_sizes` or `packed_seq_params`, otherwise fixed tiles, so two lanes whose
 buffers happen to have the same shape still merge on the right dimension. A key outside the schema raises
 `TypeError` naming it.
+
+Whole micro-batches of several lanes merge the same way (`merge_lane_batches`): the `[b, s]` token tensors stack
+in lane order (an encoder rank's MimoModel reads each row's placeholders to split its output per sample),
+`modality_inputs` merge as above, and `packing_kwargs` join like packed sequence parameters.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 __all__ = [
-    "DYNAMIC_RESOLUTION_SCHEMA", "FIXED_TILES_SCHEMA", "merge_encoder_inputs", "merge_modality_inputs",
-    "merge_packed_seq_params", "schema_of",
+    "DYNAMIC_RESOLUTION_SCHEMA", "FIXED_TILES_SCHEMA", "ROW_KEYS", "merge_encoder_inputs", "merge_lane_batches",
+    "merge_modality_inputs", "merge_packed_seq_params", "schema_of",
 ]
 
 CAT_DIM0 = "cat_dim0"
@@ -153,3 +157,42 @@ def merge_modality_inputs(inputs: Iterable[Mapping[str, Mapping[str, Mapping[str
         if merged:
             out[modality] = merged
     return out
+
+
+# A micro-batch's per-row tensors `[b, s]`, stacked on dim 0 when lanes merge.
+ROW_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask")
+
+
+def merge_lane_batches(batches: Iterable[Mapping[str, Any]]) -> dict:
+    """One micro-batch from several lanes' micro-batches, rows in lane order.
+
+    Rows of different widths (lanes padded to their own longest row) are right-padded with zeros (no loss, no
+    placeholder) to the widest, except under `packing_kwargs`, whose offsets count every row at full width.
+    """
+    batches = [dict(b) for b in batches]
+    if not batches:
+        raise ValueError("no micro-batches to merge")
+    for b in batches:
+        unknown = sorted(set(b) - set(ROW_KEYS) - {"modality_inputs", "packing_kwargs"})
+        if unknown:
+            raise TypeError(f"merge_lane_batches: no merge rule for key {unknown[0]!r} (known keys: "
+                            f"{sorted(ROW_KEYS) + ['modality_inputs', 'packing_kwargs']})")
+    width = max(b["input_ids"].shape[1] for b in batches)
+    merged: dict[str, Any] = {}
+    for key in ROW_KEYS:
+        present = [key in b for b in batches]
+        if not any(present):
+            continue
+        if not all(present):
+            raise ValueError(f"key {key!r} is missing from lanes {[i for i, p in enumerate(present) if not p]}")
+        rows = [b[key] for b in batches]
+        rows = [torch.nn.functional.pad(r, (0, width - r.shape[1])) if r.shape[1] < width else r for r in rows]
+        merged[key] = torch.cat(rows, dim=0)
+    merged["modality_inputs"] = merge_modality_inputs(b.get("modality_inputs") for b in batches)
+    packing = [b.get("packing_kwargs") for b in batches]
+    if any(p is not None for p in packing):
+        if any(p is None for p in packing) or any(b["input_ids"].shape[1] != width for b in batches):
+            raise ValueError("packed lanes merge only when every lane is packed into rows of the same width")
+        joined = merge_packed_seq_params(PackedSeqParams(**p) for p in packing)
+        merged["packing_kwargs"] = {k: getattr(joined, k) for k in packing[0]}
+    return merged

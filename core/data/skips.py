@@ -10,6 +10,10 @@ never reach that handler, so `MultimodalTaskEncoder` reports them to the counter
 
 The count lives in shared memory, so it also sums the skips of DataLoader worker processes started after the
 counter was made; the `records` list (keys and messages) is per process.
+
+That count runs ahead of training (workers read ahead) and counts again what a restored loader re-reads. A
+`SkipLedger` attached to the counter fixes both: it notes *where* in each worker's stream a sample was dropped, so
+the lane loader (`lane_loader.py`) counts a skip only once the consumed stream has passed it.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SkipRecord", "SkippedSampleCounter", "sample_key_of"]
+__all__ = ["SkipLedger", "SkipRecord", "SkippedSampleCounter", "sample_key_of"]
 
 DECODE_ERROR = "error"  # an exception from loading/decoding/encoding a sample, reported by energon
 TOO_LONG = "too_long"  # dropped by the task encoder: the image tokens alone exceed the sequence budget
@@ -59,9 +63,10 @@ class SkippedSampleCounter:
     With `verbose`, each error is also printed with its traceback (energon's default `log_exception` behaviour).
     """
 
-    def __init__(self, *, verbose: bool = False, max_records: int = 1000):
+    def __init__(self, *, verbose: bool = False, max_records: int = 1000, ledger: SkipLedger | None = None):
         self.verbose = verbose
         self.max_records = max_records
+        self.ledger = ledger
         self.records: list[SkipRecord] = []
         self._lock = threading.Lock()
         self._shared = multiprocessing.Value("q", 0)
@@ -83,6 +88,8 @@ class SkippedSampleCounter:
         if self._shared is not None:
             with self._shared.get_lock():
                 self._shared.value += 1
+        if self.ledger is not None:
+            self.ledger.note()
 
     @property
     def count(self) -> int:
@@ -129,6 +136,82 @@ class SkippedSampleCounter:
 
     def __repr__(self) -> str:
         return f"SkippedSampleCounter(count={self.count}, by_reason={self.counts()})"
+
+
+class SkipLedger:
+    """Where each loader worker dropped samples, so that a drop counts exactly when the consumed stream passes it.
+
+    energon numbers the samples each worker yields (the index is in the sample's restore key). A worker that drops
+    a sample notes the index of the sample it will yield next, in shared memory, before yielding that sample; the
+    main process, once it consumes a worker's sample with index i, counts that worker's notes up to i (`take`). So
+    read-ahead is not counted early, and samples re-read after a restore (energon replays from its last internal
+    checkpoint) are not counted twice: notes below `floor` were counted before the save.
+
+    One writer per worker slot (the worker), one reader (the main process): no lock is needed for the notes.
+    """
+
+    def __init__(self, num_workers: int, capacity: int = 1024):
+        self.num_workers = max(1, num_workers)
+        self.capacity = capacity  # notes a worker may run ahead of the reader (energon gives up after 100 in a row)
+        self._notes = multiprocessing.Array("q", self.num_workers * capacity, lock=False)
+        self._written = multiprocessing.Array("q", self.num_workers, lock=False)
+        self._loose = multiprocessing.Value("q", 0)  # drops outside a worker's iteration: counted at once
+        self._read = [0] * self.num_workers
+        self._loose_read = 0
+        self.pending: list[list[int]] = [[] for _ in range(self.num_workers)]
+        self.floor = [0] * self.num_workers
+
+    def note(self) -> None:
+        """In the worker that drops a sample (called by `SkippedSampleCounter.record`)."""
+        from megatron.energon import WorkerConfig
+
+        config = WorkerConfig.active_worker_config
+        if config is None:
+            with self._loose.get_lock():
+                self._loose.value += 1
+            return
+        worker = config.rank_worker_id()
+        # active_worker_batch_index = (outermost sample index) * workers + worker: the index of the next yield
+        index = (config.active_worker_batch_index - worker) // max(config.num_workers, 1)
+        written = self._written[worker]
+        self._notes[worker * self.capacity + written % self.capacity] = index
+        self._written[worker] = written + 1
+
+    def _drain(self, worker: int) -> int:
+        """Move the worker's new notes to `pending`; return how many were lost to overflow (counted at once)."""
+        written, lost = self._written[worker], 0
+        if written - self._read[worker] > self.capacity:
+            lost = written - self._read[worker] - self.capacity
+            self._read[worker] = written - self.capacity
+        for n in range(self._read[worker], written):
+            index = self._notes[worker * self.capacity + n % self.capacity]
+            if index >= self.floor[worker]:
+                self.pending[worker].append(index)
+        self._read[worker] = written
+        return lost
+
+    def take(self, worker: int, index: int) -> int:
+        """Drops the stream of `worker` passed on its way to its sample `index` (not counted before)."""
+        lost = self._drain(worker)
+        passed = [i for i in self.pending[worker] if i <= index]
+        self.pending[worker] = [i for i in self.pending[worker] if i > index]
+        return lost + len(passed)
+
+    def take_loose(self) -> int:
+        value = self._loose.value
+        count, self._loose_read = value - self._loose_read, value
+        return count
+
+    def notes_upto(self, worker: int, index: int) -> list[int]:
+        """Uncounted notes up to `index` (the last sample pulled from `worker`): what a saved state must keep,
+        since a restored worker resumes after that sample and will not meet those drops again."""
+        self._drain(worker)
+        return [i for i in self.pending[worker] if i <= index]
+
+    def restore(self, worker: int, notes: list[int], pulled: int) -> None:
+        """After a restore: keep the saved notes; ignore notes the worker makes while re-reading up to `pulled`."""
+        self.pending[worker] = list(notes)
+        self.floor[worker] = pulled + 1
 
 
 def _describe(exception: Any) -> str:
