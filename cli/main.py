@@ -15,12 +15,14 @@ from mimo.errors import TrainingStopped, UsageError
 
 from .options import loop_parameters, provider_parameters, run_config, with_options
 from .ckpt import ckpt_app
+from .data import data_app
 from .providers import providers_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Train multimodal models on megatron-core; model families come as provider plugins.")
 app.add_typer(providers_app, name="providers")
 app.add_typer(ckpt_app, name="ckpt")
+app.add_typer(data_app, name="data")
 
 
 def fail(message: str) -> typer.Exit:

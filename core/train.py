@@ -104,6 +104,9 @@ def train(plan: Plan) -> list[dict]:
         if consumed:
             source = open_data(consumed)  # index-addressed data continues from the samples already seen
         if data_state and data_state.get("loader") is not None:
+            if not hasattr(source, "load_state_dict"):
+                raise UsageError(f"the checkpoint in {c.load} holds a data loader's position (it was saved with "
+                                 f"--data): resume with the same --data, or pass --finetune")
             source.load_state_dict(data_state["loader"])
     first_batch = next(source)
     data = _chain(first_batch, source)

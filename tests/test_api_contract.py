@@ -172,7 +172,7 @@ def test_micro_batch_needs_every_key():
 
 def test_images_need_placeholders_and_placeholders_need_images():
     message = failure(data_with(lambda b: {**b, "modality_inputs": {}}))
-    assert message == ("data_provider: micro-batch 0 has 32 'images' placeholder tokens (id 255) but no "
+    assert message == ("data_provider: micro-batch 0 has 32 'images' placeholder tokens (id 259) but no "
                        "modality_inputs['images']")
 
 

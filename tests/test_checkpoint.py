@@ -98,7 +98,7 @@ def test_async_save_keep_last_and_inspect(tmp_path):
     import json
     summary = json.loads(inspected.stdout)
     assert summary["iteration"] == 4 and summary["provider"] == "mock-vlm" and summary["consumed_samples"] == 16
-    assert summary["parameters"] == {"images": 121792, "language": 132864} and summary["contents"]["optimizer"]
+    assert summary["parameters"] == {"images": 121792, "language": 133376} and summary["contents"]["optimizer"]
 
 
 def test_weights_only_checkpoint_warns_and_starts_a_fresh_optimizer(tmp_path):

@@ -53,6 +53,6 @@ def test_mimo_plan_command():
     assert ok.returncode == 0 and summary["valid"] and summary["llm_data_parallel_lanes"] == 3
     assert [(m["module"], m["ranks"], m["dp"]) for m in summary["modules"]] == [("images", [0, 0], 1),
                                                                                 ("language", [1, 3], 3)]
-    assert summary["modules"][1]["parameters"] == 132864
+    assert summary["modules"][1]["parameters"] == 133376
     bad = run_mimo("plan", "--provider", "mock-vlm", "--nproc-per-node", "4", "--encoder-ranks", "1", "--llm-tp", "3")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

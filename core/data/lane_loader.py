@@ -8,7 +8,8 @@ the very same global workers. Each sample carries its global worker id in its re
 that worker's queue, and letting each lane take from its own workers in turn, gives every lane exactly the stream
 a loader of its own would give. Every rank that reads a lane (its LLM TP/PP ranks, the encoder ranks feeding it)
 therefore sees the same samples in the same order. Without worker processes (`W = 0`) each lane gets an
-in-process loader of its own (energon treats it as one worker).
+in-process loader of its own (energon treats it as one worker). The streams depend on `L x W` (energon's global
+worker count) and the seed, not on how the encoders are laid out.
 
 Batches. Workers decode and encode samples (`task_encoder.encode_sample`); the micro-batch is batched here
 (`task_encoder.batch`), per lane, from `micro_batch_size` consecutive samples of the lane's stream. An encoder
@@ -21,8 +22,10 @@ stream. The format does not depend on how many lanes a loader serves, so one lan
 any rank that reads it.
 
 Bad samples. A sample that fails to load or encode is dropped by energon's error handler (a
-`SkippedSampleCounter` with a `SkipLedger`) and counted once the consumed stream passes it (`skipped_samples`).
-A missing or empty dataset, or fewer samples than workers, is one `UsageError` line.
+`SkippedSampleCounter` with a `SkipLedger`) and counted once the consumed samples reach the point where its worker
+met it (`skipped_samples`): the count depends on the stream alone, not on prefetching, and a restore does not
+count the re-read drops again. A missing or empty dataset, fewer samples than workers, or a dataset energon gives
+up on (too many bad samples in a row) is one `UsageError` line.
 """
 
 from __future__ import annotations
@@ -94,12 +97,14 @@ class _Stream:
         self.skipped = {lane: 0 for lane in lanes}
 
     def _check_sizes(self, path: str, num_lanes: int, num_workers: int) -> None:
+        """energon cannot repeat a worker's empty share of the dataset: it would fail deep in the worker."""
         sizes = [self.dataset.len_worker(w) for w in range(len(self.lanes) * self.per_lane)]
-        if sum(sizes) == 0 and len(self.dataset) == 0:
+        if 0 not in sizes:
+            return
+        if num_lanes * self.per_lane == 1:
             raise UsageError(f"--data {path}: the dataset has no training samples")
-        if 0 in sizes:  # energon cannot repeat an empty worker share: it would fail deep in the worker
-            raise UsageError(f"--data {path}: too few samples for {num_lanes} LLM data-parallel lanes x "
-                             f"{max(num_workers, 1)} loader workers (some workers get none): lower --num-workers")
+        raise UsageError(f"--data {path}: too few training samples for {num_lanes} LLM data-parallel lanes x "
+                         f"{self.per_lane} loader workers (some workers get none): lower --num-workers")
 
     # -- reading ------------------------------------------------------------------------------------------------
 
@@ -113,25 +118,29 @@ class _Stream:
             workers: list[Any] = []
             for lane in self.lanes:
                 workers += self._restore_lane(lane, lane_states[lane])
+            self.restored = workers
             if self.num_workers == 0:
                 states, first = workers[:1], 0
             else:
                 states = [w if w is not None else SavableDatasetCheckpoint(state=None, offset=0) for w in workers]
                 # one lane: start energon at the lane's turn, so nothing waits in a queue
                 first = self.turn[self.lanes.start] if len(self.lanes) == 1 else 0
-                self.restored = workers
             if any(s is not None for s in states):
                 self.loader.restore_state_rank(SavableDataLoaderState(worker_states=states, next_worker_id=first,
                                                                       micro_batch_size=None))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*pin_memory.*")
-            self.iterator = iter(self.loader)
 
     def close(self) -> None:
-        """Stop the worker processes (dropping torch's iterator shuts them down)."""
+        """Stop the worker processes: closing energon's generator drops torch's iterator, which shuts them down
+        (the loader and its generator refer to each other, so dropping them alone waits for the garbage collector)."""
+        if self.iterator is not None:
+            self.iterator.close()
         self.iterator = self.loader = None
 
     def _pull(self) -> None:
+        if self.iterator is None:  # energon starts its workers here, after any restore
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=".*pin_memory.*")
+                self.iterator = iter(self.loader)
         try:
             sample = next(self.iterator)
         except FatalSampleError as err:
@@ -162,7 +171,7 @@ class _Stream:
 
     def _energon_states(self) -> list[Any]:
         """energon's state per worker (None: not started), as of the samples pulled so far."""
-        if self.loader is None:
+        if self.iterator is None:  # nothing pulled since the start or the restore
             return list(self.restored)
         state = self.loader.save_state_rank()
         if state is None:
@@ -308,6 +317,8 @@ class LaneLoader:
     @property
     def skipped_samples(self) -> int:
         """Samples dropped as unreadable (or not encodable) that this rank's consumed stream has passed."""
+        if not self._started and self._state is not None:
+            return sum(self._state["lanes"][lane]["skipped"] for lane in self.lanes)
         self._loose += sum(s.loose_skips() for s in self._streams)
         return self._loose + sum(s.skipped[lane] for s in self._streams for lane in s.lanes)
 

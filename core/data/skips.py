@@ -11,9 +11,9 @@ never reach that handler, so `MultimodalTaskEncoder` reports them to the counter
 The count lives in shared memory, so it also sums the skips of DataLoader worker processes started after the
 counter was made; the `records` list (keys and messages) is per process.
 
-That count runs ahead of training (workers read ahead) and counts again what a restored loader re-reads. A
+That count depends on how far the workers have read ahead, and counts again what a restored loader re-reads. A
 `SkipLedger` attached to the counter fixes both: it notes *where* in each worker's stream a sample was dropped, so
-the lane loader (`lane_loader.py`) counts a skip only once the consumed stream has passed it.
+the lane loader (`lane_loader.py`) counts a drop once the samples it consumed have reached that point.
 """
 
 from __future__ import annotations
@@ -139,13 +139,14 @@ class SkippedSampleCounter:
 
 
 class SkipLedger:
-    """Where each loader worker dropped samples, so that a drop counts exactly when the consumed stream passes it.
+    """Where each loader worker dropped samples, so that a drop counts when the consumed samples reach that point.
 
     energon numbers the samples each worker yields (the index is in the sample's restore key). A worker that drops
     a sample notes the index of the sample it will yield next, in shared memory, before yielding that sample; the
     main process, once it consumes a worker's sample with index i, counts that worker's notes up to i (`take`). So
-    read-ahead is not counted early, and samples re-read after a restore (energon replays from its last internal
-    checkpoint) are not counted twice: notes below `floor` were counted before the save.
+    the count does not depend on how far the workers' prefetching has got, and samples re-read after a restore
+    (energon replays from its last internal checkpoint) are not counted twice: notes below `floor` were counted
+    before the save. (A shuffle buffer reads up to its size ahead of what it yields: its drops count that early.)
 
     One writer per worker slot (the worker), one reader (the main process): no lock is needed for the notes.
     """

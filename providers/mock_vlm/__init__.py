@@ -1,4 +1,5 @@
-"""mock-vlm: a small ViT, a projection and a GPT built from megatron-core, trained on synthetic image+text data.
+"""mock-vlm: a small ViT, a projection and a GPT built from megatron-core, trained on synthetic image+text data or,
+with `--data`, on an energon captioning dataset (e.g. one `mimo data sample` writes).
 
 Small and fast (50 iterations in well under two minutes on two CPU cores): for smoke runs and tests.
 """
@@ -29,10 +30,12 @@ class MockVLMSettings:
     hidden_size: int = _setting(64, "hidden size of the language model")
     num_attention_heads: int = _setting(4, "attention heads of the language model")
     ffn_hidden_size: int | None = _setting(None, "MLP size of both models (default: 4 x hidden size)")
-    vocab_size: int = _setting(256, "vocabulary size; the last id is the image placeholder")
+    # 260 = the byte tokenizer's 256 bytes + pad, bos, eos, image: what `--data` captions need.
+    vocab_size: int = _setting(260, "vocabulary size; the last id is the image placeholder")
     seq_length: int = _setting(64, "tokens per sample, image tokens included")
     image_probability: float = _setting(1.0, "fraction of samples that carry an image (others are text only)")
     num_classes: int = _setting(8, "synthetic data: image classes, each with its own caption")
+    shuffle_buffer: int = _setting(100, "--data: energon's sample shuffle buffer (0: none; shards still shuffle)")
     dropout: float = _setting(0.0, "hidden and attention dropout of both models")
     freeze_vision: bool = _setting(False, "do not train the ViT (the projection still trains)")
     freeze_language: bool = _setting(False, "do not train the language model")
@@ -44,6 +47,8 @@ class MockVLMSettings:
             raise ValueError(f"an image's {self.image_tokens} tokens do not fit in seq_length {self.seq_length}")
         if not 0.0 <= self.image_probability <= 1.0:
             raise ValueError(f"image_probability must lie in [0, 1], got {self.image_probability}")
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be 0 or more, got {self.shuffle_buffer}")
 
     @property
     def image_tokens(self) -> int:
@@ -88,9 +93,9 @@ def build_language_model(settings: MockVLMSettings, ctx):
 
 @hookimpl
 def data_provider(settings: MockVLMSettings, ctx):
-    from .data import synthetic_batches
+    from .data import energon_batches, synthetic_batches
 
-    return synthetic_batches(settings, ctx)
+    return energon_batches(settings, ctx) if ctx.data_path else synthetic_batches(settings, ctx)
 
 
 @hookimpl

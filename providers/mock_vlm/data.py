@@ -1,14 +1,20 @@
-"""Synthetic image+caption data for mock-vlm.
+"""mock-vlm's data: synthetic image+caption samples, or (with `--data`) an energon captioning dataset.
 
-Each of `num_classes` classes has a fixed image pattern and a fixed caption. A sample is a noisy image of one
+Synthetic: each of `num_classes` classes has a fixed image pattern and a fixed caption. A sample is a noisy image of one
 class followed by that class's caption, so the first caption token is predictable only from the image and the
 rest from the text: the loss falls fast when both the encoder and the LLM learn. Sample `i` depends only on
 (seed, i), so the same global batch comes out whatever the data-parallel layout.
+
+energon: the shared lane loader (`mimo.core.data.LaneLoader`) reads the dataset with mimo's task encoder; images
+become one `image_size` tile each, captions are byte-tokenized (so `vocab_size` must hold the byte tokenizer's
+ids), and the image placeholder is mock-vlm's (the vocabulary's last id).
 """
 
 from __future__ import annotations
 
 import torch
+
+from mimo.errors import UsageError
 
 from . import IMAGES
 
@@ -59,3 +65,19 @@ def synthetic_batches(settings, ctx):
     patterns, captions = _task(settings)
     for indices in ctx.sample_indices():
         yield collate(settings, [sample(settings, patterns, captions, ctx.seed, i) for i in indices])
+
+
+def energon_batches(settings, ctx):
+    """The lane loader over `ctx.data_path` for this rank's lanes (resumable; counts unreadable samples)."""
+    from mimo.core.data import ByteTokenizer, FixedTiles, LaneLoader, MultimodalTaskEncoder
+
+    needed = ByteTokenizer().vocab_size
+    if settings.vocab_size < needed:
+        raise UsageError(f"mock-vlm reads --data captions as bytes, which needs vocab_size >= {needed}: "
+                         f"--set vocab_size={needed} (it is {settings.vocab_size})")
+    tokenizer = ByteTokenizer(vocab_size=settings.vocab_size)
+    tokenizer.image_token_id = settings.image_token_id  # the placeholder the model's encoder was built with
+    encoder = MultimodalTaskEncoder(tokenizer, seq_length=settings.seq_length, modality=IMAGES, encoder_name="vit",
+                                    image_mode=FixedTiles(image_size=settings.image_size,
+                                                          patch_size=settings.patch_size))
+    return LaneLoader.from_context(ctx, encoder, shuffle_buffer_size=settings.shuffle_buffer or None)
