@@ -3,4 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest "$@"
+# Two test files at a time (the machine's two cores): most tests are single-threaded subprocess runs.
+# --dist loadfile keeps each file (and its module-scoped runs) in one worker.
+exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"

@@ -22,6 +22,8 @@ def run_mimo(*args: str, extra_path: list[Path] = (), timeout: int = 600, env: d
     The run gets a session of its own, and whatever it leaves behind is killed when it ends: a process killed
     mid-save leaves dist_checkpointing's writer processes orphaned."""
     environment = {**os.environ, **(env or {})}
+    # Tests run two at a time on two cores; one compute thread per process keeps them from fighting.
+    environment.setdefault("OMP_NUM_THREADS", "1")
     if extra_path:
         environment["PYTHONPATH"] = os.pathsep.join([str(p) for p in extra_path] +
                                                     [environment.get("PYTHONPATH", "")])

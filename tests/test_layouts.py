@@ -3,6 +3,7 @@
 import itertools
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -60,7 +61,11 @@ def test_some_encoder_micro_batches_carry_no_image():
 
 def test_a_dead_worker_stops_the_others_within_the_timeout(tmp_path):
     """Workers started as a launcher would (torchrun/srun environment); one is killed mid-run."""
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29731", "WORLD_SIZE": "2"}
+    with socket.socket() as s:  # a free port: other tests may run at the same time
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1"}
     args = [sys.executable, "-m", "mimo.cli", "run", "--provider", "mock-vlm", "--device", "cpu",
             "--train-iters", "100000", "--log-interval", "1", "--nproc-per-node", "2", "--encoder-ranks", "1",
             "--distributed-timeout-minutes", "0.5"]
