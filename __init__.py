@@ -6,5 +6,14 @@ from mimo.plugins import (
 
 __version__ = "0.1.0"
 __all__ = [
-    "BuildContext", "DataContext", "Encoder", "ModuleParallelism", "ModuleShape", "Provider", "hookimpl",
+    "BuildContext", "DataContext", "Encoder", "ModuleParallelism", "ModuleShape", "Provider", "SDPAttention",
+    "hookimpl",
 ]
+
+
+def __getattr__(name: str):
+    if name == "SDPAttention":  # imports megatron-core: only when a provider's model code asks for it
+        from mimo.plugins.attention import SDPAttention
+
+        return SDPAttention
+    raise AttributeError(f"module 'mimo' has no attribute '{name}'")

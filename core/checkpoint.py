@@ -103,6 +103,7 @@ class Checkpointer:
         state.update(self._common(iteration, consumed_samples))
         background = {"async_sharded_save": True, "async_strategy": "mcore"} if self.async_queue else {}
         request = dist_checkpointing.save(state, str(directory), sharded_strategy=self.strategy, **background)
+        self._save_blocked = time.perf_counter() - self._save_started  # what training waited for
         if request is None:
             self._commit(iteration, state)
         else:
@@ -129,7 +130,8 @@ class Checkpointer:
             _atomic_write(root / TRACKER, lambda f: f.write(f"{iteration}\n".encode()))
             if self.options.keep_last:
                 _prune(root, self.options.keep_last, keep=iteration)
-            _report("saved", iteration_dir(root, iteration), time.perf_counter() - self._save_started)
+            _report("saved", iteration_dir(root, iteration), time.perf_counter() - self._save_started,
+                    blocked=self._save_blocked if self.async_queue is not None else None)
         dist.barrier()
 
     def _common(self, iteration: int, consumed_samples: int) -> dict:
@@ -279,7 +281,7 @@ class Checkpointer:
             raise UsageError(f"checkpoint {directory} cannot be loaded: {first[:400]}") from None
         # A key the model needs that the checkpoint lacks is an error; extra keys in the checkpoint are fine.
         # Every rank must agree before one of them stops: the others would wait in the next collective.
-        any_absent = torch.tensor([len(absent)], dtype=torch.int64, device=_device_of(state))
+        any_absent = torch.tensor([len(absent)], dtype=torch.int64, device=_collective_device())
         dist.all_reduce(any_absent, op=dist.ReduceOp.MAX)
         if any_absent.item():
             named = f", e.g. {', '.join(repr(k) for k in sorted(absent)[:3])}" if absent else " (on another rank)"
@@ -351,7 +353,8 @@ def _verify_files(directory: Path) -> None:
             raise UsageError(f"checkpoint file {path} is truncated ({path.stat().st_size} of {size} bytes)")
 
 
-def _device_of(state: dict) -> torch.device:
+def _collective_device() -> torch.device:
+    """Where the world's collectives run: the GPU under NCCL, the CPU under gloo."""
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
@@ -414,10 +417,12 @@ def _set_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _report(verb: str, directory: Path, seconds: float) -> None:
+def _report(verb: str, directory: Path, seconds: float, blocked: float | None = None) -> None:
+    """One line per save or load; an async save also says how long training waited for it."""
     size = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+    waited = f", training blocked {blocked:.2f} s" if blocked is not None else ""
     print(f"{verb} checkpoint {directory} in {seconds:.2f} s ({size / 2**30:.3f} GiB, "
-          f"{size / 2**30 / max(seconds, 1e-9):.2f} GiB/s)", flush=True)
+          f"{size / 2**30 / max(seconds, 1e-9):.2f} GiB/s{waited})", flush=True)
 
 
 def _atomic_write(path: Path, write) -> None:

@@ -70,6 +70,11 @@ class LoggingOptions:
     flop_check_iteration: int | None = option(
         None, "count this iteration's FLOPs with torch's counter and compare with the provider's model_flops")
     max_nan_iters: int = option(10, "stop after this many iterations in a row with a non-finite loss or grad norm")
+    profile_dir: Path | None = option(
+        None, "profile iterations --profile-step-start..--profile-step-end with torch.profiler: a trace and a "
+              "summary per rank here, and where the GPU time went in the log")
+    profile_step_start: int = option(5, "first profiled iteration (after warm-up)")
+    profile_step_end: int = option(6, "last profiled iteration")
 
 
 @dataclass
@@ -150,6 +155,10 @@ class RunConfig:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint host:port, the same on every node")
         if self.logging.max_nan_iters < 1:
             raise UsageError(f"--max-nan-iters must be at least 1, got {self.logging.max_nan_iters}")
+        lg = self.logging
+        if lg.profile_dir and not 1 <= lg.profile_step_start <= lg.profile_step_end:
+            raise UsageError(f"--profile-step-start {lg.profile_step_start} and --profile-step-end "
+                             f"{lg.profile_step_end} must satisfy 1 <= start <= end")
         if self.data.num_workers < 0:
             raise UsageError(f"--num-workers must be 0 or more, got {self.data.num_workers}")
         if self.data.data is not None and not self.data.data.exists():

@@ -18,6 +18,7 @@ from .config import DEFAULT_TRAIN_ITERS, RunConfig
 from .metrics import MetricsLogger
 from .model import build_model, count_parameters
 from .optim import build_optimizer, build_scheduler
+from .profile import StepProfiler
 from .step import Trainer, is_token_source
 from .timers import StepTimers
 
@@ -67,8 +68,27 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
                 global_batch // per_microbatch, train_iters)
 
 
-def train(plan: Plan) -> list[dict]:
-    """Run the plan in this process (one rank of the world). Returns the logged records on the logging rank."""
+@dataclass
+class Session:
+    """One rank's built run: what the loop steps, logs and saves. `iteration` and `consumed` count what is done."""
+
+    plan: Plan
+    model: object
+    optimizer: object
+    scheduler: object
+    trainer: Trainer
+    logger: MetricsLogger
+    profiler: StepProfiler
+    checkpointer: Checkpointer | None
+    data: object
+    device: torch.device
+    topology: topology.Topology
+    iteration: int = 0
+    consumed: int = 0
+
+
+def start(plan: Plan) -> Session:
+    """Join the world, build the groups, model, optimizer and schedule, restore a checkpoint, open the data."""
     config, t, c = plan.config, plan.config.training, plan.config.checkpoint
     params_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
     device = launch.init_process(t.device, config.launch.distributed_timeout_minutes)
@@ -85,38 +105,29 @@ def train(plan: Plan) -> list[dict]:
     scheduler = build_scheduler(optimizer, config.scheduler, config.optimizer, plan.global_batch_size,
                                 plan.train_iters * plan.global_batch_size)
 
-    first, count = topology.data_positions(plan.parallelism, dist.get_rank(), t.micro_batch_size)
-
-    def open_data(start_sample: int):
-        return iter(plan.hooks.data_provider(settings=plan.settings, ctx=DataContext(
-            micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches,
-            num_lanes=plan.num_lanes, seed=t.seed, first_position=first, num_positions=count,
-            start_sample=start_sample, data_path=str(config.data.data) if config.data.data else None,
-            num_workers=config.data.num_workers)))
-
-    checkpointer, start_iteration, consumed = None, 0, 0
-    source = open_data(0)
+    checkpointer, start_iteration, consumed, data_state, source = None, 0, 0, None, None
     if c.save or c.load or c.pretrained:
-        lane_state = hasattr(source, "state_dict")  # a data iterator with its own state is tied to its lane
-        checkpointer = Checkpointer(c, model, optimizer, scheduler, topo, run_info(plan, plan.settings, lane_state),
-                                    lambda: {"loader": source.state_dict() if lane_state else None})
+        info = run_info(plan, plan.settings, lane_data_state=False)  # known once the data is open, below
+        checkpointer = Checkpointer(c, model, optimizer, scheduler, topo, info,
+                                    lambda: {"loader": source.state_dict() if hasattr(source, "state_dict") else None})
         start_iteration, consumed, data_state = checkpointer.load()
-        if consumed:
-            source = open_data(consumed)  # index-addressed data continues from the samples already seen
-        if data_state and data_state.get("loader") is not None:
-            if not hasattr(source, "load_state_dict"):
-                raise UsageError(f"the checkpoint in {c.load} holds a data loader's position (it was saved with "
-                                 f"--data): resume with the same --data, or pass --finetune")
-            source.load_state_dict(data_state["loader"])
+    # Index-addressed data continues from the samples already seen; a loader with its own state restores it.
+    source = iter(plan.hooks.data_provider(settings=plan.settings, ctx=data_context(plan, consumed)))
+    if checkpointer:
+        checkpointer.run_info["lane_data_state"] = hasattr(source, "state_dict")  # then tied to its lane
+    if data_state and data_state.get("loader") is not None:
+        if not hasattr(source, "load_state_dict"):
+            raise UsageError(f"the checkpoint in {c.load} holds a data loader's position (it was saved with "
+                             f"--data): resume with the same --data, or pass --finetune")
+        source.load_state_dict(data_state["loader"])
     first_batch = next(source)
-    data = _chain(first_batch, source)
     seq_length = first_batch["input_ids"].shape[1]
     timers = StepTimers(list(plan.parallelism), list(topo.pg_collections), device, config.logging.log_timers)
     trainer = Trainer(model, optimizer, scheduler, plan.hooks, plan.settings, topo, device, params_dtype,
                       plan.num_microbatches, plan.global_batch_size, t.micro_batch_size, seq_length,
                       skipped_samples=lambda: getattr(source, "skipped_samples", 0), timers=timers)
 
-    logging_rank = is_token_source(topo) and first == 0
+    logging_rank = is_token_source(topo) and data_context(plan, 0).first_position == 0  # lane 0 logs
     flops = plan.hooks.model_flops(settings=plan.settings)
     logger = MetricsLogger(config.logging, plan.train_iters, logging_rank, plan.global_batch_size,
                            plan.global_batch_size * seq_length,
@@ -126,27 +137,63 @@ def train(plan: Plan) -> list[dict]:
         print(describe_run(plan, count_parameters(model), device, t.precision), flush=True)
         if start_iteration:
             print(f"resumed from {c.load} at iteration {start_iteration} ({consumed} samples consumed)", flush=True)
+    lg = config.logging
+    profiler = StepProfiler(lg.profile_dir, lg.profile_step_start, lg.profile_step_end, dist.get_rank(), device,
+                            report=logging_rank)
     model.train()
-    try:
-        for iteration in range(start_iteration + 1, plan.train_iters + 1):
-            if iteration == config.logging.flop_check_iteration:
-                result = _counted_step(trainer, data, logger, device)
-            else:
-                result = trainer.step(data)
-            consumed += plan.global_batch_size
-            logger.update(iteration, result, consumed)
-            if checkpointer and c.save:
-                checkpointer.wait(blocking=False)
-                if iteration == plan.train_iters or (c.save_interval and iteration % c.save_interval == 0):
-                    checkpointer.save(iteration, consumed)
-    finally:
-        logger.close()
-    if checkpointer:
-        checkpointer.wait(blocking=True)
+    return Session(plan, model, optimizer, scheduler, trainer, logger, profiler, checkpointer,
+                   _chain(first_batch, source), device, topo, start_iteration, consumed)
+
+
+def data_context(plan: Plan, start_sample: int) -> DataContext:
+    """What this rank's data iterator reads: its positions of every micro-batch, from `start_sample` on."""
+    t, data = plan.config.training, plan.config.data
+    first, count = topology.data_positions(plan.parallelism, dist.get_rank(), t.micro_batch_size)
+    return DataContext(micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches,
+                       num_lanes=plan.num_lanes, seed=t.seed, first_position=first, num_positions=count,
+                       start_sample=start_sample, data_path=str(data.data) if data.data else None,
+                       num_workers=data.num_workers)
+
+
+def advance(session: Session, iterations: int) -> None:
+    """Train `iterations` more iterations (at most to the end of the run): step, log, save."""
+    plan, s = session.plan, session
+    c, flop_check = plan.config.checkpoint, plan.config.logging.flop_check_iteration
+    for iteration in range(s.iteration + 1, min(s.iteration + iterations, plan.train_iters) + 1):
+        s.profiler.before(iteration)
+        if iteration == flop_check:
+            result = _counted_step(s.trainer, s.data, s.logger, s.device)
+        else:
+            result = s.trainer.step(s.data)
+        s.profiler.after(iteration)
+        s.iteration, s.consumed = iteration, s.consumed + plan.global_batch_size
+        s.logger.update(iteration, result, s.consumed)
+        if s.checkpointer and c.save:
+            s.checkpointer.wait(blocking=False)
+            if iteration == plan.train_iters or (c.save_interval and iteration % c.save_interval == 0):
+                s.checkpointer.save(iteration, s.consumed)
+
+
+def finish(session: Session) -> list[dict]:
+    """Close the logs, let background saves land, leave the world. Returns the logged records (logging rank)."""
+    session.logger.close()
+    if session.checkpointer:
+        session.checkpointer.wait(blocking=True)
     dist.barrier()
     # Tear the groups down while every rank is still here: gloo's threads abort a process that exits with them.
     dist.destroy_process_group()
-    return logger.records if logging_rank else []
+    return session.logger.records if session.logger.enabled else []
+
+
+def train(plan: Plan) -> list[dict]:
+    """Run the plan in this process (one rank of the world). Returns the logged records on the logging rank."""
+    session = start(plan)
+    try:
+        advance(session, plan.train_iters - session.iteration)
+    except BaseException:
+        session.logger.close()
+        raise
+    return finish(session)
 
 
 def _counted_step(trainer, data, logger, device):

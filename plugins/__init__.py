@@ -7,5 +7,14 @@ from .types import Encoder, ModuleShape, Provider
 
 __all__ = [
     "BuildContext", "DataContext", "ENTRY_POINT_GROUP", "Encoder", "ModuleParallelism", "ModuleShape",
-    "Provider", "Registry", "hookimpl",
+    "Provider", "Registry", "SDPAttention", "hookimpl",
 ]
+
+
+def __getattr__(name: str):
+    # Layers import megatron-core (seconds): loaded when a provider asks for one, not with the hooks.
+    if name == "SDPAttention":
+        from .attention import SDPAttention
+
+        return SDPAttention
+    raise AttributeError(f"module 'mimo.plugins' has no attribute '{name}'")

@@ -25,7 +25,7 @@ from mimo.core.launch import seed_everything
 from mimo.plugins import BuildContext, DataContext
 from mimo.providers import nemotron
 from mimo.providers.nemotron import IMAGES, TINY, VARIANTS, NemotronVLMSettings
-from mimo.providers.nemotron.attention import PackedSDPAttention
+from mimo.plugins import SDPAttention
 from mimo.providers.nemotron.counts import parameter_counts
 from mimo.providers.nemotron.data import SyntheticTask, synthetic_batches
 from mimo.providers.nemotron.layers import LayerNormColumnParallelLinear
@@ -173,7 +173,7 @@ def _attention(heads=4, groups=2, mask=AttnMaskType.no_mask, dropout=0.0):
 
     config = TransformerConfig(num_layers=1, hidden_size=heads * 8, num_attention_heads=heads,
                                num_query_groups=groups, attention_dropout=dropout)
-    return PackedSDPAttention(config, 1, mask, "self", pg_collection=ProcessGroupCollection(tp=dist.group.WORLD))
+    return SDPAttention(config, 1, mask, "self", pg_collection=ProcessGroupCollection(tp=dist.group.WORLD))
 
 
 def _reference_attention(q, k, v, causal, key_valid=None):

@@ -36,6 +36,8 @@ class MockVLMSettings:
     image_probability: float = _setting(1.0, "fraction of samples that carry an image (others are text only)")
     num_classes: int = _setting(8, "synthetic data: image classes, each with its own caption")
     shuffle_buffer: int = _setting(100, "--data: energon's sample shuffle buffer (0: none; shards still shuffle)")
+    attention: Literal["sdpa", "local"] = _setting(
+        "sdpa", "core attention: torch's fused SDPA (flash on GPUs) or megatron-core's unfused DotProductAttention")
     dropout: float = _setting(0.0, "hidden and attention dropout of both models")
     freeze_vision: bool = _setting(False, "do not train the ViT (the projection still trains)")
     freeze_language: bool = _setting(False, "do not train the language model")

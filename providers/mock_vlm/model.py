@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
@@ -13,13 +15,22 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from mimo import Encoder
+from mimo import Encoder, SDPAttention
 
 IMAGES = "images"
 
 
 def _ffn(settings, hidden: int) -> int:
     return settings.ffn_hidden_size or 4 * hidden
+
+
+def _layer_spec(local_spec: ModuleSpec, settings) -> ModuleSpec:
+    """megatron-core's local layer spec, with SDPA as its core attention unless `attention=local`."""
+    if settings.attention == "local":
+        return local_spec
+    spec = copy.deepcopy(local_spec)
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
 
 
 def vision_spec(settings, ctx) -> Encoder:
@@ -37,7 +48,7 @@ def vision_spec(settings, ctx) -> Encoder:
     vit = ModuleSpec(
         module=CLIPViTModel,
         params=dict(
-            transformer_config=vit_config, transformer_layer_spec=get_vit_layer_with_local_spec(),
+            transformer_config=vit_config, transformer_layer_spec=_layer_spec(get_vit_layer_with_local_spec(), settings),
             ln_pre_impl=WrappedTorchNorm, ln_post_impl=WrappedTorchNorm,
             model_subtype="siglip", add_class_token=False, class_token_len=0, patch_dim=settings.patch_size,
             img_h=settings.image_size, img_w=settings.image_size, pg_collection=pgc,
@@ -68,7 +79,7 @@ def language_spec(settings, ctx) -> ModuleSpec:
     return ModuleSpec(
         module=GPTModel,
         params=dict(
-            config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=settings.vocab_size,
+            config=config, transformer_layer_spec=_layer_spec(get_gpt_layer_local_spec(), settings), vocab_size=settings.vocab_size,
             max_sequence_length=settings.seq_length, position_embedding_type="rope",
             pg_collection=ctx.pg_collection("language"),
         ),

@@ -93,3 +93,10 @@ def frozen_parameters(settings: NemotronVLMSettings):
         "stage3": [],
     }
     return frozen[settings.stage]
+
+
+@hookimpl
+def model_flops(settings: NemotronVLMSettings):
+    from .flops import forward_flops
+
+    return forward_flops(settings)

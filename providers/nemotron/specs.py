@@ -30,7 +30,7 @@ from megatron.core.transformer.transformer_layer import (
     MoETransformerLayer, TransformerLayer, TransformerLayerSubmodules,
 )
 
-from .attention import PackedSDPAttention
+from mimo.plugins import SDPAttention
 from .layers import LayerNormColumnParallelLinear, LocalHybridStack
 from .mamba_mixer import LocalMambaMixer, MambaMixerSubmodules
 
@@ -41,7 +41,7 @@ TE_TO_LOCAL = {
     te.TELayerNormColumnParallelLinear: LayerNormColumnParallelLinear,
     te.TEColumnParallelLinear: ColumnParallelLinear,
     te.TERowParallelLinear: RowParallelLinear,
-    te.TEDotProductAttention: PackedSDPAttention,
+    te.TEDotProductAttention: SDPAttention,
     te.TENorm: WrappedTorchNorm,
     MambaMixer: LocalMambaMixer,
     HybridStack: LocalHybridStack,
@@ -93,7 +93,7 @@ def _local_hybrid_stack(conv_kernel: int, num_experts: int) -> ModuleSpec:
         self_attention=ModuleSpec(
             module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
             submodules=SelfAttentionSubmodules(linear_qkv=LayerNormColumnParallelLinear,
-                                               core_attention=PackedSDPAttention, linear_proj=RowParallelLinear)),
+                                               core_attention=SDPAttention, linear_proj=RowParallelLinear)),
         self_attn_bda=get_bias_dropout_add))
     moe = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
         pre_mlp_layernorm=WrappedTorchNorm,
@@ -120,7 +120,7 @@ def vit_layer_spec(backend: str) -> ModuleSpec:
         self_attention=ModuleSpec(
             module=SelfAttention, params={"attn_mask_type": AttnMaskType.no_mask},
             submodules=SelfAttentionSubmodules(linear_qkv=LayerNormColumnParallelLinear,
-                                               core_attention=PackedSDPAttention, linear_proj=RowParallelLinear)),
+                                               core_attention=SDPAttention, linear_proj=RowParallelLinear)),
         self_attn_bda=get_bias_dropout_add,
         pre_mlp_layernorm=IdentityOp,
         mlp=partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(

@@ -1,8 +1,10 @@
-"""A core-attention module for the local backend that takes both layouts megatron-core's attention hands it:
-`sbhd` ([s, b, heads, dim]) and packed `thd` ([tokens, heads, dim] with a THD PackedSeqParams).
+"""A core-attention module for megatron-core's local (non-TE) layer specs that takes both layouts megatron-core's
+attention hands it: `sbhd` ([s, b, heads, dim]) and packed `thd` ([tokens, heads, dim] with a THD PackedSeqParams).
 
-megatron-core's local `DotProductAttention` refuses packed sequences (RADIO's dynamic resolution packs all the
-images of a micro-batch into one THD sequence) and allocates its scratch buffer on the GPU. This module has
+megatron-core's local `DotProductAttention` materializes the [b, heads, s, s] score matrix (unfused softmax, memory
+quadratic in the sequence), refuses packed sequences (RADIO's dynamic resolution packs all the images of a
+micro-batch into one THD sequence) and allocates its scratch buffer on the GPU. torch's SDPA picks a fused kernel
+(flash or memory-efficient attention on GPUs). This module has
 DotProductAttention's constructor, so a layer spec can name it as `core_attention`, and runs torch's
 scaled_dot_product_attention: once for sbhd, once per packed sequence for thd. It has no parameters, like TE's
 DotProductAttention.
@@ -24,7 +26,7 @@ from megatron.core.utils import divide
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
 
 
-class PackedSDPAttention(MegatronModule):
+class SDPAttention(MegatronModule):
     """Drop-in for megatron.core.transformer.dot_product_attention.DotProductAttention (same arguments).
 
     Grouped-query attention shares key/value head `i // (heads / groups)` with query head `i`, as megatron does.
@@ -36,11 +38,11 @@ class PackedSDPAttention(MegatronModule):
                  cp_comm_type: str | None = None, pg_collection=None):
         super().__init__(config=config)
         if config.context_parallel_size != 1:
-            raise NotImplementedError("PackedSDPAttention does not support context parallelism")
+            raise NotImplementedError("SDPAttention does not support context parallelism")
         if config.apply_query_key_layer_scaling or config.softmax_type != "vanilla" or config.window_size:
-            raise NotImplementedError("PackedSDPAttention supports plain softmax attention only (no query-key "
+            raise NotImplementedError("SDPAttention supports plain softmax attention only (no query-key "
                                       "layer scaling, softmax offsets or sliding windows)")
-        assert pg_collection is not None, "pg_collection must be provided for PackedSDPAttention"
+        assert pg_collection is not None, "pg_collection must be provided for SDPAttention"
         self.layer_number, self.attn_mask_type, self.attention_type = layer_number, attn_mask_type, attention_type
         self.tp_group = pg_collection.tp  # read by MegatronModule.sharded_state_dict (no global parallel_state)
         tp = self.tp_group.size()
@@ -66,7 +68,7 @@ class PackedSDPAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask, attn_mask_type: AttnMaskType | None = None,
                 attention_bias=None, packed_seq_params=None):
         if attention_bias is not None:
-            raise NotImplementedError("PackedSDPAttention does not support attention_bias")
+            raise NotImplementedError("SDPAttention does not support attention_bias")
         causal = (attn_mask_type or self.attn_mask_type) in _CAUSAL
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._forward_thd(query, key, value, packed_seq_params, causal)

@@ -1,0 +1,187 @@
+"""What the benchmarks share: running `mimo run` in a fresh interpreter and reading its metrics file, steady-state
+figures, and writing results (a printed table, JSON with the device and commands, and a PNG plot).
+
+Every script takes `--out DIR` (results) and `--quick` (tiny settings for a CPU smoke run of the script itself;
+its figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OOM = re.compile(r"out of memory|OutOfMemoryError", re.I)
+STEADY_KEYS = ("elapsed_ms", "tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu", "peak_memory_gib")
+
+
+@dataclass
+class Run:
+    """One `mimo run`: its command, exit status, logged records and output."""
+
+    command: list[str]
+    returncode: int
+    records: list[dict]
+    output: str
+    seconds: float
+    log: Path
+
+    @property
+    def status(self) -> str:
+        if self.returncode == 0:
+            return "ok"
+        return "out of memory" if OOM.search(self.output) else f"failed (exit {self.returncode}, see {self.log})"
+
+    def printed(self) -> str:
+        return "mimo " + shlex.join(self.command)
+
+
+def mimo_run(args: list[str], out: Path, name: str, timeout: float = 1800) -> Run:
+    """`mimo run ARGS --metrics-file out/name.jsonl`, output teed to out/name.log; a failure is a result."""
+    out.mkdir(parents=True, exist_ok=True)
+    metrics, log = out / f"{name}.jsonl", out / f"{name}.log"
+    metrics.unlink(missing_ok=True)
+    command = ["run", *args, "--metrics-file", str(metrics)]
+    print(f"== {name}: mimo {shlex.join(command)}", flush=True)
+    started = time.perf_counter()
+    lines = []
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([sys.executable, "-m", "mimo.cli", *command], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        try:
+            for line in proc.stdout:
+                sink.write(line)
+                lines.append(line)
+                if _worth_echoing(line):
+                    print("   " + line.rstrip()[:240], flush=True)
+            returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            returncode = -9
+    records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+    return Run(command, returncode, records, "".join(lines), time.perf_counter() - started, log)
+
+
+def _worth_echoing(line: str) -> bool:
+    return line.startswith(("iteration", "mimo run:", "saved checkpoint", "loaded checkpoint", "FLOP check",
+                            "profile", "  ", "error")) or bool(OOM.search(line))
+
+
+def steady(records: list[dict], warmup_records: int = 1) -> dict:
+    """Means over the logged intervals after the first `warmup_records` (compilation, allocator, caches)."""
+    kept = records[warmup_records:] or records[-1:]
+    result = {}
+    for key in STEADY_KEYS:
+        values = [r[key] for r in kept if r.get(key) is not None]
+        if values:
+            result[key] = max(values) if key == "peak_memory_gib" else sum(values) / len(values)
+    return result
+
+
+def device_description() -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "python": platform.python_version(), "host_cpus": os.cpu_count()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+        info["cuda"] = torch.version.cuda
+    else:
+        info["gpu"] = None
+    try:
+        from importlib.metadata import version
+
+        info["megatron_core"] = version("megatron-core")
+    except Exception:  # noqa: BLE001 - informational only
+        pass
+    return info
+
+
+@dataclass
+class Results:
+    """A benchmark's rows plus what makes them reproducible; `write` prints and saves them."""
+
+    name: str
+    columns: list[tuple[str, str, str]]  # (row key, header, format)
+    rows: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def write(self, out: Path, extra: dict | None = None) -> Path:
+        out.mkdir(parents=True, exist_ok=True)
+        document = {
+            "benchmark": self.name,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "device": device_description(),
+            "rows": self.rows,
+            "notes": self.notes,
+            **(extra or {}),
+        }
+        path = out / f"{self.name}.json"
+        path.write_text(json.dumps(document, indent=1))
+        self.print_table()
+        print(f"results: {path}")
+        return path
+
+    def print_table(self) -> None:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=self.name)
+        for _, header, _ in self.columns:
+            table.add_column(header, justify="right")
+        for row in self.rows:
+            table.add_row(*[format_cell(row.get(key), spec) for key, _, spec in self.columns])
+        console = Console(width=200)
+        console.print(table)
+        for note in self.notes:
+            console.print(note)
+
+
+def format_cell(value, spec: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, (int, float)) and spec:
+        return format(value, spec)
+    return str(value)
+
+
+def bar_plot(path: Path, labels: list[str], series: dict[str, list[float | None]], ylabel: str, title: str) -> None:
+    """Grouped bars, one group per label; skipped with a note when matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"no plot {path.name}: matplotlib is not installed (pip install 'mimo[bench]'); "
+              f"`python bench/plot.py {path.with_suffix('.json')}` draws it later")
+        return
+    width = 0.8 / max(len(series), 1)
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels) + 2), 4))
+    for i, (name, values) in enumerate(series.items()):
+        xs = [j + (i - (len(series) - 1) / 2) * width for j in range(len(labels))]
+        bars = ax.bar(xs, [v or 0 for v in values], width, label=name)
+        ax.bar_label(bars, labels=["" if v is None else f"{v:.3g}" for v in values], fontsize=8)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    if len(series) > 1:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+def settings_args(settings: dict) -> list[str]:
+    """Provider settings as `--set key=value` options."""
+    return [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]

@@ -1,0 +1,107 @@
+"""`--profile-dir`: torch.profiler over a few iterations, a Chrome trace per rank, and where device time went.
+
+The summary splits the window's device (GPU) time by kernel kind and sets it against the wall time, so a run shows
+whether it is bound by matrix multiplies, attention, element-wise kernels, communication or the host (the GPU idle).
+On the CPU it ranks operators by CPU time instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import torch
+
+# First match wins: kernel names of cuBLAS/CUTLASS GEMMs, fused attention, NCCL, Adam, copies.
+KINDS = [
+    ("attention", re.compile(r"flash|fmha|attention|sdpa|scaled_dot_product", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|cublas|wgmma|sm90_|aten::(mm|addmm|bmm|baddbmm)$", re.I)),
+    ("communication", re.compile(r"nccl", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach", re.I)),
+    ("copy", re.compile(r"memcpy|memset|copy|cat_|transpose", re.I)),
+]
+
+
+def kind_of(kernel_name: str) -> str:
+    return next((kind for kind, pattern in KINDS if pattern.search(kernel_name)), "elementwise/other")
+
+
+class StepProfiler:
+    """Profiles iterations [start, end] of this rank; a no-op without a directory."""
+
+    def __init__(self, directory: Path | None, start: int, end: int, rank: int, device: torch.device,
+                 report: bool):
+        self.directory, self.start, self.end, self.rank = directory, start, end, rank
+        self.device, self.report = device, report
+        self._profiler = None
+
+    def before(self, iteration: int) -> None:
+        if self.directory is None or iteration != self.start:
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        self._synchronize()
+        self._profiler = profile(activities=activities)
+        self._profiler.__enter__()
+        self._wall = time.perf_counter()
+
+    def after(self, iteration: int) -> None:
+        if self._profiler is None or iteration != self.end:
+            return
+        self._synchronize()
+        wall_ms = (time.perf_counter() - self._wall) * 1000
+        self._profiler.__exit__(None, None, None)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._profiler.export_chrome_trace(str(self.directory / f"trace_rank{self.rank}.json"))
+        summary = summarize(self._profiler, wall_ms, self.end - self.start + 1, self.device)
+        (self.directory / f"summary_rank{self.rank}.json").write_text(json.dumps(summary, indent=1))
+        if self.report:
+            print(format_summary(summary, self.directory), flush=True)
+        self._profiler = None
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+def summarize(profiler, wall_ms: float, iterations: int, device: torch.device) -> dict:
+    """Per-iteration milliseconds by kernel kind, the busiest kernels, and the device's idle share."""
+    on_gpu = device.type == "cuda"
+    by_kind: dict[str, float] = {}
+    top = []
+    entries = profiler.key_averages()
+    kernels = [e for e in entries if e.device_type == torch.autograd.DeviceType.CUDA]
+    for entry in kernels or entries:  # kernels by name; else the operators that launched them
+        if on_gpu:
+            ms = entry.self_device_time_total / 1000
+        else:
+            ms = entry.self_cpu_time_total / 1000
+        if ms <= 0:
+            continue
+        kind = kind_of(entry.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + ms / iterations
+        top.append((ms / iterations, entry.key))
+    busy = sum(by_kind.values())
+    per_iteration = wall_ms / iterations
+    return {
+        "iterations": iterations,
+        "wall_ms_per_iteration": per_iteration,
+        "device": "cuda" if on_gpu else "cpu",
+        "busy_ms_per_iteration": busy,
+        "idle_fraction": max(0.0, 1 - busy / per_iteration) if on_gpu else None,
+        "ms_per_iteration_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
+        "top": [{"ms_per_iteration": ms, "name": name[:160]} for ms, name in sorted(top, reverse=True)[:15]],
+    }
+
+
+def format_summary(summary: dict, directory: Path) -> str:
+    per_iteration = summary["wall_ms_per_iteration"]
+    lines = [f"profile ({summary['iterations']} iterations, trace in {directory}): {per_iteration:.1f} ms/iteration"]
+    if summary["idle_fraction"] is not None:
+        lines[0] += f", GPU busy {summary['busy_ms_per_iteration']:.1f} ms ({1 - summary['idle_fraction']:.0%})"
+    for kind, ms in summary["ms_per_iteration_by_kind"].items():
+        lines.append(f"  {kind:<18} {ms:9.1f} ms  {ms / per_iteration:6.1%} of wall time")
+    return "\n".join(lines)
