@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The benchmarks of docs/benchmarks.md on a GPU machine (mimo and megatron-core installed; matplotlib for plots).
+#   bash scripts/gpu/benchmarks.sh one-gpu OUT    # (a) throughput and MFU, (c) loop overhead
+#   bash scripts/gpu/benchmarks.sh two-gpu OUT    # (b) heterogeneous vs colocated, (d) checkpoint save/load
+# CKPT_DIR (default /tmp/mimo-bench-ckpt) holds the checkpoints of (d): tens of GB, outside OUT.
+set -uo pipefail
+what=${1:?one-gpu or two-gpu}
+out=${2:-results}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpus.txt"
+python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpus.txt"
+case "$what" in
+  one-gpu)
+    python3 bench/throughput.py --out "$out/throughput"
+    python3 bench/loop_overhead.py --out "$out/overhead" ;;
+  two-gpu)
+    python3 bench/layouts.py --out "$out/layouts"
+    CUDA_VISIBLE_DEVICES=0 python3 bench/checkpoint.py --out "$out/checkpoint" --dir "${CKPT_DIR:-/tmp/mimo-bench-ckpt}" ;;
+  *) echo "unknown set '$what': one-gpu or two-gpu"; exit 2 ;;
+esac
