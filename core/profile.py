@@ -79,13 +79,15 @@ def summarize(profiler, wall_ms: float, iterations: int, device: torch.device) -
             ms = entry.self_device_time_total / 1000
         else:
             ms = entry.self_cpu_time_total / 1000
-        if ms <= 0:
+        if ms <= 0 or entry.key.startswith("mimo/"):  # the loop's phase labels, not work
             continue
         kind = kind_of(entry.key)
         by_kind[kind] = by_kind.get(kind, 0.0) + ms / iterations
         top.append((ms / iterations, entry.key))
     busy = sum(by_kind.values())
     per_iteration = wall_ms / iterations
+    host = sorted(((e.self_cpu_time_total / 1000 / iterations, e.key) for e in entries
+                   if e.device_type == torch.autograd.DeviceType.CPU), reverse=True)[:10]
     return {
         "iterations": iterations,
         "wall_ms_per_iteration": per_iteration,
@@ -94,7 +96,45 @@ def summarize(profiler, wall_ms: float, iterations: int, device: torch.device) -
         "idle_fraction": max(0.0, 1 - busy / per_iteration) if on_gpu else None,
         "ms_per_iteration_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "top": [{"ms_per_iteration": ms, "name": name[:160]} for ms, name in sorted(top, reverse=True)[:15]],
+        "host_top": [{"ms_per_iteration": ms, "name": name[:160]} for ms, name in host],
+        "idle_ms_per_iteration_by_phase": idle_by_phase(*_intervals(profiler.events()), iterations) if on_gpu
+        else None,
     }
+
+
+def _intervals(events):
+    """(kernel (start, end) list, host phase (start, end, name) list), in microseconds on one clock."""
+    kernels = [(e.time_range.start, e.time_range.end) for e in events
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    phases = [(e.time_range.start, e.time_range.end, e.name) for e in events
+              if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("mimo/")]
+    return kernels, phases
+
+
+def idle_by_phase(kernels: list[tuple], phases: list[tuple], iterations: int) -> dict[str, float]:
+    """GPU idle milliseconds per iteration inside the labelled window, attributed to the innermost `mimo/...` phase
+    the host was in at the middle of each idle gap (the loop labels its phases with record_function); "other" is
+    idle time outside every labelled phase (e.g. megatron-core's schedule between micro-batches)."""
+    kernels = sorted(kernels)
+    if not kernels or not phases:
+        return {}
+    window_start, window_end = min(p[0] for p in phases), max(p[1] for p in phases)
+    idle, cursor = [], window_start
+    for start, end in kernels:
+        if start > cursor:
+            idle.append((cursor, min(start, window_end)))
+        cursor = max(cursor, end)
+    if cursor < window_end:
+        idle.append((cursor, window_end))
+    totals: dict[str, float] = {}
+    for start, end in idle:
+        if end <= start:
+            continue
+        middle = (start + end) / 2
+        around = [p for p in phases if p[0] <= middle <= p[1]]
+        name = min(around, key=lambda p: p[1] - p[0])[2] if around else "other"
+        totals[name] = totals.get(name, 0.0) + (end - start) / 1000 / iterations
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
 def format_summary(summary: dict, directory: Path) -> str:
@@ -104,4 +144,6 @@ def format_summary(summary: dict, directory: Path) -> str:
         lines[0] += f", GPU busy {summary['busy_ms_per_iteration']:.1f} ms ({1 - summary['idle_fraction']:.0%})"
     for kind, ms in summary["ms_per_iteration_by_kind"].items():
         lines.append(f"  {kind:<18} {ms:9.1f} ms  {ms / per_iteration:6.1%} of wall time")
+    for phase, ms in (summary.get("idle_ms_per_iteration_by_phase") or {}).items():
+        lines.append(f"  GPU idle in {phase:<14} {ms:7.1f} ms")
     return "\n".join(lines)

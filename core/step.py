@@ -9,6 +9,7 @@ from functools import partial
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from .model import held_modules
 from .timers import StepTimers
@@ -61,12 +62,13 @@ class Trainer:
         self._shape = {"seq_length": seq_length, "micro_batch_size": micro_batch_size}
 
     def forward_step(self, data_iterator, model):
-        with self.timers.phase("data"):
+        with self.timers.phase("data"), record_function("mimo/data"):
             batch = next(data_iterator)
-        model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
-        model_inputs = to_device(model_inputs, self.device, torch.float32)
-        modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
-        with self.timers.phase("forward"):
+        with record_function("mimo/to-device"):
+            model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
+            model_inputs = to_device(model_inputs, self.device, torch.float32)
+            modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
+        with self.timers.phase("forward"), record_function("mimo/forward"):
             output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None)
         return output, partial(self._loss, loss_mask=loss_mask)
 
@@ -76,6 +78,7 @@ class Trainer:
         self._totals[:2] += torch.stack([loss_sum.detach().double(), num_tokens.double()])
         return loss_sum, num_tokens, {}
 
+    @record_function("mimo/finalize-grads")
     def _finalize_grads(self, model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
         """Reduce each module's gradients over its own grid, then divide all by the global token count."""
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -91,6 +94,7 @@ class Trainer:
                                  force_all_reduce=force_all_reduce)
             module.scale_gradients(scale)
 
+    @record_function("mimo/step")
     def step(self, data_iterator) -> StepResult:
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -108,7 +112,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         ok, num_zeros, grad_norm = False, None, None
         if math.isfinite(lm_loss):  # every rank agrees, so all skip the optimizer's collectives together
-            with self.timers.phase("optimizer"):
+            with self.timers.phase("optimizer"), record_function("mimo/optimizer"):
                 ok, _, num_zeros = self.optimizer.step()
             grad_norm = self.optimizer.grad_norm
         if ok:

@@ -201,8 +201,13 @@ def _counted_step(trainer, data, logger, device):
     provider's model_flops figure the logs use for TFLOP/s and MFU."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
-        result = trainer.step(data)
+    try:
+        with FlopCounterMode(display=False) as counter:
+            result = trainer.step(data)
+    except Exception as err:  # noqa: BLE001 - torch's counter rejects some operator uses (e.g. SDPA with GQA)
+        raise UsageError(f"--flop-check-iteration: torch's FLOP counter failed on this model "
+                         f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); run without "
+                         f"--flop-check-iteration") from None
     counted = torch.tensor([float(counter.get_total_flops())], dtype=torch.float64, device=device)
     dist.all_reduce(counted)
     if logger.enabled:

@@ -7,14 +7,17 @@ set -uo pipefail
 what=${1:?one-gpu or two-gpu}
 out=${2:-results}
 mkdir -p "$out"
+# BENCH_ARCHIVE=FILE: also pack the results (not the traces) into one archive after each benchmark.
+pack() { [ -n "${BENCH_ARCHIVE:-}" ] && tar czf "$BENCH_ARCHIVE" --exclude='trace_*' -C "$out" . ; true; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpus.txt"
 python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpus.txt"
 case "$what" in
   one-gpu)
-    python3 bench/throughput.py --out "$out/throughput"
-    python3 bench/loop_overhead.py --out "$out/overhead" ;;
+    python3 bench/throughput.py --out "$out/throughput" ${THROUGHPUT_CASES:+--cases $THROUGHPUT_CASES}; pack
+    python3 bench/loop_overhead.py --out "$out/overhead" ${OVERHEAD_ARGS:-}; pack ;;
   two-gpu)
-    python3 bench/layouts.py --out "$out/layouts"
-    CUDA_VISIBLE_DEVICES=0 python3 bench/checkpoint.py --out "$out/checkpoint" --dir "${CKPT_DIR:-/tmp/mimo-bench-ckpt}" ;;
+    python3 bench/layouts.py --out "$out/layouts"; pack
+    CUDA_VISIBLE_DEVICES=0 python3 bench/checkpoint.py --out "$out/checkpoint" --dir "${CKPT_DIR:-/tmp/mimo-bench-ckpt}"
+    pack ;;
   *) echo "unknown set '$what': one-gpu or two-gpu"; exit 2 ;;
 esac
