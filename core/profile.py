@@ -72,7 +72,7 @@ def summarize(profiler, wall_ms: float, iterations: int, device: torch.device) -
     on_gpu = device.type == "cuda"
     by_kind: dict[str, float] = {}
     top = []
-    entries = profiler.key_averages()
+    entries = [e for e in profiler.key_averages() if not getattr(e, "is_user_annotation", False)]
     kernels = [e for e in entries if e.device_type == torch.autograd.DeviceType.CUDA]
     for entry in kernels or entries:  # kernels by name; else the operators that launched them
         if on_gpu:
@@ -97,42 +97,68 @@ def summarize(profiler, wall_ms: float, iterations: int, device: torch.device) -
         "ms_per_iteration_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
         "top": [{"ms_per_iteration": ms, "name": name[:160]} for ms, name in sorted(top, reverse=True)[:15]],
         "host_top": [{"ms_per_iteration": ms, "name": name[:160]} for ms, name in host],
-        "idle_ms_per_iteration_by_phase": idle_by_phase(*_intervals(profiler.events()), iterations) if on_gpu
-        else None,
+        **(idle_report(profiler.events(), iterations) if on_gpu else {}),
     }
 
 
-def _intervals(events):
-    """(kernel (start, end) list, host phase (start, end, name) list), in microseconds on one clock."""
-    kernels = [(e.time_range.start, e.time_range.end) for e in events
-               if e.device_type == torch.autograd.DeviceType.CUDA]
-    phases = [(e.time_range.start, e.time_range.end, e.name) for e in events
-              if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("mimo/")]
-    return kernels, phases
+def idle_report(events, iterations: int) -> dict:
+    """Where the GPU waits: idle time by loop phase, by gap length, and the longest gaps with the host operation
+    each thread was in at their middle (the innermost one)."""
+    kernels, phases, host = [], [], []
+    for e in events:
+        interval = (e.time_range.start, e.time_range.end)
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            if not e.is_user_annotation:  # the GPU-side copies of record_function ranges are not kernels
+                kernels.append(interval)
+        elif e.name.startswith("mimo/"):
+            phases.append((*interval, e.name))
+        else:
+            host.append((*interval, e.name, e.thread))
+    gaps = idle_gaps(kernels, phases)
+    sizes = {"under 0.1 ms": 0.0, "0.1-1 ms": 0.0, "over 1 ms": 0.0}
+    for start, end in gaps:
+        ms = (end - start) / 1000
+        sizes["under 0.1 ms" if ms < 0.1 else "0.1-1 ms" if ms < 1 else "over 1 ms"] += ms / iterations
+    longest = []
+    for start, end in sorted(gaps, key=lambda g: g[0] - g[1])[:8]:
+        middle = (start + end) / 2
+        innermost: dict[int, tuple] = {}
+        for h in host:
+            if h[0] <= middle <= h[1] and (h[3] not in innermost or h[1] - h[0] < innermost[h[3]][1] - innermost[h[3]][0]):
+                innermost[h[3]] = h
+        longest.append({"ms": (end - start) / 1000, "phase": _phase_at(phases, middle),
+                        "host": sorted({h[2] for h in innermost.values()})})
+    return {"idle_ms_per_iteration_by_phase": idle_by_phase(kernels, phases, iterations),
+            "idle_ms_per_iteration_by_gap": sizes, "longest_idle_gaps": longest}
+
+
+def idle_gaps(kernels: list[tuple], phases: list[tuple]) -> list[tuple]:
+    """Intervals inside the labelled window (first to last phase) where no kernel runs."""
+    if not kernels or not phases:
+        return []
+    window_start, window_end = min(p[0] for p in phases), max(p[1] for p in phases)
+    gaps, cursor = [], window_start
+    for start, end in sorted(kernels):
+        if start > cursor:
+            gaps.append((cursor, min(start, window_end)))
+        cursor = max(cursor, end)
+    if cursor < window_end:
+        gaps.append((cursor, window_end))
+    return [(a, b) for a, b in gaps if b > a]
+
+
+def _phase_at(phases: list[tuple], moment: float) -> str:
+    around = [p for p in phases if p[0] <= moment <= p[1]]
+    return min(around, key=lambda p: p[1] - p[0])[2] if around else "other"
 
 
 def idle_by_phase(kernels: list[tuple], phases: list[tuple], iterations: int) -> dict[str, float]:
     """GPU idle milliseconds per iteration inside the labelled window, attributed to the innermost `mimo/...` phase
     the host was in at the middle of each idle gap (the loop labels its phases with record_function); "other" is
-    idle time outside every labelled phase (e.g. megatron-core's schedule between micro-batches)."""
-    kernels = sorted(kernels)
-    if not kernels or not phases:
-        return {}
-    window_start, window_end = min(p[0] for p in phases), max(p[1] for p in phases)
-    idle, cursor = [], window_start
-    for start, end in kernels:
-        if start > cursor:
-            idle.append((cursor, min(start, window_end)))
-        cursor = max(cursor, end)
-    if cursor < window_end:
-        idle.append((cursor, window_end))
+    idle time outside every labelled phase."""
     totals: dict[str, float] = {}
-    for start, end in idle:
-        if end <= start:
-            continue
-        middle = (start + end) / 2
-        around = [p for p in phases if p[0] <= middle <= p[1]]
-        name = min(around, key=lambda p: p[1] - p[0])[2] if around else "other"
+    for start, end in idle_gaps(kernels, phases):
+        name = _phase_at(phases, (start + end) / 2)
         totals[name] = totals.get(name, 0.0) + (end - start) / 1000 / iterations
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
@@ -145,5 +171,7 @@ def format_summary(summary: dict, directory: Path) -> str:
     for kind, ms in summary["ms_per_iteration_by_kind"].items():
         lines.append(f"  {kind:<18} {ms:9.1f} ms  {ms / per_iteration:6.1%} of wall time")
     for phase, ms in (summary.get("idle_ms_per_iteration_by_phase") or {}).items():
-        lines.append(f"  GPU idle in {phase:<14} {ms:7.1f} ms")
+        lines.append(f"  GPU idle in {phase:<18} {ms:7.1f} ms")
+    for size, ms in (summary.get("idle_ms_per_iteration_by_gap") or {}).items():
+        lines.append(f"  GPU idle in gaps {size:<13} {ms:7.1f} ms")
     return "\n".join(lines)

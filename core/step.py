@@ -62,13 +62,13 @@ class Trainer:
         self._shape = {"seq_length": seq_length, "micro_batch_size": micro_batch_size}
 
     def forward_step(self, data_iterator, model):
-        with self.timers.phase("data"), record_function("mimo/data"):
+        with self.timers.phase("data"):
             batch = next(data_iterator)
         with record_function("mimo/to-device"):
             model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
             model_inputs = to_device(model_inputs, self.device, torch.float32)
             modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
-        with self.timers.phase("forward"), record_function("mimo/forward"):
+        with self.timers.phase("forward"):
             output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None)
         return output, partial(self._loss, loss_mask=loss_mask)
 
@@ -112,7 +112,7 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         ok, num_zeros, grad_norm = False, None, None
         if math.isfinite(lm_loss):  # every rank agrees, so all skip the optimizer's collectives together
-            with self.timers.phase("optimizer"), record_function("mimo/optimizer"):
+            with self.timers.phase("optimizer"):
                 ok, _, num_zeros = self.optimizer.step()
             grad_norm = self.optimizer.grad_norm
         if ok:

@@ -13,6 +13,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 PHASES = ("data", "forward", "backward", "bridge", "optimizer")
 _BRIDGE_METHODS = ("send_forward", "recv_forward", "send_backward", "recv_backward", "send_forward_recv_backward",
@@ -26,9 +27,13 @@ class StepTimers:
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        if not self.enabled:
-            yield
-            return
+        with record_function(f"mimo/{name}"):  # labels the phase in profiler traces (--profile-dir)
+            if not self.enabled:
+                yield
+                return
+            yield from self._timed(name)
+
+    def _timed(self, name: str):
         self._sync()
         start = time.perf_counter()
         try:
@@ -57,10 +62,7 @@ class StepTimers:
 
     @contextlib.contextmanager
     def backward_of(self, schedules_module):
-        """Time megatron-core's backward steps while its schedule runs (they are looked up by module name)."""
-        if not self.enabled:
-            yield
-            return
+        """Time (and label) megatron-core's backward steps while its schedule runs (looked up by module name)."""
         names = ("backward_step", "backward_step_multimodule")
         originals = {n: getattr(schedules_module, n) for n in names}
         try:

@@ -18,12 +18,15 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
 from megatron.core import tensor_parallel
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.utils import divide
 
 _CAUSAL = (AttnMaskType.causal, AttnMaskType.padding_causal)
+_VARIABLE_LENGTH_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 class SDPAttention(MegatronModule):
@@ -84,13 +87,16 @@ class SDPAttention(MegatronModule):
         out = query.new_zeros(query.shape[0], query.shape[1] * query.shape[2])
         q_bounds = _bounds(params.cu_seqlens_q, params.cu_seqlens_q_padded)
         kv_bounds = _bounds(params.cu_seqlens_kv, params.cu_seqlens_kv_padded)
-        for (qs, ql), (ks, kl) in zip(q_bounds, kv_bounds):
-            if ql == 0:
-                continue
-            q = query[qs:qs + ql].transpose(0, 1).unsqueeze(0)  # [1, heads, len, d]
-            k = key[ks:ks + kl].transpose(0, 1).unsqueeze(0)
-            v = value[ks:ks + kl].transpose(0, 1).unsqueeze(0)
-            out[qs:qs + ql] = self._sdpa(q, k, v, None, causal)[0].transpose(0, 1).flatten(1)
+        # Not cuDNN: it builds an execution plan per new shape, and packed images come in ever new lengths (on an
+        # H100 that cost over a second of host time per iteration for nemotron-moe-vlm-mid).
+        with sdpa_kernel(_VARIABLE_LENGTH_BACKENDS):
+            for (qs, ql), (ks, kl) in zip(q_bounds, kv_bounds):
+                if ql == 0:
+                    continue
+                q = query[qs:qs + ql].transpose(0, 1).unsqueeze(0)  # [1, heads, len, d]
+                k = key[ks:ks + kl].transpose(0, 1).unsqueeze(0)
+                v = value[ks:ks + kl].transpose(0, 1).unsqueeze(0)
+                out[qs:qs + ql] = self._sdpa(q, k, v, None, causal)[0].transpose(0, 1).flatten(1)
         return out
 
 
