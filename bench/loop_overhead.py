@@ -33,6 +33,7 @@ def build_runs(settings: dict, device: str, precision: str, mbs: int, microbatch
     from megatron.core.optimizer import OptimizerConfig
 
     from mimo.core.config import RunConfig
+    from mimo.core.prefetch import read_ahead
     from mimo.core.train import data_context, prepare, start
     from mimo.plugins import BuildContext
     from minimal_loop import MinimalLoop
@@ -59,7 +60,9 @@ def build_runs(settings: dict, device: str, precision: str, mbs: int, microbatch
         {name: e.spec for name, e in encoders.items()}, {name: e.placeholder_token_id for name, e in encoders.items()},
         topo.grids, topo.pg_collections, session.device, dtype, optimizer_config, o.lr, plan.num_microbatches,
         mbs, plan.global_batch_size,
-        iter(plan.hooks.data_provider(settings=plan.settings, ctx=data_context(plan, 0))), weights_from=session.model)
+        read_ahead(iter(plan.hooks.data_provider(settings=plan.settings, ctx=data_context(plan, 0))),
+                   config.data.prefetch_microbatches, session.device),  # the same data path as mimo's loop
+        weights_from=session.model)
     minimal.model.train()
     return plan, session, minimal
 

@@ -58,6 +58,9 @@ class DataOptions:
     data: Path | None = option(None, "an energon dataset directory or metadataset file (default: the provider's "
                                      "synthetic data)")
     num_workers: int = option(2, "data loader worker processes per data lane")
+    prefetch_microbatches: int = option(
+        2, "micro-batches a background thread prepares ahead (providers' own data; --data loaders have workers); "
+           "0: none")
 
 
 @dataclass
@@ -159,6 +162,8 @@ class RunConfig:
         if lg.profile_dir and not 1 <= lg.profile_step_start <= lg.profile_step_end:
             raise UsageError(f"--profile-step-start {lg.profile_step_start} and --profile-step-end "
                              f"{lg.profile_step_end} must satisfy 1 <= start <= end")
+        if self.data.prefetch_microbatches < 0:
+            raise UsageError(f"--prefetch-microbatches must be 0 or more, got {self.data.prefetch_microbatches}")
         if self.data.num_workers < 0:
             raise UsageError(f"--num-workers must be 0 or more, got {self.data.num_workers}")
         if self.data.data is not None and not self.data.data.exists():

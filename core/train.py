@@ -18,6 +18,7 @@ from .config import DEFAULT_TRAIN_ITERS, RunConfig
 from .metrics import MetricsLogger
 from .model import build_model, count_parameters
 from .optim import build_optimizer, build_scheduler
+from .prefetch import read_ahead
 from .profile import StepProfiler
 from .step import Trainer, is_token_source
 from .timers import StepTimers
@@ -141,8 +142,9 @@ def start(plan: Plan) -> Session:
     profiler = StepProfiler(lg.profile_dir, lg.profile_step_start, lg.profile_step_end, dist.get_rank(), device,
                             report=logging_rank)
     model.train()
-    return Session(plan, model, optimizer, scheduler, trainer, logger, profiler, checkpointer,
-                   _chain(first_batch, source), device, topo, start_iteration, consumed)
+    data = _chain(first_batch, read_ahead(source, config.data.prefetch_microbatches, device))
+    return Session(plan, model, optimizer, scheduler, trainer, logger, profiler, checkpointer, data, device, topo,
+                   start_iteration, consumed)
 
 
 def data_context(plan: Plan, start_sample: int) -> DataContext:
