@@ -103,12 +103,12 @@ class Checkpointer:
         state.update(self._common(iteration, consumed_samples))
         background = {"async_sharded_save": True, "async_strategy": "mcore"} if self.async_queue else {}
         request = dist_checkpointing.save(state, str(directory), sharded_strategy=self.strategy, **background)
-        self._save_blocked = time.perf_counter() - self._save_started  # what training waited for
         if request is None:
             self._commit(iteration, state)
         else:
             request.finalize_fns.append(lambda: self._commit(iteration, state))
-            self.async_queue.schedule_async_request(request)
+            self.async_queue.schedule_async_request(request)  # copies the state to host memory, hands it over
+            self._save_blocked = time.perf_counter() - self._save_started  # what training waited for
 
     def wait(self, blocking: bool = True) -> None:
         """Finish background saves (blocking), or only those already written (not blocking)."""
