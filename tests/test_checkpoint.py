@@ -90,9 +90,11 @@ def test_constant_structure_saves_twice_and_the_later_checkpoint_loads(tmp_path)
 
 def test_async_save_keep_last_and_inspect(tmp_path):
     save = tmp_path / "save"
-    train(tmp_path, "async", "--train-iters", "4", "--save", str(save), "--save-interval", "1", "--async-save",
-          "--keep-last", "2")
+    _, result = train(tmp_path, "async", "--train-iters", "4", "--save", str(save), "--save-interval", "1",
+                      "--async-save", "--keep-last", "2")
     assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000003", "iter_0000004"]
+    reports = [line for line in result.stdout.splitlines() if line.startswith("saved checkpoint")]
+    assert len(reports) == 4 and all(", training blocked " in line for line in reports)
     inspected = run_mimo("ckpt", "inspect", str(save), "--json")
     assert inspected.returncode == 0, inspected.stderr
     import json

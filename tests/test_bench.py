@@ -1,0 +1,38 @@
+"""The benchmarks' own logic on the CPU: the minimal megatron-core loop trains exactly what mimo's loop trains, and
+the checkpoint benchmark reads mimo's save/load lines."""
+
+import json
+import os
+import subprocess
+import sys
+
+from helpers import REPO
+
+
+def test_minimal_loop_matches_mimos_loop(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "loop_overhead.py"), "--quick", "--rounds", "1",
+                             "--block", "2", "--out", str(tmp_path)], capture_output=True, text=True, env=env,
+                            timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "loop_overhead.json").read_text())
+    assert [row["loop"] for row in report["rows"]] == ["mimo", "minimal"]
+    assert len(report["mimo_losses"]) == 2 and report["loss_gap"] < 1e-5, report["loss_gap"]
+
+
+def test_checkpoint_benchmark_reads_the_log_lines(tmp_path, capsys):
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        from checkpoint import parse
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from mimo.core.checkpoint import _report
+
+    directory = tmp_path / "iter_0000012"
+    directory.mkdir()
+    (directory / "shard.distcp").write_bytes(b"x" * 4096)
+    _report("saved", directory, 2.0, blocked=0.25)
+    _report("loaded", directory, 1.0)
+    events = parse(capsys.readouterr().out)
+    assert [(e["event"], e["seconds"], e["blocked_seconds"]) for e in events] == [("saved", 2.0, 0.25),
+                                                                                  ("loaded", 1.0, None)]

@@ -1,0 +1,44 @@
+"""Reading micro-batches ahead: same items in the same order, errors where they happened, stateful loaders left
+alone."""
+
+import pytest
+import torch
+
+from mimo.core.prefetch import Prefetcher, read_ahead
+
+
+def test_items_come_in_order_and_the_end_is_final():
+    reader = Prefetcher(iter(range(20)), depth=3)
+    assert list(reader) == list(range(20))
+    with pytest.raises(StopIteration):
+        next(reader)
+
+
+def test_an_error_surfaces_after_the_items_before_it():
+    def produce():
+        yield 1
+        yield 2
+        raise ValueError("bad sample 3")
+
+    reader = Prefetcher(produce(), depth=2)
+    assert next(reader) == 1 and next(reader) == 2
+    with pytest.raises(ValueError, match="bad sample 3"):
+        next(reader)
+
+
+def test_stateful_iterators_and_depth_zero_are_not_read_ahead():
+    class Resumable:
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            return 0
+
+        def state_dict(self):
+            return {}
+
+    loader = Resumable()
+    assert read_ahead(loader, 2, torch.device("cpu")) is loader
+    plain = iter([1, 2])
+    assert read_ahead(plain, 0, torch.device("cpu")) is plain
+    assert isinstance(read_ahead(iter([1]), 2, torch.device("cpu")), Prefetcher)

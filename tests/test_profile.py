@@ -1,0 +1,40 @@
+"""--profile-dir: where the GPU waits (idle gaps by loop phase) and the CPU run's summary."""
+
+import json
+
+from helpers import run_mimo
+
+from mimo.core.profile import idle_by_phase, idle_gaps, kind_of
+
+
+def test_idle_gaps_are_attributed_to_the_innermost_phase():
+    kernels = [(0, 10), (5, 12), (20, 30), (50, 60)]  # overlapping kernels make one busy stretch
+    phases = [(0, 35, "mimo/step"), (12, 18, "mimo/data"), (40, 70, "mimo/optimizer")]
+    assert idle_gaps(kernels, phases) == [(12, 20), (30, 50), (60, 70)]
+    # gap midpoints: 16 in data (inside step), 40 in optimizer, 65 in optimizer; microseconds -> ms per iteration
+    assert idle_by_phase(kernels, phases, iterations=1) == {"mimo/optimizer": 0.03, "mimo/data": 0.008}
+
+
+def test_kernel_kinds():
+    assert kind_of("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NTT") == "matmul"
+    assert kind_of("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16") == "attention"
+    assert kind_of("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "communication"
+    assert kind_of("void at::native::vectorized_elementwise_kernel<4, at::native::AUnaryFunctor>") == \
+        "elementwise/other"
+
+
+def test_profile_dir_writes_a_trace_and_a_summary(tmp_path):
+    result = run_mimo("run", "--provider", "mock-vlm", "--device", "cpu", "--train-iters", "4", "--log-interval", "4",
+                      "--profile-dir", str(tmp_path / "prof"), "--profile-step-start", "2", "--profile-step-end", "3")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "profile (2 iterations" in result.stdout
+    summary = json.loads((tmp_path / "prof" / "summary_rank0.json").read_text())
+    assert summary["iterations"] == 2 and summary["device"] == "cpu" and summary["top"]
+    assert (tmp_path / "prof" / "trace_rank0.json").stat().st_size > 0
+
+
+def test_a_bad_profile_window_is_one_line():
+    result = run_mimo("run", "--provider", "mock-vlm", "--device", "cpu", "--profile-dir", "/tmp/x",
+                      "--profile-step-start", "5", "--profile-step-end", "3")
+    assert result.returncode == 2
+    assert "--profile-step-start 5 and --profile-step-end 3 must satisfy 1 <= start <= end" in result.stderr
