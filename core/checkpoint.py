@@ -88,6 +88,7 @@ class Checkpointer:
     def save(self, iteration: int, consumed_samples: int) -> None:
         from megatron.core import dist_checkpointing
 
+        blocked_since = time.perf_counter()
         if self.async_queue is not None:
             self.async_queue.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
         self._save_started = time.perf_counter()
@@ -108,7 +109,8 @@ class Checkpointer:
         else:
             request.finalize_fns.append(lambda: self._commit(iteration, state))
             self.async_queue.schedule_async_request(request)  # copies the state to host memory, hands it over
-            self._save_blocked = time.perf_counter() - self._save_started  # what training waited for
+            # What training waited for: a previous save still being written, then this one's hand-off.
+            self._save_blocked = time.perf_counter() - blocked_since
 
     def wait(self, blocking: bool = True) -> None:
         """Finish background saves (blocking), or only those already written (not blocking)."""

@@ -122,9 +122,10 @@ def idle_report(events, iterations: int) -> dict:
     longest = []
     for start, end in sorted(gaps, key=lambda g: g[0] - g[1])[:8]:
         middle = (start + end) / 2
-        innermost: dict[int, tuple] = {}
+        innermost: dict[int, tuple] = {}  # per host thread, the shortest operation running at the middle
         for h in host:
-            if h[0] <= middle <= h[1] and (h[3] not in innermost or h[1] - h[0] < innermost[h[3]][1] - innermost[h[3]][0]):
+            shorter = h[3] not in innermost or h[1] - h[0] < innermost[h[3]][1] - innermost[h[3]][0]
+            if h[0] <= middle <= h[1] and shorter:
                 innermost[h[3]] = h
         longest.append({"ms": (end - start) / 1000, "phase": _phase_at(phases, middle),
                         "host": sorted({h[2] for h in innermost.values()})})
