@@ -162,8 +162,7 @@ def bar_plot(path: Path, labels: list[str], series: dict[str, list[float | None]
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"no plot {path.name}: matplotlib is not installed (pip install 'mimo[bench]'); "
-              f"`python bench/plot.py {path.with_suffix('.json')}` draws it later")
+        print(f"no plot {path.name}: matplotlib is not installed (pip install 'mimo[bench]'); the JSON has the figures")
         return
     width = 0.8 / max(len(series), 1)
     fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(labels) + 2), 4))
