@@ -13,7 +13,7 @@ __all__ = [
 
 def __getattr__(name: str):
     if name == "SDPAttention":  # imports megatron-core: only when a provider's model code asks for it
-        from mimo.plugins.attention import SDPAttention
+        import mimo.plugins
 
-        return SDPAttention
+        return mimo.plugins.SDPAttention
     raise AttributeError(f"module 'mimo' has no attribute '{name}'")

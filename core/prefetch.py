@@ -30,6 +30,7 @@ class Prefetcher:
     def __init__(self, iterator, depth: int, pin_memory: bool = False):
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._pin = pin_memory
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._fill, args=(iterator,), name="mimo-prefetch", daemon=True)
         self._thread.start()
 
@@ -37,9 +38,23 @@ class Prefetcher:
         try:
             for item in iterator:
                 self._queue.put(_pinned(item) if self._pin else item)
+                if self._stop.is_set():
+                    return
             self._queue.put(_END)
         except BaseException as err:  # noqa: BLE001 - handed to the consumer, which raises it
             self._queue.put(_Failure(err))
+        finally:
+            if hasattr(iterator, "close"):  # the thread that runs a generator is the one that may close it
+                iterator.close()
+
+    def close(self) -> None:
+        """Stop reading: the thread ends after the item it is making (emptying the queue frees a blocked put)."""
+        self._stop.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return
 
     def __iter__(self):
         return self

@@ -31,16 +31,13 @@ class StepTimers:
             if not self.enabled:
                 yield
                 return
-            yield from self._timed(name)
-
-    def _timed(self, name: str):
-        self._sync()
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
             self._sync()
-            self.totals[name] += time.perf_counter() - start
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                self._sync()
+                self.totals[name] += time.perf_counter() - start
 
     def _sync(self):
         if self.device.type == "cuda":

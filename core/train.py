@@ -81,7 +81,8 @@ class Session:
     logger: MetricsLogger
     profiler: StepProfiler
     checkpointer: Checkpointer | None
-    data: object
+    data: object  # what the trainer reads: the first batch, then `source`
+    source: object  # the data iterator (read ahead, or the provider's own); closed at the end
     device: torch.device
     topology: topology.Topology
     iteration: int = 0
@@ -113,7 +114,8 @@ def start(plan: Plan) -> Session:
                                     lambda: {"loader": source.state_dict() if hasattr(source, "state_dict") else None})
         start_iteration, consumed, data_state = checkpointer.load()
     # Index-addressed data continues from the samples already seen; a loader with its own state restores it.
-    source = iter(plan.hooks.data_provider(settings=plan.settings, ctx=data_context(plan, consumed)))
+    data_ctx = data_context(plan, consumed)
+    source = iter(plan.hooks.data_provider(settings=plan.settings, ctx=data_ctx))
     if checkpointer:
         checkpointer.run_info["lane_data_state"] = hasattr(source, "state_dict")  # then tied to its lane
     if data_state and data_state.get("loader") is not None:
@@ -128,7 +130,7 @@ def start(plan: Plan) -> Session:
                       plan.num_microbatches, plan.global_batch_size, t.micro_batch_size, seq_length,
                       skipped_samples=lambda: getattr(source, "skipped_samples", 0), timers=timers)
 
-    logging_rank = is_token_source(topo) and data_context(plan, 0).first_position == 0  # lane 0 logs
+    logging_rank = is_token_source(topo) and data_ctx.first_position == 0  # lane 0 logs
     flops = plan.hooks.model_flops(settings=plan.settings)
     logger = MetricsLogger(config.logging, plan.train_iters, logging_rank, plan.global_batch_size,
                            plan.global_batch_size * seq_length,
@@ -142,9 +144,9 @@ def start(plan: Plan) -> Session:
     profiler = StepProfiler(lg.profile_dir, lg.profile_step_start, lg.profile_step_end, dist.get_rank(), device,
                             report=logging_rank)
     model.train()
-    data = _chain(first_batch, read_ahead(source, config.data.prefetch_microbatches, device))
-    return Session(plan, model, optimizer, scheduler, trainer, logger, profiler, checkpointer, data, device, topo,
-                   start_iteration, consumed)
+    reader = read_ahead(source, config.data.prefetch_microbatches, device)
+    return Session(plan, model, optimizer, scheduler, trainer, logger, profiler, checkpointer,
+                   _chain(first_batch, reader), reader, device, topo, start_iteration, consumed)
 
 
 def data_context(plan: Plan, start_sample: int) -> DataContext:
@@ -181,6 +183,8 @@ def finish(session: Session) -> list[dict]:
     session.logger.close()
     if session.checkpointer:
         session.checkpointer.wait(blocking=True)
+    if hasattr(session.source, "close"):  # a read-ahead thread, or a loader's worker processes
+        session.source.close()
     dist.barrier()
     # Tear the groups down while every rank is still here: gloo's threads abort a process that exits with them.
     dist.destroy_process_group()

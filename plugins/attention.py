@@ -17,7 +17,6 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
-
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from megatron.core import tensor_parallel

@@ -42,3 +42,20 @@ def test_stateful_iterators_and_depth_zero_are_not_read_ahead():
     plain = iter([1, 2])
     assert read_ahead(plain, 0, torch.device("cpu")) is plain
     assert isinstance(read_ahead(iter([1]), 2, torch.device("cpu")), Prefetcher)
+
+
+def test_close_stops_the_thread_and_closes_the_source():
+    closed = []
+
+    def forever():
+        try:
+            while True:
+                yield torch.zeros(2)
+        finally:
+            closed.append(True)
+
+    reader = Prefetcher(forever(), depth=2)
+    next(reader)
+    reader.close()
+    reader._thread.join(timeout=10)
+    assert not reader._thread.is_alive() and closed == [True]
