@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import pickle
 import random
 import shutil
 import signal
@@ -266,21 +265,21 @@ class Checkpointer:
         self.model.load_state_dict(self._dist_load({"model": model_state}, directory)["model"])
 
     def _dist_load(self, state: dict, directory: Path) -> dict:
-        from megatron.core import dist_checkpointing
-        from megatron.core.dist_checkpointing.core import CheckpointingException
-        from megatron.core.dist_checkpointing.validation import StrictHandling
         from torch.distributed.checkpoint.api import CheckpointException
+
+        from mimo.plugins import dist_checkpoint
 
         _verify_files(directory)
         try:
-            # megatron-core calls keys this run asks for but the checkpoint lacks "unexpected".
-            loaded, _, absent = dist_checkpointing.load(state, str(directory), strict=StrictHandling.RETURN_ALL)
-        except (CheckpointingException, CheckpointException, OSError, EOFError, RuntimeError, ValueError,
-                pickle.UnpicklingError) as err:  # a truncated or corrupted file surfaces as any of these
+            loaded, absent = dist_checkpoint.load(state, directory)
+        # Whatever the libraries raise, the user gets one line naming it. torch's CheckpointException derives from
+        # BaseException, not Exception, so it is named apart.
+        except (Exception, CheckpointException) as err:  # noqa: BLE001
             if isinstance(err, CheckpointException) and err.failures:  # torch wraps each rank's error
                 err = next(iter(err.failures.values()))[0]  # (exception, traceback summary)
-            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise UsageError(f"checkpoint {directory} cannot be loaded: {first[:400]}") from None
+            text = str(err).strip()
+            first = f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
+            raise UsageError(f"checkpoint {directory} cannot be loaded ({first[:400]})") from None
         # A key the model needs that the checkpoint lacks is an error; extra keys in the checkpoint are fine.
         # Every rank must agree before one of them stops: the others would wait in the next collective.
         any_absent = torch.tensor([len(absent)], dtype=torch.int64, device=_collective_device())
@@ -300,8 +299,15 @@ class Checkpointer:
                              f"'{self.run_info['provider']}'")
 
     def _load_scheduler(self, saved: dict) -> None:
+        # A constant schedule has no length: a run resumed with a larger --train-iters continues it unchanged, so
+        # megatron-core's check that the lengths match would only refuse an equivalent schedule.
+        saved, sched = dict(saved), self.scheduler
+        if saved.get("lr_decay_style") == sched.lr_decay_style == "constant":
+            saved["lr_decay_steps"] = sched.lr_decay_steps
+        if saved.get("wd_incr_style") == sched.wd_incr_style == "constant":
+            saved["wd_incr_steps"] = sched.wd_incr_steps
         try:
-            self.scheduler.load_state_dict(saved)
+            sched.load_state_dict(saved)
         except AssertionError as err:
             raise UsageError(f"the learning-rate schedule differs from the checkpoint's ({err}); pass "
                              f"--no-load-scheduler to start this run's schedule from the checkpoint's weights") from None

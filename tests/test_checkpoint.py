@@ -30,7 +30,8 @@ def only_checkpoint(save_dir, iteration, into):
     return into
 
 
-@pytest.mark.parametrize("layout", [(), HETERO], ids=["colocated", "heterogeneous"])
+@pytest.mark.parametrize("layout", [pytest.param((), marks=pytest.mark.smoke), HETERO],
+                         ids=["colocated", "heterogeneous"])
 def test_resume_matches_an_uninterrupted_run_bit_for_bit(tmp_path, layout):
     save = tmp_path / "save"
     full, _ = train(tmp_path, "full", "--train-iters", "12", "--save", str(save), "--save-interval", "6", *layout)
@@ -111,6 +112,7 @@ def test_weights_only_checkpoint_warns_and_starts_a_fresh_optimizer(tmp_path):
     assert len(warnings) == 1 and "no optimizer state" in warnings[0] and [r["iteration"] for r in resumed] == [3]
 
 
+@pytest.mark.smoke
 def test_finetune_and_pretrained_start_from_the_weights_at_iteration_zero(tmp_path):
     save = tmp_path / "save"
     trained, _ = train(tmp_path, "a", "--train-iters", "8", "--save", str(save))
@@ -124,6 +126,7 @@ def test_finetune_and_pretrained_start_from_the_weights_at_iteration_zero(tmp_pa
     assert pretrained[0]["lm_loss"] == tuned[0]["lm_loss"]
 
 
+@pytest.mark.smoke
 def test_broken_checkpoints_are_one_clear_line(tmp_path):
     save = tmp_path / "save"
     train(tmp_path, "a", "--train-iters", "2", "--save", str(save))

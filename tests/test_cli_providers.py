@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 
 from helpers import REPO, install_distribution, read_metrics, run_mimo, write_distribution
 
@@ -66,6 +67,7 @@ def test_providers_show_lists_settings_and_defaults():
     assert settings["num_layers"]["default"] == 2 and settings["projection"]["type"] == "one of 'mlp', 'affine'"
 
 
+@pytest.mark.smoke
 def test_third_party_distribution_is_listed_and_trains(tmp_target, tmp_path):
     install_distribution(REPO / "tests" / "example_provider", tmp_target)
     row = next(r for r in providers_json([tmp_target])["providers"] if r["name"] == "patch-vlm")

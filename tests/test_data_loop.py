@@ -327,6 +327,7 @@ def train(tmp_path, name, *args, ok=True):
     return (read_metrics(metrics) if metrics.exists() else []), result
 
 
+@pytest.mark.smoke
 def test_mock_vlm_trains_on_a_sample_dataset(tmp_path):
     assert CliRunner().invoke(data_app, ["sample", str(tmp_path / "ds"), "--num-samples", "32"]).exit_code == 0
     records, result = train(tmp_path, "run", "--data", str(tmp_path / "ds"), "--train-iters", "10")
@@ -336,6 +337,7 @@ def test_mock_vlm_trains_on_a_sample_dataset(tmp_path):
     assert "unreadable samples" not in result.stdout
 
 
+@pytest.mark.smoke
 def test_a_corrupt_image_is_skipped_and_reported(tmp_path):
     # one shard read in order (no shuffle buffer): the corrupt sample is met once in the 40 samples trained
     info = write_sample_dataset(tmp_path / "ds", num_samples=48, seed=3, shard_size=48, corrupt_indices=[10])
@@ -346,6 +348,7 @@ def test_a_corrupt_image_is_skipped_and_reported(tmp_path):
     assert "unreadable samples skipped 1" in result.stdout.splitlines()[-1]
 
 
+@pytest.mark.smoke
 def test_resume_with_data_matches_an_uninterrupted_run(tmp_path, dataset):
     """Heterogeneous: the LLM rank restores its lane's loader state from the checkpoint; the encoder rank, which
     the checkpoint holds no data state for, re-reads the lane up to the consumed samples."""

@@ -47,6 +47,7 @@ def test_valid_layouts(world, layout, dps):
     assert {n: p.dp for n, p in plan(world, **layout).parallelism.items()} == dps
 
 
+@pytest.mark.smoke
 def test_mimo_plan_command():
     ok = run_mimo("plan", "--provider", "mock-vlm", "--nproc-per-node", "4", "--encoder-ranks", "1", "--json")
     summary = json.loads(ok.stdout)

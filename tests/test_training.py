@@ -12,6 +12,7 @@ def train(tmp_path, name, *args):
     return read_metrics(metrics), result
 
 
+@pytest.mark.smoke
 def test_loss_falls_and_metrics_have_every_field(tmp_path):
     records, result = train(tmp_path, "run", "--train-iters", "30", "--log-interval", "5")
     assert [r["iteration"] for r in records] == [5, 10, 15, 20, 25, 30]

@@ -13,7 +13,8 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase
-from megatron.core.dist_checkpointing.validation import StrictHandling
+
+from mimo.plugins import dist_checkpoint
 
 from .names import to_nemotron
 
@@ -60,7 +61,7 @@ def load_nemotron_checkpoint(model, directory: str) -> None:
              if not name.endswith(OPTIONAL_SUFFIXES)}
     # megatron-core names mismatches from the checkpoint's side: "unexpected" are keys this rank asked for that
     # the checkpoint lacks (left out of the load), "missing" are checkpoint keys no rank asked for.
-    loaded, _, absent = dist_checkpointing.load(state, str(directory), strict=StrictHandling.RETURN_ALL)
+    loaded, absent = dist_checkpoint.load(state, directory)
     # Each rank knows what its own modules lack; every rank raises the same error (nobody waits forever).
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(absent))
