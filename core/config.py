@@ -61,6 +61,9 @@ class DataOptions:
     prefetch_microbatches: int = option(
         2, "micro-batches a background thread prepares ahead (providers' own data; --data loaders have workers); "
            "0: none")
+    max_skip_fraction: float = option(
+        0.1, "stop the run (exit 2) when more than this share of the --data samples read were skipped as unreadable "
+             "or too long, checked once 100 have been read; 1: never")
 
 
 @dataclass
@@ -164,6 +167,8 @@ class RunConfig:
                              f"{lg.profile_step_end} must satisfy 1 <= start <= end")
         if self.data.prefetch_microbatches < 0:
             raise UsageError(f"--prefetch-microbatches must be 0 or more, got {self.data.prefetch_microbatches}")
+        if not 0 <= self.data.max_skip_fraction <= 1:
+            raise UsageError(f"--max-skip-fraction must lie between 0 and 1, got {self.data.max_skip_fraction}")
         if self.data.num_workers < 0:
             raise UsageError(f"--num-workers must be 0 or more, got {self.data.num_workers}")
         if self.data.data is not None and not self.data.data.exists():

@@ -20,6 +20,7 @@ from .model import build_model, count_parameters
 from .optim import build_optimizer, build_scheduler
 from .prefetch import read_ahead
 from .profile import StepProfiler
+from .skip_report import SkipReporter, check_skip_fraction
 from .step import Trainer, is_token_source
 from .timers import StepTimers
 
@@ -85,6 +86,7 @@ class Session:
     source: object  # the data iterator (read ahead, or the provider's own); closed at the end
     device: torch.device
     topology: topology.Topology
+    skips: SkipReporter  # one line per skipped --data sample, on the rank that counts it
     iteration: int = 0
     consumed: int = 0
 
@@ -145,8 +147,10 @@ def start(plan: Plan) -> Session:
                             report=logging_rank)
     model.train()
     reader = read_ahead(source, config.data.prefetch_microbatches, device)
+    skips = SkipReporter(source, enabled=is_token_source(topo),  # the rank whose count enters the total
+                         rank=dist.get_rank() if plan.world_size > 1 else None)
     return Session(plan, model, optimizer, scheduler, trainer, logger, profiler, checkpointer,
-                   _chain(first_batch, reader), reader, device, topo, start_iteration, consumed)
+                   _chain(first_batch, reader), reader, device, topo, skips, start_iteration, consumed)
 
 
 def data_context(plan: Plan, start_sample: int) -> DataContext:
@@ -171,7 +175,11 @@ def advance(session: Session, iterations: int) -> None:
             result = s.trainer.step(s.data)
         s.profiler.after(iteration)
         s.iteration, s.consumed = iteration, s.consumed + plan.global_batch_size
+        s.skips.report()
         s.logger.update(iteration, result, s.consumed)
+        if plan.config.data.data is not None:
+            check_skip_fraction(result.skipped_samples, s.consumed, plan.config.data.max_skip_fraction,
+                                plan.config.data.data)
         if s.checkpointer and c.save:
             s.checkpointer.wait(blocking=False)
             if iteration == plan.train_iters or (c.save_interval and iteration % c.save_interval == 0):
@@ -181,6 +189,7 @@ def advance(session: Session, iterations: int) -> None:
 def finish(session: Session) -> list[dict]:
     """Close the logs, let background saves land, leave the world. Returns the logged records (logging rank)."""
     session.logger.close()
+    session.skips.close()
     if session.checkpointer:
         session.checkpointer.wait(blocking=True)
     if hasattr(session.source, "close"):  # a read-ahead thread, or a loader's worker processes
@@ -198,6 +207,7 @@ def train(plan: Plan) -> list[dict]:
         advance(session, plan.train_iters - session.iteration)
     except BaseException:
         session.logger.close()
+        session.skips.close()
         raise
     return finish(session)
 

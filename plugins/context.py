@@ -90,6 +90,10 @@ class DataContext:
     The iterator a provider returns may also offer `state_dict()` / `load_state_dict(state)` (saved per lane in
     checkpoints) and `skipped_samples` (a running count of samples dropped as unreadable, shown in the log).
 
+    With `--data`, `data_path` is set and the provider reads that dataset, or refuses it with a
+    `mimo.errors.UsageError`; it never falls back to other data. `energon_loader(task_encoder)` reads it through
+    the loop's machinery (see `mimo.plugins.data`).
+
     A global batch is `num_lanes * num_microbatches * micro_batch_size` consecutive samples of one stream; LLM
     data-parallel lane `l` takes the l-th contiguous share, one micro-batch at a time. Laid side by side, the
     lanes' m-th micro-batches form `num_lanes * micro_batch_size` positions; this rank reads positions
@@ -130,6 +134,16 @@ class DataContext:
         if count >= self.micro_batch_size:
             return 0, 1
         return (self.first_position % self.micro_batch_size) // count, self.micro_batch_size // count
+
+    def energon_loader(self, task_encoder, **dataset_kwargs):
+        """An iterator of this rank's micro-batches of the energon dataset at `data_path`, encoded and batched by
+        `task_encoder`: lanes, worker routing, resumable state and skip counts are the loop's (`LaneLoader`).
+        `dataset_kwargs` go to energon's `get_train_dataset` (e.g. `shuffle_buffer_size`)."""
+        if self.data_path is None:
+            raise ValueError("energon_loader needs a DataContext with data_path (the run's --data)")
+        from mimo.core.data import LaneLoader  # energon and torch: only for a run that reads a dataset
+
+        return LaneLoader.from_context(self, task_encoder, **dataset_kwargs)
 
     def sample_indices(self):
         """Yield, forever, the global sample indices of each micro-batch this rank reads, in order."""

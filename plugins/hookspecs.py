@@ -44,6 +44,9 @@ def data_provider(settings, ctx):
 
     A micro-batch is a dict: input_ids, labels, loss_mask, position_ids as [micro_batch_size, seq] tensors, and
     modality_inputs {modality: {encoder: {argument: tensor}}} for the samples' images.
+
+    With `--data` (`ctx.data_path`), read that dataset (`ctx.energon_loader`, `mimo.plugins.data`) or raise
+    `mimo.errors.UsageError`; never fall back to other data.
     """
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from mimo.plugins import Registry
 
 from .data_check import check_data
+from .data_path_check import check_data_path
 from .flops_check import check_flops
 from .model_check import check_model_shape, check_specs, module_reports, vocab_size
 from .report import ContractReport
@@ -33,6 +34,8 @@ def check_provider(name: str, settings=(), *, registry: Registry | None = None, 
     report.modules = module_reports(shapes)
     encoders, language = check_specs(subject, shapes)
     report.seq_length = check_data(subject, encoders, vocab_size(language))
+    note = check_data_path(subject, encoders, vocab_size(language))
+    report.notes += [note] if note else []
     report.flops, note = check_flops(subject, shapes, report.seq_length)
     report.notes += [note] if note else []
     report.hooks_called |= subject.called

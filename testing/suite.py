@@ -13,6 +13,7 @@ collected itself). Nothing here is a pytest plugin: importing it is the opt-in.
 from __future__ import annotations
 
 from .data_check import check_data
+from .data_path_check import check_data_path
 from .flops_check import check_flops
 from .model_check import check_model_shape, check_specs, module_reports, vocab_size
 from .report import ContractReport
@@ -66,6 +67,12 @@ class ProviderContract:
 
     def test_data(self):
         self._seq_length()
+
+    def test_data_path(self):
+        _, encoders, language = self._static()
+        note = check_data_path(self._subject(), encoders, vocab_size(language))
+        if note:
+            print(f"{self.provider}: {note}")
 
     def test_flops(self):
         import pytest

@@ -84,7 +84,7 @@ def test_variants_share_one_settings_class_and_differ_only_in_defaults():
     ({"image_size": 40}, "image_size 40 is not a multiple of 32"),
     ({"max_patches": 2000}, "need 1 <= min_patches <= max_patches <= 256"),
     ({"seq_length": 16}, "an image can take 16 tokens, which leaves no text in seq_length 16"),
-    ({"image_token_id": 256}, "image_token_id 256 is outside the vocabulary of 256"),
+    ({"image_token_id": 264}, "image_token_id 264 is outside the vocabulary of 264"),
 ])
 def test_settings_are_checked(overrides, message):
     with pytest.raises(ValueError) as err:
@@ -384,7 +384,7 @@ def test_image_token_comes_from_the_setting_or_the_tokenizer(tmp_path):
     placeholders = (batch["input_ids"] == 7).sum(1)
     assert (placeholders > 0).all()  # every sample has an image: its placeholders are 7, no caption token is
     assert all(row[n:].ne(7).all() for row, n in zip(batch["input_ids"], placeholders.tolist()))
-    assert image_token_id(NemotronVLMSettings(**TINY)) == 255
+    assert image_token_id(NemotronVLMSettings(**TINY)) == 263
     try:
         import transformers  # noqa: F401
     except ImportError:  # a tokenizer folder needs transformers; the error says so

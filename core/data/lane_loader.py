@@ -23,14 +23,16 @@ any rank that reads it.
 
 Bad samples. A sample that fails to load or encode is dropped by energon's error handler (a
 `SkippedSampleCounter` with a `SkipLedger`) and counted once the consumed samples reach the point where its worker
-met it (`skipped_samples`): the count depends on the stream alone, not on prefetching, and a restore does not
-count the re-read drops again. A missing or empty dataset, fewer samples than workers, or a dataset energon gives
-up on (too many bad samples in a row) is one `UsageError` line.
+met it (`skipped_samples`; what each was: `take_skip_records`): the count depends on the stream alone, not on
+prefetching, and a restore does not count the re-read drops again. Load errors are held back until the sample leaves
+the shuffle buffer (`deferred_errors.py`), so a drop counts where training would have consumed the sample, not
+where the buffer read it. energon's own per-sample prints go to the debug log (`energon_prints.py`). A missing or
+empty dataset, fewer samples than workers, or a dataset energon gives up on (too many bad samples in a row) is one
+`UsageError` line.
 """
 
 from __future__ import annotations
 
-import copy
 import pickle
 import re
 import warnings
@@ -44,12 +46,15 @@ from megatron.energon.flavors.webdataset.empty_dataset_error import EmptyDataset
 
 from mimo.errors import UsageError
 
+from .deferred_errors import defer_load_errors
+from .energon_prints import route_energon_prints
 from .lanes import merge_lane_batches
-from .skips import SkipLedger, SkippedSampleCounter
+from .skips import SkipLedger, SkippedSampleCounter, SkipRecord
 
 __all__ = ["LaneLoader", "STATE_VERSION"]
 
 STATE_VERSION = 1
+_KEPT_RECORDS = 1000  # skip records a loader keeps for the loop to report; older ones are only counted
 
 
 def _restore_key(sample) -> tuple:
@@ -75,8 +80,8 @@ class _Stream:
         self.rank = lanes.start // k
         self.ledger = SkipLedger(self.per_lane * k)
         counter = SkippedSampleCounter(ledger=self.ledger)
+        task_encoder = defer_load_errors(task_encoder)  # a copy
         if hasattr(task_encoder, "skip_counter"):  # the task encoder's own drops (e.g. too long) count here too
-            task_encoder = copy.copy(task_encoder)
             task_encoder.skip_counter = counter
         config = WorkerConfig(rank=self.rank, world_size=num_lanes // k, num_workers=self.num_workers,
                               seed_offset=seed, global_error_handler=counter)
@@ -95,6 +100,7 @@ class _Stream:
         self.restored: list[Any] = [None] * len(self.queues)  # a worker's restored energon state, until it yields
         self.turn = {lane: 0 for lane in lanes}  # the lane's worker whose sample comes next
         self.skipped = {lane: 0 for lane in lanes}
+        self.counted: deque[SkipRecord] = deque(maxlen=_KEPT_RECORDS)  # counted, not yet taken by the loop
 
     def _check_sizes(self, path: str, num_lanes: int, num_workers: int) -> None:
         """energon cannot repeat a worker's empty share of the dataset: it would fail deep in the worker."""
@@ -161,11 +167,15 @@ class _Stream:
             self._pull()
         index, sample = self.queues[worker].popleft()
         self.turn[lane] = (self.turn[lane] + 1) % self.per_lane
-        self.skipped[lane] += self.ledger.take(worker, index)
+        passed = self.ledger.take(worker, index)
+        self.skipped[lane] += len(passed)
+        self.counted.extend(passed)
         return sample, (self.lanes.start * self.per_lane + worker, index)
 
     def loose_skips(self) -> int:
-        return self.ledger.take_loose()
+        loose = self.ledger.take_loose()
+        self.counted.extend(loose)
+        return len(loose)
 
     # -- state --------------------------------------------------------------------------------------------------
 
@@ -295,6 +305,7 @@ class LaneLoader:
 
     def _start(self) -> None:
         self._started = True
+        route_energon_prints()  # before energon forks its workers, which inherit it
         lanes = (self._state or {}).get("lanes")
         for stream in self._streams:
             stream.start({lane: lanes[lane] for lane in stream.lanes} if lanes else None)
@@ -307,6 +318,7 @@ class LaneLoader:
                 for lane in self.lanes:  # lane by lane in turn: the other lanes' queues stay short
                     self._stream_of[lane].take(lane)
             self.micro_batches = per_lane // self.micro_batch_size
+            self.take_skip_records()  # the run before reported those
 
     def close(self) -> None:
         """Stop the worker processes now rather than when the loader is collected; the loader is done then."""
@@ -321,6 +333,16 @@ class LaneLoader:
             return sum(self._state["lanes"][lane]["skipped"] for lane in self.lanes)
         self._loose += sum(s.loose_skips() for s in self._streams)
         return self._loose + sum(s.skipped[lane] for s in self._streams for lane in s.lanes)
+
+    def take_skip_records(self) -> list[SkipRecord]:
+        """What each drop counted since the last call was (dataset, shard, key, error), in the order counted; at
+        most the last 1000 per stream between calls."""
+        self._loose += sum(s.loose_skips() for s in self._streams)
+        records = []
+        for stream in self._streams:
+            records += stream.counted
+            stream.counted.clear()
+        return records
 
     # -- checkpoint state -----------------------------------------------------------------------------------------
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.energon import DefaultTaskEncoder, Sample, SkipSample, edataclass, stateless
+from megatron.energon.errors import FatalSampleError
 
 from .skips import TOO_LONG, SkippedSampleCounter
 from .tokenizer import Tokenizer
@@ -40,6 +41,7 @@ __all__ = [
 
 SIGLIP_MEAN = (0.5, 0.5, 0.5)
 SIGLIP_STD = (0.5, 0.5, 0.5)
+MAX_SKIPS_IN_A_ROW = 100  # too-long samples in a row before the data is given up on (energon's error tolerance)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -326,6 +328,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         self.pad_to_longest = pad_to_longest
         self.pad_multiple = max(1, pad_multiple)
         self.pack_sequences = pack_sequences
+        self._skips_in_a_row = 0  # in this process (a worker's copy counts its own)
 
     # -- per sample ---------------------------------------------------------------------------------------------
 
@@ -351,9 +354,15 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         return ""
 
     def _skip(self, sample, message: str):
+        key = sample.get("__key__") if isinstance(sample, dict) else getattr(sample, "__key__", None)
         if self.skip_counter is not None:
-            key = sample.get("__key__") if isinstance(sample, dict) else getattr(sample, "__key__", None)
             self.skip_counter.record(key, TOO_LONG, message)
+        # energon never gives up on skipped samples: a dataset none of whose samples fits would read forever
+        self._skips_in_a_row += 1
+        if self._skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
+            raise FatalSampleError.from_sample(
+                sample, f"{self._skips_in_a_row} samples in a row do not fit seq_length {self.seq_length} (the "
+                        f"last: {key}: {message}); raise seq_length")
         raise SkipSample(message)
 
     def encode_tokens(self, text: str, image_tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor,
@@ -383,6 +392,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         if sum(counts) + self.min_text_tokens > self.seq_length:
             self._skip(sample, f"{sum(counts)} image tokens leave less than {self.min_text_tokens} of "
                                f"{self.seq_length} tokens for text")
+        self._skips_in_a_row = 0
         processed = [self.image_mode.process(im) for im in images]
         assert [p.num_tokens for p in processed] == counts
         tokens, labels, loss_mask = self.encode_tokens(self._text_of(sample), counts)

@@ -1,5 +1,5 @@
 """mock-vlm: a small ViT, a projection and a GPT built from megatron-core, trained on synthetic image+text data or,
-with `--data`, on an energon captioning dataset (e.g. one `mimo data sample` writes).
+with `--data`, on an energon dataset of any format docs/data.md lists (e.g. one `mimo data sample` writes).
 
 Small and fast (50 iterations in well under two minutes on two CPU cores): for smoke runs and tests.
 """
@@ -36,6 +36,8 @@ class MockVLMSettings:
     image_probability: float = _setting(1.0, "fraction of samples that carry an image (others are text only)")
     num_classes: int = _setting(8, "synthetic data: image classes, each with its own caption")
     shuffle_buffer: int = _setting(100, "--data: energon's sample shuffle buffer (0: none; shards still shuffle)")
+    chat_template: Literal["plain", "nemotron"] = _setting(
+        "plain", "--data: prompt format (plain: no turn markers; nemotron: ChatML turns, needs vocab_size >= 264)")
     attention: Literal["sdpa", "local"] = _setting(
         "sdpa", "core attention: torch's fused SDPA (flash on GPUs) or megatron-core's unfused DotProductAttention")
     dropout: float = _setting(0.0, "hidden and attention dropout of both models")

@@ -5,9 +5,11 @@ class followed by that class's caption, so the first caption token is predictabl
 rest from the text: the loss falls fast when both the encoder and the LLM learn. Sample `i` depends only on
 (seed, i), so the same global batch comes out whatever the data-parallel layout.
 
-energon: the shared lane loader (`mimo.core.data.LaneLoader`) reads the dataset with mimo's task encoder; images
-become one `image_size` tile each, captions are byte-tokenized (so `vocab_size` must hold the byte tokenizer's
-ids), and the image placeholder is mock-vlm's (the vocabulary's last id).
+energon: every sample type mimo reads (captions, VQA, interleaved documents, text, crude chat datasets; see
+docs/data.md) becomes a conversation in the `chat_template` setting's format (`plain` by default: no turn
+markers), byte-tokenized (so `vocab_size` must hold the byte tokenizer's ids), loss on the answers only; images
+become one `image_size` tile each, their placeholder mock-vlm's (the vocabulary's last id). The loop's lane loader
+(`ctx.energon_loader`) reads the dataset.
 """
 
 from __future__ import annotations
@@ -69,15 +71,16 @@ def synthetic_batches(settings, ctx):
 
 def energon_batches(settings, ctx):
     """The lane loader over `ctx.data_path` for this rank's lanes (resumable; counts unreadable samples)."""
-    from mimo.core.data import ByteTokenizer, FixedTiles, LaneLoader, MultimodalTaskEncoder
+    from mimo.plugins.data import ByteTokenizer, ConversationTaskEncoder, FixedTiles, chat_template
 
-    needed = ByteTokenizer().vocab_size
+    template = chat_template(settings.chat_template)
+    needed = ByteTokenizer(special_tokens=template.special_tokens).vocab_size
     if settings.vocab_size < needed:
-        raise UsageError(f"mock-vlm reads --data captions as bytes, which needs vocab_size >= {needed}: "
-                         f"--set vocab_size={needed} (it is {settings.vocab_size})")
-    tokenizer = ByteTokenizer(vocab_size=settings.vocab_size)
+        raise UsageError(f"mock-vlm reads --data text as bytes, which with the {template.name} chat template needs "
+                         f"vocab_size >= {needed}: --set vocab_size={needed} (it is {settings.vocab_size})")
+    tokenizer = ByteTokenizer(vocab_size=settings.vocab_size, special_tokens=template.special_tokens)
     tokenizer.image_token_id = settings.image_token_id  # the placeholder the model's encoder was built with
-    encoder = MultimodalTaskEncoder(tokenizer, seq_length=settings.seq_length, modality=IMAGES, encoder_name="vit",
-                                    image_mode=FixedTiles(image_size=settings.image_size,
-                                                          patch_size=settings.patch_size))
-    return LaneLoader.from_context(ctx, encoder, shuffle_buffer_size=settings.shuffle_buffer or None)
+    encoder = ConversationTaskEncoder(
+        tokenizer, template=template, reader="mock-vlm", seq_length=settings.seq_length, modality=IMAGES,
+        encoder_name="vit", image_mode=FixedTiles(image_size=settings.image_size, patch_size=settings.patch_size))
+    return ctx.energon_loader(encoder, shuffle_buffer_size=settings.shuffle_buffer or None)

@@ -20,13 +20,14 @@ MID = dict(hidden_size=1536, num_attention_heads=16, kv_channels=96, num_experts
            mamba_num_groups=4, projection_hidden_size=6144, max_patches=2048, seq_length=2048)
 
 # The tiny model: every layer kind, few experts, a two-layer RADIO, small images; a tenth of a second per step
-# on a CPU. No position-embedding jitter, so that every parallel layout computes exactly the same thing.
+# on a CPU. No position-embedding jitter, so that every parallel layout computes exactly the same thing. Its 264
+# token ids hold UTF-8 bytes and the chat template's markers: `--data` works without a tokenizer folder.
 TINY = dict(
     vision_layers=2, vision_hidden_size=32, vision_heads=2, vision_ffn_hidden_size=64, class_tokens=2,
     max_image_size=256, image_size=64, min_patches=16, max_patches=64, projection_hidden_size=64,
     hybrid_pattern="M*EME", hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64,
-    mamba_num_heads=4, mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=16, vocab_size=256, seq_length=64,
+    mamba_num_heads=4, mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=16, vocab_size=264, seq_length=64,
     num_classes=8, cpe_augmentation=False,
 )
 
@@ -79,9 +80,9 @@ def build_language_model(settings: NemotronVLMSettings, ctx):
 
 @hookimpl
 def data_provider(settings: NemotronVLMSettings, ctx):
-    from .data import synthetic_batches
+    from .data import energon_batches, synthetic_batches
 
-    return synthetic_batches(settings, ctx)
+    return energon_batches(settings, ctx) if ctx.data_path else synthetic_batches(settings, ctx)
 
 
 @hookimpl

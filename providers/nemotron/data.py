@@ -1,14 +1,19 @@
-"""Synthetic image+caption data for the Nemotron VLM family.
+"""Data for the Nemotron VLM family: synthetic image+caption samples, or (with `--data`) an energon dataset.
 
 Each of `num_classes` classes has a fixed coarse colour pattern and a fixed caption. A sample is one image of its
 class (random size and aspect ratio, stretched pattern plus noise) followed by the caption, so the caption's first
 token is predictable only from the image and the rest from the text: the loss falls when both models learn.
 
-Images go through mimo's image modes (`mimo.core.data`): with dynamic resolution each keeps its aspect ratio and
+Images go through mimo's image modes (`mimo.plugins.data`): with dynamic resolution each keeps its aspect ratio and
 becomes `[patches, 3*P*P]` rows of one packed buffer with `imgs_sizes` and a fresh THD PackedSeqParams per
 micro-batch; otherwise each is one `image_size` tile. An image takes as many placeholders as the encoder emits
 tokens for it (class tokens dropped, pixel shuffle applied). Sample `i` depends only on (seed, i), so every
 layout reads the same global batch.
+
+energon: every sample type mimo reads (captions, VQA, interleaved documents, text, crude chat datasets; see
+docs/data.md) becomes a conversation in the Nemotron VL prompt format (`chat_template`), tokenized by the
+`tokenizer_path` tokenizer (else UTF-8 bytes), loss on the answers only; images go through the same image modes,
+each placeholder expanded to its image's token count. The loop's lane loader (`ctx.energon_loader`) reads it.
 """
 
 from __future__ import annotations
@@ -18,10 +23,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mimo.core.data import DynamicResolution, FixedTiles
+from mimo.plugins.data import DynamicResolution, FixedTiles
 
 from .settings import ENCODER, IMAGES, NemotronVLMSettings
-from .tokens import image_token_id, tokenizer_of
+from .tokens import data_tokenizer, image_token_id, template_of, tokenizer_of
 
 _TASK_SEED = 1234  # the task (patterns, captions) is fixed; the run's seed picks the samples
 _PATTERN_CELLS = 4  # a class pattern is a 4 x 4 grid of colours, stretched over the image
@@ -107,3 +112,13 @@ def synthetic_batches(s: NemotronVLMSettings, ctx):
     task = SyntheticTask(s)
     for indices in ctx.sample_indices():
         yield task.collate([task.sample(ctx.seed, i) for i in indices])
+
+
+def energon_batches(s: NemotronVLMSettings, ctx):
+    """The loop's lane loader over `ctx.data_path` for this rank's lanes (resumable; counts unreadable samples)."""
+    from mimo.plugins.data import ConversationTaskEncoder
+
+    encoder = ConversationTaskEncoder(data_tokenizer(s), template=template_of(s), reader="the Nemotron VLM",
+                                      seq_length=s.seq_length, image_mode=image_mode(s), modality=IMAGES,
+                                      encoder_name=ENCODER)
+    return ctx.energon_loader(encoder, shuffle_buffer_size=s.shuffle_buffer or None)

@@ -69,9 +69,14 @@ class NemotronVLMSettings:
     seq_length: int = _setting(8192, "tokens per sample, image tokens included")
     init_method_std: float = _setting(0.0173, "standard deviation of the initial weights (all modules)")
 
-    # -- tokens and synthetic data
+    # -- tokens and data
     tokenizer_path: str | None = _setting(
-        None, "local Hugging Face tokenizer folder; gives the image token and the synthetic captions' tokens")
+        None, "local Hugging Face tokenizer folder: tokenizes --data (default: UTF-8 bytes, which needs vocab_size "
+              ">= 264) and gives the image token and the synthetic captions' tokens")
+    chat_template: Literal["nemotron", "plain"] = _setting(
+        "nemotron", "--data: prompt format (nemotron: the Nemotron VL models' ChatML turns and <img> tags; plain: "
+                    "no turn markers)")
+    shuffle_buffer: int = _setting(100, "--data: energon's sample shuffle buffer (0: none; shards still shuffle)")
     image_token_id: int | None = _setting(None, "image placeholder token (default: the tokenizer's <image>, "
                                                 "else vocab_size - 1)")
     image_probability: float = _setting(1.0, "synthetic data: fraction of samples with an image")
@@ -107,6 +112,8 @@ class NemotronVLMSettings:
             raise ValueError(f"image_token_id {self.image_token_id} is outside the vocabulary of {self.vocab_size}")
         if not 0.0 <= self.image_probability <= 1.0:
             raise ValueError(f"image_probability must lie in [0, 1], got {self.image_probability}")
+        if self.shuffle_buffer < 0:
+            raise ValueError(f"shuffle_buffer must be 0 or more, got {self.shuffle_buffer}")
 
     # -- derived quantities
 

@@ -1,22 +1,32 @@
-"""The image placeholder token and the optional Hugging Face tokenizer (read from local files only)."""
+"""The image placeholder token and the tokenizers: a Hugging Face tokenizer (read from local files only, with the
+chat template's markers), or UTF-8 bytes for `--data` when none is set."""
 
 from __future__ import annotations
 
+import copy
 from functools import lru_cache
+
+from mimo.errors import UsageError
 
 
 @lru_cache(maxsize=4)
-def load_tokenizer(path: str):
-    from mimo.core.data import load_hf_tokenizer
+def load_tokenizer(path: str, special_tokens: tuple[str, ...] = ()):
+    from mimo.plugins.data import load_hf_tokenizer
 
-    return load_hf_tokenizer(path)
+    return load_hf_tokenizer(path, special_tokens=special_tokens)
+
+
+def template_of(settings):
+    from mimo.plugins.data import chat_template
+
+    return chat_template(settings.chat_template)
 
 
 def tokenizer_of(settings):
     """The settings' tokenizer, checked against the vocabulary, or None when no tokenizer_path is set."""
     if settings.tokenizer_path is None:
         return None
-    tokenizer = load_tokenizer(settings.tokenizer_path)
+    tokenizer = load_tokenizer(settings.tokenizer_path, template_of(settings).special_tokens)
     if tokenizer.vocab_size > settings.vocab_size:
         raise ValueError(f"the tokenizer at {settings.tokenizer_path} has {tokenizer.vocab_size} tokens, more than "
                          f"vocab_size {settings.vocab_size}")
@@ -29,3 +39,26 @@ def image_token_id(settings) -> int:
         return settings.image_token_id
     tokenizer = tokenizer_of(settings)
     return tokenizer.image_token_id if tokenizer is not None else settings.vocab_size - 1
+
+
+def data_tokenizer(settings):
+    """The tokenizer `--data` is read with: the Hugging Face one, else bytes with the chat template's markers; its
+    image placeholder is the model's (`image_token_id`)."""
+    from mimo.plugins.data import ByteTokenizer
+
+    template = template_of(settings)
+    tokenizer = tokenizer_of(settings)
+    if tokenizer is None:
+        needed = ByteTokenizer(special_tokens=template.special_tokens).vocab_size
+        if settings.vocab_size < needed:
+            raise UsageError(f"without tokenizer_path, --data is read as UTF-8 bytes, which with the {template.name} "
+                             f"chat template needs vocab_size >= {needed} (it is {settings.vocab_size}): --set "
+                             f"vocab_size={needed}, or --set tokenizer_path=DIR (a Hugging Face tokenizer folder)")
+        tokenizer = ByteTokenizer(vocab_size=settings.vocab_size, special_tokens=template.special_tokens)
+        if image_token_id(settings) < needed - 1:
+            raise UsageError(f"image_token_id {image_token_id(settings)} is one of the byte tokenizer's ids (bytes "
+                             f"and markers take 0-{needed - 2}): choose one from {needed - 1} to "
+                             f"{settings.vocab_size - 1}")
+    tokenizer = copy.copy(tokenizer)  # the cached tokenizer keeps its own placeholder
+    tokenizer.image_token_id = image_token_id(settings)
+    return tokenizer

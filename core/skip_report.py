@@ -1,0 +1,77 @@
+"""What the loop says about skipped samples: one line per sample (rate-limited), and a stop when too many are bad.
+
+Lines. The rank that counts a lane's skips into the run's total (the lane's token source, `step.is_token_source`:
+one rank per LLM lane) prints a line for each skip its loader counted: the skips it passes in the stream it
+consumed, so the lines and the log's count agree, and no sample is named twice (the lane's other ranks read the
+same samples). No collective is needed; lines carry the rank when the run has several. At most `limit` lines per
+`window` seconds per rank; the rest are counted, and the count is printed once the window is over (or at the end).
+
+Stop. `check_skip_fraction` ends a run whose skipped samples exceed `--max-skip-fraction` of the samples read
+(trained plus skipped), once `MIN_SAMPLES_READ` have been read: one `UsageError` line, exit 2. Every rank gets
+the same totals from the step, so every rank stops at the same iteration.
+"""
+
+from __future__ import annotations
+
+import time
+
+from mimo.errors import UsageError
+
+__all__ = ["MIN_SAMPLES_READ", "SkipReporter", "check_skip_fraction"]
+
+MIN_SAMPLES_READ = 100  # a few bad samples early on do not stop a run
+
+
+class SkipReporter:
+    """Prints the skip records of `source` (its `take_skip_records()`, when it has one) as they are counted."""
+
+    def __init__(self, source, *, enabled: bool, rank: int | None = None, limit: int = 5, window: float = 60.0,
+                 clock=time.monotonic, out=None):
+        self._take = getattr(source, "take_skip_records", None)
+        self.enabled, self.limit, self.window = enabled, limit, window
+        self._prefix = f"[rank {rank}] " if rank is not None else ""
+        self._clock = clock
+        self._out = out or (lambda line: print(line, flush=True))
+        self._window_start: float | None = None
+        self._shown = self._hidden = 0
+
+    def report(self) -> None:
+        """Print the lines for the skips counted since the last call (call once per iteration)."""
+        if self._take is None:
+            return
+        records = self._take()  # taken on every rank, so that none piles them up
+        if not self.enabled:
+            return
+        now = self._clock()
+        if self._window_start is not None and now - self._window_start >= self.window:
+            self._summary()
+            self._window_start = None
+        for record in records:
+            if self._window_start is None:
+                self._window_start, self._shown = now, 0
+            if self._shown < self.limit:
+                self._shown += 1
+                self._out(f"{self._prefix}skipped a sample: {record.describe()}")
+            else:
+                self._hidden += 1
+
+    def close(self) -> None:
+        """Print the count of lines not shown, if any (at the end of the run)."""
+        if self.enabled:
+            self._summary()
+
+    def _summary(self) -> None:
+        if self._hidden:
+            self._out(f"{self._prefix}skipped {self._hidden} more samples in the last minute (not shown: at most "
+                      f"{self.limit} lines a minute)")
+            self._hidden = 0
+
+
+def check_skip_fraction(skipped: int, trained: int, max_fraction: float, data_path) -> None:
+    """Stop the run (UsageError) when `skipped` exceeds `max_fraction` of the samples read (trained + skipped)."""
+    read = skipped + trained
+    if read < MIN_SAMPLES_READ or skipped <= max_fraction * read:
+        return
+    raise UsageError(f"{skipped} of the {read} samples read were skipped ({skipped / read:.0%}), more than "
+                     f"--max-skip-fraction {max_fraction:g}: the lines above name them; repair --data {data_path} "
+                     f"or raise --max-skip-fraction")

@@ -1,0 +1,31 @@
+"""Reading `--data` in a provider: the shared pieces, for `data_provider` to put together.
+
+    from mimo.plugins.data import ByteTokenizer, ConversationTaskEncoder, FixedTiles, chat_template
+
+    @hookimpl
+    def data_provider(settings, ctx):
+        if ctx.data_path:
+            template = chat_template("nemotron")
+            tokenizer = ByteTokenizer(special_tokens=template.special_tokens)   # or load_hf_tokenizer(folder, ...)
+            encoder = ConversationTaskEncoder(tokenizer, template=template, seq_length=settings.seq_length,
+                                              image_mode=FixedTiles(image_size=224, patch_size=14),
+                                              modality="images", encoder_name="vit", reader="my-vlm")
+            return ctx.energon_loader(encoder)
+        ...
+
+`ConversationTaskEncoder` reads every sample type in docs/data.md (captions, VQA, interleaved, text, crude chat
+datasets through the cooker it registers) and refuses the others before training starts; the chat template
+marks what is trained; the image mode decides each image's token count. `ctx.energon_loader` gives the loop's
+lane loader (lanes, worker routing, resumable state and skip counts stay mimo's).
+"""
+
+from mimo.core.data import (
+    CHAT_TEMPLATES, NEMOTRON, PLAIN, ByteTokenizer, ChatTemplate, ConversationTaskEncoder, DynamicResolution,
+    FixedTiles, HFTokenizer, Tokenizer, chat_template, load_hf_tokenizer, readable_type_names,
+)
+
+__all__ = [
+    "CHAT_TEMPLATES", "NEMOTRON", "PLAIN", "ByteTokenizer", "ChatTemplate", "ConversationTaskEncoder",
+    "DynamicResolution", "FixedTiles", "HFTokenizer", "Tokenizer", "chat_template", "load_hf_tokenizer",
+    "readable_type_names",
+]

@@ -1,0 +1,95 @@
+"""docs/data.md's examples run as written: each writes its dataset with webdataset's ShardWriter, prepares it with
+energon's own `energon prepare` command, and both built-in providers read it through the real loader with the
+settings of its `mimo run` line."""
+
+from __future__ import annotations
+
+import re
+import shlex
+
+import pytest
+
+from helpers import REPO
+from mimo.plugins import DataContext, Registry
+from mimo.plugins.settings import build_settings
+
+DOC = REPO / "docs" / "data.md"
+DOC_ROOT = "/tmp/mimo-data"  # where the examples write; each test writes under its own folder instead
+
+
+def examples() -> tuple[str, dict[str, tuple[str, list[str]]]]:
+    """(the helper's code, {example name: (its Python code, its command lines)}), in the order of the doc."""
+    text = DOC.read_text().split("### Examples", 1)[1].split("\n## ", 1)[0]
+    helper = re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    found = {}
+    for section in re.split(r"^#### ", text, flags=re.M)[1:]:
+        name = section.splitlines()[0].strip()
+        code = "".join(re.findall(r"```python\n(.*?)```", section, re.S))
+        commands = [line for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+                    for line in block.splitlines() if line.strip()]
+        found[name] = (code, commands)
+    return helper, found
+
+
+HELPER, EXAMPLES = examples()
+
+
+def test_the_doc_has_an_example_for_every_format_in_its_table():
+    section = DOC.read_text().split("## Accepted formats", 1)[1].split("### Examples", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")][2:]  # below the header
+    linked = [(re.findall(r"\]\(#([^)]+)\)", row) or [row])[-1] for row in rows]
+    assert linked and all(name.replace("-", " ") in EXAMPLES for name in linked), (linked, list(EXAMPLES))
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """Every example run in the doc's order (the blend uses the datasets before it): {name: its commands}."""
+    from megatron.energon.tools.prepare import command as energon_prepare
+
+    root = tmp_path_factory.mktemp("mimo-data")
+    namespace: dict = {}
+    exec(HELPER, namespace)  # noqa: S102 - the doc's own code, checked to run as written
+    runs = {}
+    for name, (code, commands) in EXAMPLES.items():
+        exec(code.replace(DOC_ROOT, str(root)), namespace)  # noqa: S102
+        runs[name] = [shlex.split(line.replace(DOC_ROOT, str(root))) for line in commands]
+        for argv in runs[name]:
+            if argv[:2] == ["energon", "prepare"]:
+                energon_prepare.main(argv[2:], standalone_mode=False)
+    return runs
+
+
+def run_options(argv: list[str]) -> tuple[str, str, list[str]]:
+    """(provider, --data, --set values) of a `mimo run` line."""
+    assert argv[:2] == ["mimo", "run"], argv
+    options = {}
+    sets = []
+    for flag, value in zip(argv[2::2], argv[3::2]):
+        if flag == "--set":
+            sets.append(value)
+        else:
+            options[flag] = value
+    return options["--provider"], options["--data"], sets
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+@pytest.mark.parametrize("provider", ["nemotron-moe-vlm-tiny", "mock-vlm"])
+def test_each_example_dataset_trains_through_the_real_loader(written, name, provider):
+    runs = [argv for argv in written[name] if argv[:2] == ["mimo", "run"]]
+    assert len(runs) == 1, written[name]
+    documented, data, sets = run_options(runs[0])
+    assert documented == "nemotron-moe-vlm-tiny"
+    registry = Registry()
+    entry, _ = registry.get(provider)
+    settings = build_settings(entry, sets)  # the line's settings (seq_length), which mock-vlm has too
+    ctx = DataContext(micro_batch_size=2, num_microbatches=1, num_lanes=1, seed=1, data_path=data)
+    loader = registry.hooks(provider).data_provider(settings=settings, ctx=ctx)
+    try:
+        batches = [next(loader) for _ in range(3)]
+    finally:
+        loader.close()
+    assert all(b["input_ids"].shape == (2, settings.seq_length) for b in batches)
+    assert all(float(b["loss_mask"].sum()) > 0 for b in batches)
+    assert loader.skipped_samples == 0
+    if name != "text":
+        assert any(b["modality_inputs"] for b in batches)
