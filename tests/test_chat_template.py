@@ -1,6 +1,7 @@
 """Conversations and chat templates: chat JSON in both common forms, `<image>` placeholders, every energon sample
 type as a conversation, the Nemotron VL prompt format with its loss mask, the byte tokenizer's markers, the crude
-chat cooker, and truncation that never splits an image."""
+chat cooker, and truncation that never splits an image. A Hugging Face tokenizer folder with the template:
+test_tokenizer.py."""
 
 from __future__ import annotations
 
@@ -153,24 +154,6 @@ def test_template_markers_must_be_single_tokens():
     with pytest.raises(ValueError, match=r"nemotron chat template needs these markers as single tokens.*'<img>' "
                                          r"\(5 tokens\)"):
         ConversationTaskEncoder(ByteTokenizer(), template=NEMOTRON, seq_length=64)
-
-
-def test_a_hugging_face_tokenizer_gets_the_template_markers(tmp_path):
-    tokenizers = pytest.importorskip("tokenizers")
-    transformers = pytest.importorskip("transformers")
-    from mimo.core.data import load_hf_tokenizer
-
-    words = ["<unk>", "</s>", "a", "circle", "what", "is", "it", "?", "\n", "user", "assistant"]
-    model = tokenizers.models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>")
-    raw = tokenizers.Tokenizer(model)
-    raw.pre_tokenizer = tokenizers.pre_tokenizers.Split(tokenizers.Regex(r"\w+|[^\w ]"), "isolated")
-    transformers.PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="</s>").save_pretrained(
-        tmp_path)
-    tok = load_hf_tokenizer(tmp_path, special_tokens=NEMOTRON.special_tokens)
-    NEMOTRON.check_tokenizer(tok)  # every marker is one token now
-    out, text, trained = rows(NEMOTRON, [Turn("user", (IMAGE, "what is it?")), Turn("assistant", ("a circle",))],
-                              [2], tok)
-    assert out.tokens.count(tok.image_token_id) == 2 and "circle" in trained and "what" not in trained
 
 
 # --------------------------------------------------------------------------------------------------------------

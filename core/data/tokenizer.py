@@ -1,5 +1,6 @@
-"""Tokenizers behind one small interface: a self-contained byte-level tokenizer for tests and smoke runs, and a
-wrapper around a Hugging Face tokenizer loaded from local files (only when `transformers` is installed).
+"""Tokenizers behind one small interface: a self-contained byte-level tokenizer for tests and smoke runs, a Hugging
+Face tokenizer folder read with the `tokenizers` library (`load_hf_tokenizer`), and a wrapper for a `transformers`
+tokenizer object one already has.
 
 The interface (`Tokenizer`): `encode(text) -> list[int]` (no special tokens added; a chat template's markers such
 as `<|im_start|>` become their one id), `decode(ids) -> str`, `vocab_size`, `pad_id`, `bos_id`, `eos_id`,
@@ -8,11 +9,14 @@ as `<|im_start|>` become their one id), `decode(ids) -> str`, `vocab_size`, `pad
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Iterable, Protocol, Sequence, runtime_checkable
 
-__all__ = ["ByteTokenizer", "HFTokenizer", "Tokenizer", "load_hf_tokenizer"]
+from mimo.errors import UsageError
+
+__all__ = ["ByteTokenizer", "HFFastTokenizer", "HFTokenizer", "Tokenizer", "load_hf_tokenizer"]
 
 
 @runtime_checkable
@@ -85,7 +89,8 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face tokenizer behind the `Tokenizer` interface.
+    """A `transformers` tokenizer object behind the `Tokenizer` interface (a folder needs no `transformers`: see
+    `load_hf_tokenizer`).
 
     The image placeholder is `image_token`; it and `special_tokens` (a chat template's markers) are added as special
     tokens when the vocabulary lacks them. Pad falls back to eos when the tokenizer defines no pad token.
@@ -120,19 +125,161 @@ class HFTokenizer:
         return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"
 
 
-def load_hf_tokenizer(local_dir: str | Path, image_token: str = "<image>", special_tokens: Sequence[str] = (),
-                      **kwargs) -> HFTokenizer:
-    """Load `transformers.AutoTokenizer` from files in `local_dir` (never from the network)."""
+TOKENIZER_FILE = "tokenizer.json"  # the `tokenizers` serialization every fast tokenizer folder holds
+CONFIG_FILE = "tokenizer_config.json"
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"  # transformers 4 writes it; read only where transformers does
+# transformers' named special tokens (`SPECIAL_TOKENS_ATTRIBUTES`)
+NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+class HFFastTokenizer:
+    """A Hugging Face fast tokenizer (a `tokenizers.Tokenizer`) behind the `Tokenizer` interface.
+
+    eos, bos and pad are given by name (pad falls back to eos, bos may be None). They, the image placeholder
+    `image_token` and `special_tokens` (a chat template's markers) become special added tokens where the tokenizer
+    does not have them as added tokens yet, so that each is one id wherever it appears in a text; a token already in
+    the vocabulary keeps its id; new ids follow in that order, the image placeholder last. `vocab_size` is the
+    largest id + 1, added tokens included: the rows the model's embedding needs. `decode` drops special tokens
+    unless `skip_special_tokens=False`.
+    """
+
+    def __init__(self, backend, eos_token: str, bos_token: str | None = None, pad_token: str | None = None,
+                 image_token: str = "<image>", special_tokens: Sequence[str] = ()):
+        _add_special_tokens(backend, [eos_token, bos_token, pad_token, *special_tokens, image_token])
+        # a tokenizer.json may ask for padding or truncation; encoding a piece of a conversation needs neither
+        backend.no_padding()
+        backend.no_truncation()
+        self.backend = backend
+        self.image_token = image_token
+        self.image_token_id = backend.token_to_id(image_token)
+        self.eos_id = backend.token_to_id(eos_token)
+        self.bos_id = None if bos_token is None else backend.token_to_id(bos_token)
+        self.pad_id = self.eos_id if pad_token is None else backend.token_to_id(pad_token)
+        self.vocab_size = max(backend.get_vocab(with_added_tokens=True).values()) + 1
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def __repr__(self) -> str:
+        return f"HFFastTokenizer({type(self.backend.model).__name__}, vocab_size={self.vocab_size})"
+
+
+def _add_special_tokens(backend, tokens: Iterable[str | None]) -> None:
+    """Make each token a special added token unless it is an added token already (as transformers does)."""
+    from tokenizers import AddedToken
+
+    added = {t.content for t in backend.get_added_tokens_decoder().values()}
+    missing = [t for t in dict.fromkeys(tokens) if t is not None and t not in added]
+    if missing:
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in missing])
+
+
+def load_hf_tokenizer(local_dir: str | Path, image_token: str = "<image>",
+                      special_tokens: Sequence[str] = ()) -> HFFastTokenizer:
+    """The Hugging Face tokenizer saved in the folder `local_dir`, read with the `tokenizers` library (never from
+    the network; `transformers` is not needed): `tokenizer.json`; `tokenizer_config.json` for the named special
+    tokens (eos required), extra special tokens and added tokens (`added_tokens_decoder`); `special_tokens_map.json`
+    where transformers reads it. Special and added tokens that tokenizer.json lacks are added, as transformers
+    does. A folder that cannot be read is one UsageError line."""
+    from tokenizers import Tokenizer as Backend
+
+    folder = Path(local_dir)
+    if not folder.is_dir():
+        raise UsageError(f"tokenizer folder {folder} does not exist")
+    if not (folder / TOKENIZER_FILE).is_file():
+        raise UsageError(f"tokenizer folder {folder} has no {TOKENIZER_FILE}, the file a Hugging Face fast tokenizer "
+                         f"is read from: save the tokenizer with transformers, AutoTokenizer.from_pretrained(NAME)"
+                         f".save_pretrained(FOLDER), which writes it for every fast tokenizer")
     try:
-        from transformers import AutoTokenizer
-    except ImportError as e:
-        raise ImportError(
-            "loading a Hugging Face tokenizer needs the `transformers` package, which is not installed "
-            "(pip install transformers); for tests and smoke runs use mimo.core.data.tokenizer.ByteTokenizer"
-        ) from e
-    local_dir = Path(local_dir)
-    if not local_dir.is_dir():
-        raise FileNotFoundError(f"tokenizer directory {local_dir} does not exist")
-    kwargs.setdefault("local_files_only", True)
-    return HFTokenizer(AutoTokenizer.from_pretrained(str(local_dir), **kwargs), image_token=image_token,
-                       special_tokens=special_tokens)
+        backend = Backend.from_file(str(folder / TOKENIZER_FILE))
+    except Exception as err:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise UsageError(f"{folder / TOKENIZER_FILE} is not a tokenizers file: {_first_line(err)}") from None
+    named, extra, added_tokens = _special_tokens_of(folder)
+    if named["eos_token"] is None:
+        raise UsageError(f"tokenizer folder {folder}: {CONFIG_FILE} names no eos_token (the end-of-sequence token "
+                         f"that ends documents and answers): add one, e.g. \"eos_token\": \"</s>\"")
+    known = {t.content for t in backend.get_added_tokens_decoder().values()}
+    for token in added_tokens:  # in id order, so that new ids follow the listing
+        if token.content not in known:
+            (backend.add_special_tokens if token.special else backend.add_tokens)([token])
+    _add_special_tokens(backend, [*named.values(), *extra])
+    return HFFastTokenizer(backend, eos_token=named["eos_token"], bos_token=named["bos_token"],
+                           pad_token=named["pad_token"], image_token=image_token, special_tokens=special_tokens)
+
+
+def _special_tokens_of(folder: Path):
+    """(named special tokens by key, extra special tokens, added tokens in id order) as transformers reads them."""
+    from tokenizers import AddedToken
+
+    config_path = folder / CONFIG_FILE
+    config = _read_json_object(config_path)
+    named = {key: _token_content(config.get(key), config_path, key) for key in NAMED_SPECIAL_TOKENS}
+    extra = _extra_special_tokens(config, config_path)
+    listing = config.get("added_tokens_decoder")
+    # transformers reads special_tokens_map.json only for a config without added_tokens_decoder (which 4.34 to 4.x
+    # write, and then the map is stale), and its entries override the config's
+    map_path = folder / SPECIAL_TOKENS_MAP_FILE
+    if listing is None and map_path.is_file():
+        overrides = _read_json_object(map_path)
+        named.update({key: _token_content(overrides[key], map_path, key) for key in NAMED_SPECIAL_TOKENS
+                      if key in overrides})
+        extra += [t for t in _extra_special_tokens(overrides, map_path) if t not in extra]
+    if not isinstance(listing or {}, dict) or not all(str(i).isdigit() for i in listing or {}):
+        raise UsageError(f"{config_path}: added_tokens_decoder must map token ids to tokens")
+    added = []
+    for index, entry in sorted((listing or {}).items(), key=lambda item: int(item[0])):
+        fields = {key: entry[key] for key in ADDED_TOKEN_FIELDS if key in entry} if isinstance(entry, dict) else {}
+        try:
+            if not isinstance(fields.get("content"), str):
+                raise TypeError("no content")
+            added.append(AddedToken(**fields))
+        except TypeError:  # no content, or a flag that is not a boolean
+            raise UsageError(f"{config_path}: added_tokens_decoder entry {index} must be an object with a "
+                             f"\"content\" string and boolean flags, not {entry!r}") from None
+    return named, extra, added
+
+
+ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _read_json_object(path: Path) -> dict:
+    """The JSON object in `path`, or {} when there is no such file."""
+    if not path.is_file():
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"{path} cannot be read as JSON: {_first_line(err)}") from None
+    if not isinstance(data, dict):
+        raise UsageError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def _token_content(value, path: Path, key: str) -> str | None:
+    """A special token as transformers writes it: a string, or an AddedToken object with its text as "content"."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise UsageError(f"{path}: {key} must be a string or an object with a \"content\" string, not {value!r}")
+
+
+def _extra_special_tokens(data: dict, path: Path) -> list[str]:
+    """additional_special_tokens (transformers 4) and extra_special_tokens (5: a list, or names to tokens)."""
+    out: list[str] = []
+    for key in ("additional_special_tokens", "extra_special_tokens"):
+        value = data.get(key) or []
+        value = list(value.values()) if isinstance(value, dict) else value
+        if not isinstance(value, list):
+            raise UsageError(f"{path}: {key} must be a list of tokens, not {value!r}")
+        for token in (_token_content(v, path, key) for v in value):
+            if token is not None and token not in out:
+                out.append(token)
+    return out

@@ -71,8 +71,9 @@ class NemotronVLMSettings:
 
     # -- tokens and data
     tokenizer_path: str | None = _setting(
-        None, "local Hugging Face tokenizer folder: tokenizes --data (default: UTF-8 bytes, which needs vocab_size "
-              ">= 264) and gives the image token and the synthetic captions' tokens")
+        None, "local Hugging Face tokenizer folder (tokenizer.json and tokenizer_config.json naming eos_token; "
+              "vocab_size must hold its ids): tokenizes --data (default: UTF-8 bytes, which needs vocab_size >= 264) "
+              "and gives the image token and the synthetic captions' tokens")
     chat_template: Literal["nemotron", "plain"] = _setting(
         "nemotron", "--data: prompt format (nemotron: the Nemotron VL models' ChatML turns and <img> tags; plain: "
                     "no turn markers)")

@@ -1,5 +1,6 @@
-"""The image placeholder token and the tokenizers: a Hugging Face tokenizer (read from local files only, with the
-chat template's markers), or UTF-8 bytes for `--data` when none is set."""
+"""The image placeholder token and the tokenizers: a Hugging Face tokenizer folder (its tokenizer.json read with the
+`tokenizers` library, local files only, with the chat template's markers), or UTF-8 bytes for `--data` when none
+is set."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def tokenizer_of(settings):
         return None
     tokenizer = load_tokenizer(settings.tokenizer_path, template_of(settings).special_tokens)
     if tokenizer.vocab_size > settings.vocab_size:
-        raise ValueError(f"the tokenizer at {settings.tokenizer_path} has {tokenizer.vocab_size} tokens, more than "
-                         f"vocab_size {settings.vocab_size}")
+        raise UsageError(f"the tokenizer at {settings.tokenizer_path} has {tokenizer.vocab_size} token ids (the "
+                         f"chat template's markers and <image> included), more than vocab_size "
+                         f"{settings.vocab_size}: --set vocab_size={tokenizer.vocab_size} or more")
     return tokenizer
 
 
