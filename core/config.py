@@ -61,6 +61,10 @@ class DataOptions:
     prefetch_microbatches: int = option(
         2, "micro-batches a background thread prepares ahead (providers' own data; --data loaders have workers); "
            "0: none")
+    pack_sequences: bool = option(
+        True, "pack several --data samples into each sequence (THD: positions restart and attention stays within a "
+              "sample); a micro-batch then holds micro-batch-size packed sequences")
+    packing_buffer_size: int = option(64, "--data samples read ahead per data lane to choose packs from")
     max_skip_fraction: float = option(
         0.1, "stop the run (exit 2) when more than this share of the --data samples read were skipped as unreadable "
              "or too long, checked once 100 have been read; 1: never")
@@ -169,6 +173,8 @@ class RunConfig:
             raise UsageError(f"--prefetch-microbatches must be 0 or more, got {self.data.prefetch_microbatches}")
         if not 0 <= self.data.max_skip_fraction <= 1:
             raise UsageError(f"--max-skip-fraction must lie between 0 and 1, got {self.data.max_skip_fraction}")
+        if self.data.packing_buffer_size < 1:
+            raise UsageError(f"--packing-buffer-size must be 1 or more, got {self.data.packing_buffer_size}")
         if self.data.num_workers < 0:
             raise UsageError(f"--num-workers must be 0 or more, got {self.data.num_workers}")
         if self.data.data is not None and not self.data.data.exists():

@@ -126,7 +126,7 @@ def start(plan: Plan) -> Session:
                              f"--data): resume with the same --data, or pass --finetune")
         source.load_state_dict(data_state["loader"])
     first_batch = next(source)
-    seq_length = first_batch["input_ids"].shape[1]
+    seq_length = first_batch["input_ids"].numel() // data_ctx.rows  # packed rows arrive laid end to end
     timers = StepTimers(list(plan.parallelism), list(topo.pg_collections), device, config.logging.log_timers)
     trainer = Trainer(model, optimizer, scheduler, plan.hooks, plan.settings, topo, device, params_dtype,
                       plan.num_microbatches, plan.global_batch_size, t.micro_batch_size, seq_length,
@@ -160,7 +160,8 @@ def data_context(plan: Plan, start_sample: int) -> DataContext:
     return DataContext(micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches,
                        num_lanes=plan.num_lanes, seed=t.seed, first_position=first, num_positions=count,
                        start_sample=start_sample, data_path=str(data.data) if data.data else None,
-                       num_workers=data.num_workers)
+                       num_workers=data.num_workers, pack_sequences=data.pack_sequences,
+                       packing_buffer_size=data.packing_buffer_size)
 
 
 def advance(session: Session, iterations: int) -> None:

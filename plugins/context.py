@@ -111,10 +111,17 @@ class DataContext:
     start_sample: int = 0  # samples consumed before this run (a resumed run starts past them)
     data_path: str | None = None
     num_workers: int = 0
+    pack_sequences: bool = False  # the run's --pack-sequences: pass it to a task encoder whose model takes THD
+    packing_buffer_size: int = 64  # samples read ahead per lane to choose packs from (energon_loader applies it)
 
     @property
     def global_batch_size(self) -> int:
         return self.num_lanes * self.num_microbatches * self.micro_batch_size
+
+    @property
+    def rows(self) -> int:
+        """Samples (sequences) this rank reads per micro-batch, of all its lanes or its share of one."""
+        return self.num_positions or self.micro_batch_size
 
     @property
     def lane(self) -> int:
@@ -124,13 +131,13 @@ class DataContext:
     @property
     def lanes(self) -> range:
         """The LLM lanes this rank reads samples of (several on an encoder rank feeding several lanes)."""
-        count = self.num_positions or self.micro_batch_size
+        count = self.rows
         return range(self.lane, self.lane + max(count // self.micro_batch_size, 1))
 
     @property
     def lane_part(self) -> tuple[int, int]:
         """(part, parts): which share of each of its lane's micro-batches this rank reads; (0, 1) for all."""
-        count = self.num_positions or self.micro_batch_size
+        count = self.rows
         if count >= self.micro_batch_size:
             return 0, 1
         return (self.first_position % self.micro_batch_size) // count, self.micro_batch_size // count
@@ -138,16 +145,19 @@ class DataContext:
     def energon_loader(self, task_encoder, **dataset_kwargs):
         """An iterator of this rank's micro-batches of the energon dataset at `data_path`, encoded and batched by
         `task_encoder`: lanes, worker routing, resumable state and skip counts are the loop's (`LaneLoader`).
-        `dataset_kwargs` go to energon's `get_train_dataset` (e.g. `shuffle_buffer_size`)."""
+        `dataset_kwargs` go to energon's `get_train_dataset` (e.g. `shuffle_buffer_size`). A task encoder built
+        with `pack_sequences=True` gets the run's packing buffer."""
         if self.data_path is None:
             raise ValueError("energon_loader needs a DataContext with data_path (the run's --data)")
         from mimo.core.data import LaneLoader  # energon and torch: only for a run that reads a dataset
 
+        if getattr(task_encoder, "pack_sequences", False):
+            dataset_kwargs.setdefault("packing_buffer_size", self.packing_buffer_size)
         return LaneLoader.from_context(self, task_encoder, **dataset_kwargs)
 
     def sample_indices(self):
         """Yield, forever, the global sample indices of each micro-batch this rank reads, in order."""
-        count = self.num_positions or self.micro_batch_size
+        count = self.rows
         share = self.num_microbatches * self.micro_batch_size
         start = self.start_sample
         while True:

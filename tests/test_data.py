@@ -18,6 +18,7 @@ from mimo.core.data import (
     dynamic_num_tokens, fit_patch_grid, get_multimodal_train_loader, load_hf_tokenizer, merge_encoder_inputs,
     merge_modality_inputs, patchify, tile_num_tokens, write_sample_dataset,
 )
+from mimo.errors import UsageError
 
 CAPTION_RE = re.compile(r"^a (small|large) [a-z]+ [a-z]+ on a [a-z]+ background$")
 NUM_SAMPLES = 24
@@ -165,10 +166,11 @@ def test_hf_tokenizer_wrapper_interface():
     assert s.tokens.tolist() == [4, 4, 4, 4, 2, 3, 1]
 
 
-def test_hf_tokenizer_needs_transformers(monkeypatch, tmp_path):
-    monkeypatch.setitem(sys.modules, "transformers", None)  # import fails as if not installed
-    with pytest.raises(ImportError, match="transformers"):
+def test_a_tokenizer_folder_without_tokenizer_json_is_one_line(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # not needed to read a tokenizer folder
+    with pytest.raises(UsageError, match="has no tokenizer.json") as err:
         load_hf_tokenizer(tmp_path)
+    assert len(str(err.value).splitlines()) == 1
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -362,9 +364,10 @@ def test_sequence_packing_through_energon(dataset):
         pk = batch["packing_kwargs"]
         enc = batch["modality_inputs"]["images"]["vit"]
         b, s = batch["input_ids"].shape
-        rows += b
+        assert b == 1 and s % te.seq_length == 0  # the rows laid end to end: megatron-core's THD takes batch 1
+        rows += s // te.seq_length
         cu, cu_p = pk["cu_seqlens_q"], pk["cu_seqlens_q_padded"]
-        assert int(cu_p[-1]) == b * s and int(cu[0]) == int(cu_p[0]) == 0
+        assert int(cu_p[-1]) == s == pk["total_tokens"] and int(cu[0]) == int(cu_p[0]) == 0
         assert bool(((cu_p[1:] - cu_p[:-1]) >= (cu[1:] - cu[:-1])).all())
         # placeholders in the whole batch == patches in the packed image buffer
         assert int((batch["input_ids"] == tok.image_token_id).sum()) == enc["x"].shape[1]

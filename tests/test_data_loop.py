@@ -339,30 +339,37 @@ def test_mock_vlm_trains_on_a_sample_dataset(tmp_path):
 
 @pytest.mark.smoke
 def test_a_corrupt_image_is_skipped_and_reported(tmp_path):
-    # one shard read in order (no shuffle buffer): the corrupt sample is met once in the 40 samples trained
+    # one shard read in order (no shuffle buffer, no packing): the corrupt sample is met once in the 40 samples
+    # trained
     info = write_sample_dataset(tmp_path / "ds", num_samples=48, seed=3, shard_size=48, corrupt_indices=[10])
     records, result = train(tmp_path, "run", "--data", str(info.path), "--train-iters", "10",
-                            "--set", "shuffle_buffer=0", "--num-workers", "2")
+                            "--set", "shuffle_buffer=0", "--num-workers", "2", "--no-pack-sequences")
     assert [r["iteration"] for r in records] == list(range(1, 11))
     assert records[-1]["skipped_samples"] == 1
     assert "unreadable samples skipped 1" in result.stdout.splitlines()[-1]
 
 
 @pytest.mark.smoke
-def test_resume_with_data_matches_an_uninterrupted_run(tmp_path, dataset):
-    """Heterogeneous: the LLM rank restores its lane's loader state from the checkpoint; the encoder rank, which
-    the checkpoint holds no data state for, re-reads the lane up to the consumed samples."""
-    common = ("--data", str(dataset.path), "--train-iters", "8", "--num-workers", "1", "--nproc-per-node", "2",
-              "--encoder-ranks", "1")
-    full, _ = train(tmp_path, "full", *common, "--save", str(tmp_path / "save"), "--save-interval", "4")
-    resume = tmp_path / "from4"
+@pytest.mark.parametrize("packing", [
+    # sequences of 160 tokens hold two of these samples: 8 per iteration, 24 of the 48 at the save
+    ("--set", "seq_length=160", "--packing-buffer-size", "16"),
+    ("--no-pack-sequences",),
+], ids=["packed", "unpacked"])
+def test_resume_with_data_matches_an_uninterrupted_run(tmp_path, dataset, packing):
+    """Heterogeneous, resumed in the middle of an epoch: the LLM rank restores its lane's loader state (with
+    packing, energon's packing buffer too) from the checkpoint; the encoder rank, which the checkpoint holds no
+    data state for, re-reads the lane up to the consumed samples."""
+    common = ("--data", str(dataset.path), "--train-iters", "6", "--num-workers", "1", "--nproc-per-node", "2",
+              "--encoder-ranks", "1", *packing)
+    full, _ = train(tmp_path, "full", *common, "--save", str(tmp_path / "save"), "--save-interval", "3")
+    resume = tmp_path / "from3"
     resume.mkdir()
-    shutil.copytree(tmp_path / "save" / "iter_0000004", resume / "iter_0000004")
-    (resume / "latest_checkpointed_iteration.txt").write_text("4\n")
+    shutil.copytree(tmp_path / "save" / "iter_0000003", resume / "iter_0000003")
+    (resume / "latest_checkpointed_iteration.txt").write_text("3\n")
     resumed, result = train(tmp_path, "resumed", *common, "--load", str(resume))
     assert "resumed from" in result.stdout
     assert {r["iteration"]: r["lm_loss"] for r in resumed} == {r["iteration"]: r["lm_loss"] for r in full
-                                                               if r["iteration"] > 4}
+                                                               if r["iteration"] > 3}
 
 
 def test_an_encoder_rank_feeding_two_lanes_trains_like_colocated_ranks(tmp_path, dataset):

@@ -15,7 +15,8 @@ many placeholders as the vision encoder emits tokens for it. Two image modes:
 Batches are dicts: `input_ids`, `labels`, `loss_mask`, `position_ids` as `[B, S]` tensors and `modality_inputs`
 `{modality: {encoder name: encoder input}}` (empty when no sample of the batch has an image). Optionally
 (`pack_sequences=True`, with energon's `packing_buffer_size`), several samples share one row of `seq_length`
-tokens; the batch then also carries `packing_kwargs` for MimoModel (THD cu_seqlens over the flattened batch).
+tokens, the B rows are laid end to end as one `[1, B * S]` row (megatron-core's THD format takes batch 1), and
+the batch carries `packing_kwargs` for MimoModel (THD cu_seqlens; positions restart per sample).
 """
 
 from __future__ import annotations
@@ -471,13 +472,17 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         if images:
             out["modality_inputs"] = {self.modality: {self.encoder_name: self.image_mode.collate(images)}}
         if self.pack_sequences:
+            # megatron-core's THD path takes the packed batch as one row (batch 1), sequences laid end to end
+            for key in ("input_ids", "labels", "loss_mask", "position_ids"):
+                out[key] = out[key].reshape(1, b * s)
             out["packing_kwargs"] = self._packing_kwargs(samples, s)
         return out
 
     @staticmethod
     def _packing_kwargs(samples: list[EncodedSample], row: int) -> dict:
         """THD cu_seqlens over the batch flattened to `[B * row]`: each row's padding joins its last sequence in
-        the padded boundaries (an empty row is one padded sequence of length 0)."""
+        the padded boundaries (an empty row is one padded sequence of length 0). `total_tokens` lets megatron-core
+        derive each token's sequence index (`seq_idx`, which mamba-ssm's kernels read)."""
         lengths, padded = [], []
         for sample in samples:
             seqlens = list(sample.seqlens) or [0]
@@ -492,5 +497,6 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             "cu_seqlens_kv_padded": cu_p.clone(),
             "max_seqlen_q": torch.tensor(max(padded), dtype=torch.int32),
             "max_seqlen_kv": torch.tensor(max(padded), dtype=torch.int32),
+            "total_tokens": len(samples) * row,
         }
 

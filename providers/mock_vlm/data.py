@@ -82,5 +82,7 @@ def energon_batches(settings, ctx):
     tokenizer.image_token_id = settings.image_token_id  # the placeholder the model's encoder was built with
     encoder = ConversationTaskEncoder(
         tokenizer, template=template, reader="mock-vlm", seq_length=settings.seq_length, modality=IMAGES,
-        encoder_name="vit", image_mode=FixedTiles(image_size=settings.image_size, patch_size=settings.patch_size))
+        encoder_name="vit", image_mode=FixedTiles(image_size=settings.image_size, patch_size=settings.patch_size),
+        # megatron-core's unfused DotProductAttention (attention=local) takes no packed sequences
+        pack_sequences=ctx.pack_sequences and settings.attention == "sdpa")
     return ctx.energon_loader(encoder, shuffle_buffer_size=settings.shuffle_buffer or None)

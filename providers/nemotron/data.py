@@ -120,5 +120,5 @@ def energon_batches(s: NemotronVLMSettings, ctx):
 
     encoder = ConversationTaskEncoder(data_tokenizer(s), template=template_of(s), reader="the Nemotron VLM",
                                       seq_length=s.seq_length, image_mode=image_mode(s), modality=IMAGES,
-                                      encoder_name=ENCODER)
+                                      encoder_name=ENCODER, pack_sequences=ctx.pack_sequences)
     return ctx.energon_loader(encoder, shuffle_buffer_size=s.shuffle_buffer or None)

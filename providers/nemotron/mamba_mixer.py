@@ -202,16 +202,28 @@ class LocalMambaMixer(MegatronModule):
             name=(name + ".out_proj") if name is not None else None)
 
     def forward(self, hidden_states, inference_context=None, *, inference_params=None, packed_seq_params=None):
-        """hidden_states [l, b, d_model] -> (out [l, b, d_model], out_bias), like MambaMixer."""
+        """hidden_states [l, b, d_model] -> (out [l, b, d_model], out_bias), like MambaMixer. With THD
+        `packed_seq_params` (b == 1, sequences laid end to end) each sequence is scanned on its own."""
         if inference_context is not None or inference_params is not None:
             raise NotImplementedError("LocalMambaMixer has no inference cache/decoding; it is training-only")
-        if packed_seq_params is not None:
-            raise NotImplementedError("LocalMambaMixer does not support packed sequences (packed_seq_params)")
         zxBCdt, _ = self.in_proj(hidden_states)
         gn = self.ngroups_local_tp * self.d_state
         z, xBC, dt = torch.split(zxBCdt, [self.d_inner_local_tp, self.d_inner_local_tp + 2 * gn,
                                           self.nheads_local_tp], dim=-1)
+        if packed_seq_params is None:
+            y = self._conv_scan(xBC, dt)
+        else:
+            # The convolution and the state restart at each sequence's first token: no sequence sees another.
+            lengths = _sequence_lengths(packed_seq_params, xBC.shape[0], xBC.shape[1])
+            y = torch.cat([self._conv_scan(x, d) for x, d in zip(xBC.split(lengths), dt.split(lengths))])
+        # Gate, then (optionally) normalize: MambaMixer's order in both of its training paths.
+        y = self.norm(y, z) if self.rmsnorm else y * F.silu(z.float())
+        return self.out_proj(y.to(hidden_states.dtype))
 
+    def _conv_scan(self, xBC, dt):
+        """The causal convolution and the SSD scan of whole sequences: xBC [l, b, conv channels], dt [l, b, heads]
+        -> y [l, b, d_inner] (fp32)."""
+        gn = self.ngroups_local_tp * self.d_state
         # Depthwise causal conv: left padding only, so position t sees t-d_conv+1 .. t.
         xBC = F.pad(xBC.permute(1, 2, 0), (self.d_conv - 1, 0))
         xBC = F.silu(F.conv1d(xBC, self.conv1d_weight.to(xBC.dtype), self.conv1d_bias.to(xBC.dtype),
@@ -224,10 +236,7 @@ class LocalMambaMixer(MegatronModule):
         y = ssd_scan(x.unflatten(-1, (self.nheads_local_tp, self.headdim)), dt, -torch.exp(self.A_log.float()),
                      B.unflatten(-1, (self.ngroups_local_tp, self.d_state)),
                      C.unflatten(-1, (self.ngroups_local_tp, self.d_state)), self.D, self.chunk_size)
-        y = y.flatten(-2).transpose(0, 1)  # [l, b, d_inner]
-        # Gate, then (optionally) normalize: MambaMixer's order in both of its training paths.
-        y = self.norm(y, z) if self.rmsnorm else y * F.silu(z.float())
-        return self.out_proj(y.to(hidden_states.dtype))
+        return y.flatten(-2).transpose(0, 1)  # [l, b, d_inner]
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         """The same keys and per-component split as MambaMixer's (without its GTP handling)."""
@@ -249,3 +258,16 @@ class LocalMambaMixer(MegatronModule):
             sd[f"{prefix}{param}"].key = f"{prefix}{key}"  # MambaMixer's keys from when conv1d was a module
             sd[f"{prefix}{param}"] = _split_tensor_factory(sd[f"{prefix}{param}"], xBC, ["x", "B", "C"], 0)
         return sd
+
+
+def _sequence_lengths(params, total: int, batch: int) -> list[int]:
+    """The packed sequences' lengths in the buffer (padded boundaries when given), covering all `total` tokens."""
+    if params.qkv_format != "thd" or batch != 1:
+        raise ValueError(f"LocalMambaMixer reads packed sequences in THD format with batch 1, got "
+                         f"{params.qkv_format} with batch {batch}")
+    cu = params.cu_seqlens_q_padded if params.cu_seqlens_q_padded is not None else params.cu_seqlens_q
+    bounds = cu.tolist()
+    lengths = [end - start for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+    if bounds[-1] < total:  # tokens past the last sequence: padding, scanned on their own
+        lengths.append(total - bounds[-1])
+    return lengths
