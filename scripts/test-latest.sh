@@ -18,8 +18,9 @@ uv=$(ensure_uv)
 python=$(find_python)
 rm -rf "$venv"
 "$uv" venv -q --seed --python "$python" "$venv"   # --seed: tests pip-install throwaway provider packages
-# --refresh: ask the registry now, not a cached answer from an earlier run.
-"$uv" pip install -q --refresh --python "$venv/bin/python" --resolution "$resolution" -e ".[dev]"
+# --refresh: ask the registry now, not a cached answer from an earlier run. --compile-bytecode, as pip does: else
+# the first import of each module compiles it and prints the dependencies' SyntaxWarnings into the runs' stderr.
+"$uv" pip install -q --refresh --compile-bytecode --python "$venv/bin/python" --resolution "$resolution" -e ".[dev]"
 
 # mimo's direct dependencies, and the newest release of each on the registry whatever the bounds say.
 direct=$("$venv/bin/python" -c '
