@@ -126,6 +126,9 @@ def start(plan: Plan) -> Session:
                              f"--data): resume with the same --data, or pass --finetune")
         source.load_state_dict(data_state["loader"])
     first_batch = next(source)
+    if data_ctx.data_path and not data_ctx.opened_loaders:  # never train on synthetic data in place of --data
+        raise UsageError(f"--data {data_ctx.data_path}: provider '{config.provider}' does not read datasets (its "
+                         f"data_provider opened no ctx.energon_loader): drop --data, or use a provider that reads it")
     seq_length = first_batch["input_ids"].numel() // data_ctx.rows  # packed rows arrive laid end to end
     timers = StepTimers(list(plan.parallelism), list(topo.pg_collections), device, config.logging.log_timers)
     trainer = Trainer(model, optimizer, scheduler, plan.hooks, plan.settings, topo, device, params_dtype,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -113,6 +113,8 @@ class DataContext:
     num_workers: int = 0
     pack_sequences: bool = False  # the run's --pack-sequences: pass it to a task encoder whose model takes THD
     packing_buffer_size: int = 64  # samples read ahead per lane to choose packs from (energon_loader applies it)
+    # the loaders energon_loader opened: with data_path set, the loop refuses a provider that opened none
+    opened_loaders: list = field(default_factory=list, repr=False, compare=False)
 
     @property
     def global_batch_size(self) -> int:
@@ -153,7 +155,9 @@ class DataContext:
 
         if getattr(task_encoder, "pack_sequences", False):
             dataset_kwargs.setdefault("packing_buffer_size", self.packing_buffer_size)
-        return LaneLoader.from_context(self, task_encoder, **dataset_kwargs)
+        loader = LaneLoader.from_context(self, task_encoder, **dataset_kwargs)
+        self.opened_loaders.append(loader)
+        return loader
 
     def sample_indices(self):
         """Yield, forever, the global sample indices of each micro-batch this rank reads, in order."""

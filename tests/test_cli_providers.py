@@ -5,6 +5,7 @@ import json
 import pytest
 
 from helpers import REPO, install_distribution, read_metrics, run_mimo, write_distribution
+from mimo.core.data import write_sample_dataset
 
 CONFLICT = """
     from dataclasses import dataclass
@@ -78,6 +79,13 @@ def test_third_party_distribution_is_listed_and_trains(tmp_target, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [r["lm_loss"] for r in read_metrics(metrics)]
     assert len(losses) == 4 and losses[-1] < losses[0]
+    # its data_provider ignores ctx.data_path: the loop refuses to train on its synthetic data in place of --data
+    data = tmp_path / "ds"
+    write_sample_dataset(data, num_samples=8, seed=0, shard_size=8)
+    refused = run_mimo("run", "--provider", "patch-vlm", "--train-iters", "1", "--device", "cpu", "--data",
+                       str(data), extra_path=[tmp_target])
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.stderr[-3000:]
+    assert "provider 'patch-vlm' does not read datasets" in refused.stderr
 
 
 def test_two_distributions_claiming_one_name(tmp_target, tmp_path):

@@ -248,7 +248,23 @@ def train(tmp_path, name, *args):
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_a_blend_of_every_format_trains_alike_colocated_and_heterogeneous(tmp_path, datasets, provider):
     common = ("--provider", provider, "--data", str(datasets["blend"][0]), "--train-iters", "3", "--seed", "5",
-              "--set", "seq_length=256")
+              "--set", "seq_length=512", "--packing-buffer-size", "8")
+    # the samples these runs train on (packed, as --data packs by default): every format is among them
+    registry = Registry()
+    settings = build_settings(registry.get(provider)[0], ["seq_length=512"])
+    ctx = DataContext(micro_batch_size=4, num_microbatches=1, num_lanes=1, seed=5, num_workers=2,
+                      data_path=str(datasets["blend"][0]), pack_sequences=True, packing_buffer_size=8)
+    loader = registry.hooks(provider).data_provider(settings=settings, ctx=ctx)
+    keys = []
+    try:
+        for _ in range(3):
+            batch = next(loader)
+            keys += [key for row in loader.last_rows for key in row[3].split(",")]
+    finally:
+        loader.close()
+    assert "packing_kwargs" in batch and len(keys) > 12  # several samples share a sequence
+    assert {name for name in FORMATS if set(keys) & set(datasets[name][1])} == set(FORMATS), " ".join(keys)
+
     colocated = train(tmp_path, "colocated", *common)
     split = train(tmp_path, "split", *common, "--nproc-per-node", "2", "--encoder-ranks", "1")
     assert len(colocated) == len(split) == 3
