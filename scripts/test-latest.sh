@@ -20,14 +20,14 @@ rm -rf "$venv"
 "$uv" venv -q --seed --python "$python" "$venv"   # --seed: tests pip-install throwaway provider packages
 # --refresh: ask the registry now, not a cached answer from an earlier run. --compile-bytecode, as pip does: else
 # the first import of each module compiles it and prints the dependencies' SyntaxWarnings into the runs' stderr.
-"$uv" pip install -q --refresh --compile-bytecode --python "$venv/bin/python" --resolution "$resolution" -e ".[dev]"
+"$uv" pip install -q --refresh --compile-bytecode --python "$venv/bin/python" --resolution "$resolution" -e ".[dev,hf]"
 
 # mimo's direct dependencies, and the newest release of each on the registry whatever the bounds say.
 direct=$("$venv/bin/python" -c '
 import re
 from importlib.metadata import requires
 print("\n".join(sorted({re.split(r"[ ;<>=!~\[]", r)[0] for r in requires("mimo")
-                         if "extra ==" not in r or "\"dev\"" in r})))')
+                         if "extra ==" not in r or "\"dev\"" in r or "\"hf\"" in r})))')
 newest=$("$uv" pip compile -q --no-deps --no-header --no-annotate --python-version 3.12 - <<<"$direct")
 echo "== $resolution releases allowed by pyproject.toml (not the lock):"
 for name in $direct; do

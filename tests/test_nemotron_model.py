@@ -107,6 +107,15 @@ def test_training_stages_freeze_through_the_hook(world):
     assert trainable["stage3"] == trainable["stage2"] | {"modality_submodules.images.encoders"}
 
 
+def test_the_video_embedder_omni_checkpoints_hold_is_frozen(world):
+    settings, model = build(video_temporal_patch_size=2)
+    frozen = nemotron.frozen_parameters(settings)
+    video = [n for n, _ in model.named_parameters() if "video_embedder" in n]
+    assert video and all(any(n.startswith(p) for p in frozen) for n in video)
+    others = [n for n, _ in model.named_parameters() if "video_embedder" not in n]
+    assert not any(n.startswith(p) for p in frozen for n in others)  # stage3 trains everything else
+
+
 def test_backend_auto_is_local_without_te_and_te_says_what_is_missing():
     from mimo.providers.nemotron.specs import resolve_backend
 

@@ -87,13 +87,16 @@ def data_provider(settings: NemotronVLMSettings, ctx):
 
 @hookimpl
 def frozen_parameters(settings: NemotronVLMSettings):
-    """stage1 trains the projection only, stage2 everything but the vision encoder, stage3 everything."""
+    """stage1 trains the projection only, stage2 everything but the vision encoder, stage3 everything. RADIO's
+    video patch embedder (omni checkpoints) is always frozen: fed no video, it would only decay."""
     frozen = {
         "stage1": [f"modality_submodules.{IMAGES}.encoders.", "language_model."],
         "stage2": [f"modality_submodules.{IMAGES}.encoders."],
         "stage3": [],
-    }
-    return frozen[settings.stage]
+    }[settings.stage]
+    if settings.video_temporal_patch_size > 1 and settings.stage == "stage3":
+        frozen = [f"modality_submodules.{IMAGES}.encoders.{ENCODER}.video_embedder."]
+    return frozen
 
 
 @hookimpl

@@ -53,7 +53,12 @@ def moe_layer(s: NemotronVLMSettings) -> Count:
     return Count(always + s.num_experts * expert, always + s.moe_router_topk * expert)
 
 
-LAYER_COUNTS = {"M": mamba_layer, "*": attention_layer, "E": moe_layer}
+def mlp_layer(s: NemotronVLMSettings) -> Count:
+    h = s.hidden_size
+    return _dense(_norm_linear(1, h, s.ffn_hidden_size, bias=False) + s.ffn_hidden_size * h)  # fc1, fc2
+
+
+LAYER_COUNTS = {"M": mamba_layer, "*": attention_layer, "E": moe_layer, "-": mlp_layer}
 
 
 def language(s: NemotronVLMSettings) -> Count:
@@ -64,18 +69,23 @@ def language(s: NemotronVLMSettings) -> Count:
 
 
 def vision_encoder(s: NemotronVLMSettings) -> int:
-    """RADIO: patch embedder (no bias), CPE position grid, class tokens, pre-norm layers with biases."""
+    """RADIO: patch embedder (no bias), optional video patch embedder, CPE position grid, class tokens,
+    pre-norm layers with biases."""
     h, f = s.vision_hidden_size, s.vision_ffn_hidden_size
     layer = (_norm_linear(2, h, 3 * h, bias=True) + h * h + h  # LayerNorm + qkv, proj
              + _norm_linear(2, h, f, bias=True) + f * h + h)  # LayerNorm + fc1, fc2
-    return 3 * s.patch_size ** 2 * h + s.max_grid ** 2 * h + s.class_tokens * h + s.vision_layers * layer
+    frames = s.video_temporal_patch_size
+    embedders = 3 * s.patch_size ** 2 * h * (1 + (frames if frames > 1 else 0))
+    return embedders + s.max_grid ** 2 * h + s.class_tokens * h + s.vision_layers * layer
 
 
 def projection(s: NemotronVLMSettings) -> int:
-    """One linear layer, or an MLP, from the (pixel-shuffled) encoder token into the LLM; no biases, no norm."""
+    """One linear layer, or an MLP (optionally with an RMSNorm on its input), from the (pixel-shuffled) encoder
+    token into the LLM; no biases."""
     if s.projection == "affine":
         return s.vision_output_size * s.hidden_size
-    return s.vision_output_size * s.projection_hidden_size + s.projection_hidden_size * s.hidden_size
+    norm = s.vision_output_size if s.projection_norm else 0
+    return norm + s.vision_output_size * s.projection_hidden_size + s.projection_hidden_size * s.hidden_size
 
 
 def parameter_counts(s: NemotronVLMSettings) -> dict[str, Count]:

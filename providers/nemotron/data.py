@@ -33,10 +33,13 @@ _PATTERN_CELLS = 4  # a class pattern is a 4 x 4 grid of colours, stretched over
 
 
 def image_mode(s: NemotronVLMSettings):
+    # the pixel statistics the encoder was trained with (C-RADIO: OpenAI CLIP's), applied where images are tiled
+    stats = dict(mean=tuple(s.image_mean), std=tuple(s.image_std))
     if s.dynamic_resolution:
         return DynamicResolution(patch_size=s.patch_size, min_patches=s.min_patches, max_patches=s.max_patches,
-                                 pixel_shuffle_factor=s.shuffle_factor)
-    return FixedTiles(image_size=s.image_size, patch_size=s.patch_size, pixel_shuffle_factor=s.shuffle_factor)
+                                 pixel_shuffle_factor=s.shuffle_factor, **stats)
+    return FixedTiles(image_size=s.image_size, patch_size=s.patch_size, pixel_shuffle_factor=s.shuffle_factor,
+                      **stats)
 
 
 def _captions(s: NemotronVLMSettings, gen: torch.Generator) -> torch.Tensor:

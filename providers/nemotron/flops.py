@@ -40,7 +40,11 @@ def moe(s: NemotronVLMSettings) -> float:
         + s.moe_router_topk * 4 * h * s.moe_ffn_hidden_size
 
 
-LAYER_FLOPS = {"M": mamba, "*": attention, "E": moe}
+def mlp(s: NemotronVLMSettings) -> float:
+    return 4 * s.hidden_size * s.ffn_hidden_size
+
+
+LAYER_FLOPS = {"M": mamba, "*": attention, "E": moe, "-": mlp}
 
 
 def language(s: NemotronVLMSettings) -> float:

@@ -117,13 +117,16 @@ def _tp(param, sizes=None):
 
 
 class LocalMambaMixer(MegatronModule):
-    """Drop-in for megatron.core.ssm.mamba_mixer.MambaMixer (same arguments; see its docstring)."""
+    """Drop-in for megatron.core.ssm.mamba_mixer.MambaMixer (same arguments; see its docstring), plus `dt_limit`:
+    the (min, max) clamp of the step size after softplus. MambaMixer's training kernel uses (0, inf), no clamp;
+    Hugging Face's NemotronH clamps at (time_step_min, inf)."""
 
     def __init__(self, config: TransformerConfig, submodules: MambaMixerSubmodules, d_model, d_conv=4,
                  conv_init=None, expand=2, A_init_range=(1, 16), D_has_hdim=False, rmsnorm=True,
                  norm_before_gate=False, dt_min=0.001, dt_max=0.1, dt_init="random", dt_scale=1.0,
                  dt_init_floor=1e-4, bias=False, conv_bias=True, chunk_size=128, layer_number=None,
-                 pg_collection: ProcessGroupCollection = None, pp_layer_offset: int = 0, name: str | None = None):
+                 pg_collection: ProcessGroupCollection = None, pp_layer_offset: int = 0, name: str | None = None,
+                 dt_limit: tuple[float, float] = (0.0, float("inf"))):
         super().__init__(config)
         assert pg_collection is not None, "pg_collection must be provided for LocalMambaMixer"
         assert not bias and conv_bias and not norm_before_gate, "as in MambaMixer, only these are supported"
@@ -135,7 +138,7 @@ class LocalMambaMixer(MegatronModule):
         self.chunk_size, self.layer_number, self.pp_layer_offset = chunk_size, layer_number, pp_layer_offset
         self.d_state, self.headdim, self.ngroups = config.mamba_state_dim, config.mamba_head_dim, config.mamba_num_groups
         self.activation = "silu"
-        self.dt_limit = (0.0, float("inf"))  # what MambaMixer's training kernel uses: no clamping
+        self.dt_limit = tuple(dt_limit)
         if config.mamba_num_heads is not None:
             self.nheads = config.mamba_num_heads
             self.d_inner = self.nheads * self.headdim

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 from megatron.core.activations import fast_gelu, squared_relu
 from megatron.core.models.hybrid.hybrid_model import HybridModel
 from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
@@ -18,6 +19,9 @@ from mimo import Encoder
 from .settings import ENCODER, IMAGES, NemotronVLMSettings
 from .specs import hybrid_stack_spec, projection_submodules, resolve_backend, vit_layer_spec
 from .tokens import image_token_id
+
+# `vision_activation`: C-RADIO's exact GELU, or the tanh approximation of Megatron-LM's RADIO recipe.
+VISION_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": fast_gelu}
 
 
 def pixel_shuffle(tokens: torch.Tensor, rows: int, cols: int, side: int) -> torch.Tensor:
@@ -39,7 +43,8 @@ class RadioEncoder(RADIOViTModel):
 
     Fixed tiles: `x [N, 3, H, W]` -> `[N * (H/P) * (W/P) / shuffle, shuffle * hidden]`.
     Dynamic resolution: `x [1, total_patches, 3*P*P]`, `imgs_sizes [N, 2]` (pixels), optional THD
-    `packed_seq_params` -> the images' tokens in order.
+    `packed_seq_params` -> the images' tokens in order. With a video embedder (`temporal_patch_dim` > 1, as
+    Nemotron omni checkpoints have) every input is still a single-frame image, embedded by `embedder`.
     """
 
     def __init__(self, *args, shuffle_side: int = 1, **kwargs):
@@ -57,7 +62,11 @@ class RadioEncoder(RADIOViTModel):
         lengths = [r * c for r, c in grids]
         # RADIOViTModel shifts the THD boundaries in place for its class tokens: give it a copy it may change.
         packed_seq_params = _packed_params(lengths, packed_seq_params, x.device)
-        out = super().forward(x, attention_mask, imgs_sizes, packed_seq_params)[0]  # [patches + N * cls, hidden]
+        if self.temporal_patch_dim > 1:  # RADIOViTModel then also returns the sizes and frame counts
+            out = super().forward(x, attention_mask, torch.as_tensor(imgs_sizes), packed_seq_params,
+                                  num_frames=[1] * len(grids))[0][0]
+        else:
+            out = super().forward(x, attention_mask, imgs_sizes, packed_seq_params)[0]  # [patches + N * cls, h]
         tokens, start = [], 0
         for (rows, cols), n in zip(grids, lengths):
             tokens.append(pixel_shuffle(out[start + cls:start + cls + n], rows, cols, self.shuffle_side))
@@ -87,8 +96,9 @@ def vision_spec(s: NemotronVLMSettings, ctx) -> Encoder:
     vit_config = ctx.transformer_config(
         IMAGES, num_layers=s.vision_layers, hidden_size=s.vision_hidden_size, num_attention_heads=s.vision_heads,
         ffn_hidden_size=s.vision_ffn_hidden_size, kv_channels=s.vision_hidden_size // s.vision_heads,
-        normalization="LayerNorm", layernorm_epsilon=1e-6, add_bias_linear=True, add_qkv_bias=True,
-        activation_func=fast_gelu, gated_linear_unit=False, hidden_dropout=s.dropout, attention_dropout=s.dropout,
+        normalization="LayerNorm", layernorm_epsilon=s.vision_layernorm_epsilon, add_bias_linear=True,
+        add_qkv_bias=True, activation_func=VISION_ACTIVATIONS[s.vision_activation], gated_linear_unit=False,
+        hidden_dropout=s.dropout, attention_dropout=s.dropout,
         init_method_std=s.init_method_std,
     )
     projection_config = ctx.transformer_config(
@@ -96,6 +106,7 @@ def vision_spec(s: NemotronVLMSettings, ctx) -> Encoder:
         IMAGES, num_layers=1, hidden_size=s.hidden_size, ffn_hidden_size=s.projection_hidden_size,
         num_attention_heads=s.vision_heads, add_bias_linear=False, activation_func=squared_relu,
         gated_linear_unit=False, init_method_std=s.init_method_std,
+        normalization="RMSNorm", layernorm_epsilon=1e-5,  # read only by projection_norm's fused norm
     )
     encoder = ModuleSpec(module=RadioEncoder, params=dict(
         transformer_config=vit_config, transformer_layer_spec=vit_layer_spec(backend),
@@ -104,10 +115,11 @@ def vision_spec(s: NemotronVLMSettings, ctx) -> Encoder:
         has_cpe=True, embedder_bias=False, dynamic_resolution=s.dynamic_resolution,
         # RADIO jitters its position embeddings in training mode unless told not to; never for a frozen encoder.
         force_cpe_eval_mode=not (s.cpe_augmentation and s.trains_vision), shuffle_side=s.shuffle_side,
+        temporal_patch_dim=s.video_temporal_patch_size, separate_video_embedder=s.video_temporal_patch_size > 1,
         pg_collection=pgc,
     ))
     projection = ModuleSpec(module=MultimodalProjector, params=dict(
-        config=projection_config, submodules=projection_submodules(backend),
+        config=projection_config, submodules=projection_submodules(backend, norm=s.projection_norm),
         projector_type=s.projection, input_size=s.vision_output_size, pg_collection=pgc,
     ))
     spec = ModuleSpec(module=VisionModalitySubmodules, params={"pg_collection": pgc},
@@ -123,7 +135,7 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
                          "split the experts)")
     config = ctx.transformer_config(
         "language", num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
-        num_query_groups=s.num_query_groups, kv_channels=s.kv_channels, ffn_hidden_size=s.moe_ffn_hidden_size,
+        num_query_groups=s.num_query_groups, kv_channels=s.kv_channels, ffn_hidden_size=s.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=1e-5, add_bias_linear=False, gated_linear_unit=False,
         activation_func=squared_relu, hidden_dropout=s.dropout, attention_dropout=s.dropout,
         init_method_std=s.init_method_std, mamba_num_heads=s.mamba_num_heads, mamba_head_dim=s.mamba_head_dim,
@@ -136,7 +148,8 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         moe_grouped_gemm=backend == "te",
     )
     return ModuleSpec(module=HybridModel, params=dict(
-        config=config, hybrid_stack_spec=hybrid_stack_spec(backend, s.mamba_conv_kernel, s.num_experts),
+        config=config,
+        hybrid_stack_spec=hybrid_stack_spec(backend, s.mamba_conv_kernel, s.num_experts, s.mamba_dt_clamp_min),
         vocab_size=s.vocab_size, max_sequence_length=s.seq_length, hybrid_layer_pattern=s.hybrid_pattern,
         share_embeddings_and_output_weights=False, position_embedding_type="none",
         pg_collection=ctx.pg_collection("language"),

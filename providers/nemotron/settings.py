@@ -9,7 +9,11 @@ from typing import Literal
 
 IMAGES = "images"  # the modality, also the encoder grid's module name
 ENCODER = "radio"  # the encoder's name inside the modality: modality_submodules.images.encoders.radio
-LAYER_SYMBOLS = {"M": "Mamba", "E": "MoE", "*": "attention"}
+LAYER_SYMBOLS = {"M": "Mamba", "E": "MoE", "*": "attention", "-": "MLP"}
+
+# C-RADIO normalizes pixels in [0, 1] with OpenAI CLIP's statistics.
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 
 PATTERN_20L = "MEMEM*EMEMEM*EMEMEM*"
 PATTERN_54L = "MEMEM*EMEM*EMEM*EMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEME"
@@ -34,7 +38,19 @@ class NemotronVLMSettings:
     vision_heads: int = _setting(16, "attention heads of the RADIO encoder")
     vision_ffn_hidden_size: int = _setting(5120, "MLP size of the RADIO encoder")
     patch_size: int = _setting(16, "ViT patch size in pixels")
-    class_tokens: int = _setting(8, "class tokens RADIO adds per image (tile); dropped after the encoder; 0: none")
+    class_tokens: int = _setting(8, "class and register tokens RADIO prepends per image (tile); all dropped after "
+                                    "the encoder; 0: none")
+    vision_layernorm_epsilon: float = _setting(1e-6, "epsilon of the RADIO encoder's LayerNorms")
+    vision_activation: Literal["gelu", "gelu_tanh"] = _setting(
+        "gelu", "MLP activation of the RADIO encoder: gelu (exact, erf; C-RADIO's) or gelu_tanh (tanh "
+                "approximation: Megatron-LM's fast_gelu)")
+    image_mean: tuple[float, ...] = _setting(CLIP_MEAN, "per-channel (RGB) mean the data path subtracts from pixels "
+                                                        "in [0, 1] (C-RADIO's input conditioner: OpenAI CLIP's)")
+    image_std: tuple[float, ...] = _setting(CLIP_STD, "per-channel (RGB) standard deviation the data path divides "
+                                                      "pixels by, after the mean")
+    video_temporal_patch_size: int = _setting(
+        1, "frames per patch of RADIO's separate video patch embedder, which Nemotron omni checkpoints hold (mimo "
+           "feeds the encoder images only; dynamic resolution); 1: no video embedder")
     max_image_size: int = _setting(2048, "side in pixels of RADIO's position-embedding grid (CPE)")
     cpe_augmentation: bool = _setting(True, "jitter RADIO's position embeddings (CPE) while the encoder trains, "
                                             "as RADIOViTModel does in training mode; never while it is frozen")
@@ -47,9 +63,11 @@ class NemotronVLMSettings:
     projection: Literal["mlp", "affine"] = _setting(
         "affine", "vision-to-LLM projection: one linear layer, or an MLP (squared ReLU); no biases")
     projection_hidden_size: int = _setting(20480, "hidden size of the mlp projection (4 x its input)")
+    projection_norm: bool = _setting(False, "RMSNorm (eps 1e-5) on the mlp projection's input, as in the "
+                                            "Nemotron Nano VL / omni projector")
 
     # -- language model (hybrid Mamba / MoE / attention)
-    hybrid_pattern: str = _setting(PATTERN_20L, "one symbol per layer: M Mamba, E MoE, * attention")
+    hybrid_pattern: str = _setting(PATTERN_20L, "one symbol per layer: M Mamba, E MoE, * attention, - dense MLP")
     hidden_size: int = _setting(2688, "hidden size of the language model")
     num_attention_heads: int = _setting(32, "query heads of the attention layers")
     num_query_groups: int = _setting(8, "key/value heads of the attention layers (grouped-query attention)")
@@ -57,6 +75,7 @@ class NemotronVLMSettings:
     num_experts: int = _setting(128, "routed experts per MoE layer")
     moe_router_topk: int = _setting(6, "experts each token is routed to")
     moe_ffn_hidden_size: int = _setting(1856, "hidden size of each routed expert")
+    ffn_hidden_size: int = _setting(10752, "hidden size of the dense MLP layers (-; squared ReLU, no gate)")
     moe_shared_expert_intermediate_size: int = _setting(3712, "hidden size of the shared expert")
     moe_router_topk_scaling_factor: float = _setting(2.5, "scale of the (normalized sigmoid) routing weights")
     moe_aux_loss_coeff: float = _setting(1e-4, "coefficient of the per-sequence load-balancing loss")
@@ -65,6 +84,9 @@ class NemotronVLMSettings:
     mamba_num_groups: int = _setting(8, "Mamba-2 groups (B/C projections shared by heads of a group)")
     mamba_state_dim: int = _setting(128, "Mamba-2 state size")
     mamba_conv_kernel: int = _setting(4, "Mamba-2 causal convolution width")
+    mamba_dt_clamp_min: float = _setting(
+        0.0, "lower bound of the Mamba-2 step size dt (after softplus) in the forward pass; 0: none, as in "
+             "megatron-core's MambaMixer; Hugging Face's NemotronH clamps at its time_step_min (local backend only)")
     vocab_size: int = _setting(131072, "vocabulary size (embedding and output layer, untied)")
     seq_length: int = _setting(8192, "tokens per sample, image tokens included")
     init_method_std: float = _setting(0.0173, "standard deviation of the initial weights (all modules)")
@@ -88,12 +110,14 @@ class NemotronVLMSettings:
         bad = sorted(set(self.hybrid_pattern) - set(LAYER_SYMBOLS))
         if not self.hybrid_pattern or bad:
             raise ValueError(f"hybrid_pattern {self.hybrid_pattern!r} must be made of M (Mamba), E (MoE) and "
-                             f"* (attention)" + (f"; it has {bad}" if bad else ""))
+                             f"* (attention), plus - (dense MLP)" + (f"; it has {bad}" if bad else ""))
         for groups, heads in (("num_query_groups", "num_attention_heads"), ("mamba_num_groups", "mamba_num_heads")):
             if getattr(self, heads) % getattr(self, groups):
                 raise ValueError(f"{groups} {getattr(self, groups)} does not divide {heads} {getattr(self, heads)}")
         if not 1 <= self.moe_router_topk <= self.num_experts:
             raise ValueError(f"moe_router_topk {self.moe_router_topk} must lie in [1, num_experts]")
+        if self.mamba_dt_clamp_min < 0:
+            raise ValueError(f"mamba_dt_clamp_min must be 0 or more, got {self.mamba_dt_clamp_min}")
         if self.vision_hidden_size % self.vision_heads:
             raise ValueError(f"vision_heads {self.vision_heads} does not divide vision_hidden_size "
                              f"{self.vision_hidden_size}")
@@ -101,6 +125,16 @@ class NemotronVLMSettings:
             if getattr(self, name) % (self.patch_size * self.shuffle_side):
                 raise ValueError(f"{name} {getattr(self, name)} is not a multiple of "
                                  f"{self.patch_size * self.shuffle_side} (patch_size x the pixel-shuffle side)")
+        self.image_mean, self.image_std = tuple(self.image_mean), tuple(self.image_std)  # YAML gives lists
+        if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
+            raise ValueError(f"image_mean and image_std need 3 values (RGB), the std's positive; got "
+                             f"{self.image_mean}, {self.image_std}")
+        frames = self.video_temporal_patch_size
+        if frames < 1 or (frames > 1 and not self.dynamic_resolution):
+            raise ValueError(f"video_temporal_patch_size {self.video_temporal_patch_size} must be 1, or more with "
+                             f"dynamic_resolution (megatron-core's RADIO groups frames only there)")
+        if self.projection_norm and self.projection != "mlp":
+            raise ValueError("projection_norm needs projection 'mlp'")
         if self.class_tokens < 0:
             raise ValueError(f"class_tokens must be >= 0, got {self.class_tokens}")
         if self.dynamic_resolution and not 1 <= self.min_patches <= self.max_patches <= self.max_grid ** 2:

@@ -19,6 +19,7 @@ from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mamba_mixer import MambaMixer
+from megatron.core.ssm.mlp_layer import MLPLayer
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -71,7 +72,7 @@ def resolve_backend(requested: str) -> str:
 
 
 def _te_hybrid_stack(conv_kernel: int) -> ModuleSpec:
-    """megatron-core's TE hybrid stack with only the layer kinds this family uses (M, E, *)."""
+    """megatron-core's TE hybrid stack with only the layer kinds this family uses (M, E, *, -)."""
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
     sub = hybrid_stack_spec.submodules
@@ -80,13 +81,18 @@ def _te_hybrid_stack(conv_kernel: int) -> ModuleSpec:
     mamba = dataclasses.replace(sub.mamba_layer, submodules=dataclasses.replace(sub.mamba_layer.submodules,
                                                                                 mixer=mixer))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
-        mamba_layer=mamba, attention_layer=sub.attention_layer, moe_layer=sub.moe_layer))
+        mamba_layer=mamba, attention_layer=sub.attention_layer, moe_layer=sub.moe_layer, mlp_layer=sub.mlp_layer))
 
 
-def _local_hybrid_stack(conv_kernel: int, num_experts: int) -> ModuleSpec:
-    """The same stack from local modules: the norms fused into the first linear of each layer kind, like TE's."""
+def _local_hybrid_stack(conv_kernel: int, num_experts: int, dt_clamp_min: float = 0.0) -> ModuleSpec:
+    """The same stack from local modules: the norms fused into the first linear of each layer kind, like TE's.
+    `dt_clamp_min` > 0 bounds the Mamba step size from below (Hugging Face's NemotronH does), which only the local
+    mixer can; at 0 the spec is exactly the TE one."""
+    mixer_params = {"d_conv": conv_kernel}
+    if dt_clamp_min > 0:
+        mixer_params["dt_limit"] = (dt_clamp_min, float("inf"))
     mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
-        mixer=ModuleSpec(module=LocalMambaMixer, params={"d_conv": conv_kernel}, submodules=MambaMixerSubmodules(
+        mixer=ModuleSpec(module=LocalMambaMixer, params=mixer_params, submodules=MambaMixerSubmodules(
             in_proj=LayerNormColumnParallelLinear, out_proj=RowParallelLinear)),
         mamba_bda=get_bias_dropout_add))
     attention = ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
@@ -99,12 +105,21 @@ def _local_hybrid_stack(conv_kernel: int, num_experts: int) -> ModuleSpec:
         pre_mlp_layernorm=WrappedTorchNorm,
         mlp=get_moe_module_spec(use_te=False, num_experts=num_experts, moe_grouped_gemm=False),
         mlp_bda=get_bias_dropout_add))
+    mlp = ModuleSpec(module=MLPLayer, submodules=TransformerLayerSubmodules(
+        mlp=partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(
+            linear_fc1=LayerNormColumnParallelLinear, linear_fc2=RowParallelLinear)),
+        mlp_bda=get_bias_dropout_add))
     return ModuleSpec(module=LocalHybridStack, submodules=HybridStackSubmodules(
-        mamba_layer=mamba, attention_layer=attention, moe_layer=moe))
+        mamba_layer=mamba, attention_layer=attention, moe_layer=moe, mlp_layer=mlp))
 
 
-def hybrid_stack_spec(backend: str, conv_kernel: int, num_experts: int) -> ModuleSpec:
-    return _te_hybrid_stack(conv_kernel) if backend == "te" else _local_hybrid_stack(conv_kernel, num_experts)
+def hybrid_stack_spec(backend: str, conv_kernel: int, num_experts: int, dt_clamp_min: float = 0.0) -> ModuleSpec:
+    if backend != "te":
+        return _local_hybrid_stack(conv_kernel, num_experts, dt_clamp_min)
+    if dt_clamp_min > 0:  # MambaMixer calls the mamba-ssm kernels with a fixed dt_limit of (0, inf)
+        raise ValueError(f"mamba_dt_clamp_min {dt_clamp_min}: megatron-core's MambaMixer (backend te) does not "
+                         f"clamp the Mamba step size; use backend=local or mamba_dt_clamp_min=0")
+    return _te_hybrid_stack(conv_kernel)
 
 
 # --------------------------------------------------------------------------------------------- vision encoder
@@ -128,8 +143,12 @@ def vit_layer_spec(backend: str) -> ModuleSpec:
         mlp_bda=get_bias_dropout_add))
 
 
-def projection_submodules(backend: str) -> MLPSubmodules:
-    """fc1 and fc2 of the projection, no norm. fc1 is megatron's ColumnParallelLinear in both backends: the
-    affine projection builds it with gather_output=True, which TE's linear layers refuse."""
-    return MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                         linear_fc2=te.TERowParallelLinear if backend == "te" else RowParallelLinear)
+def projection_submodules(backend: str, norm: bool = False) -> MLPSubmodules:
+    """fc1 and fc2 of the projection. fc1 is megatron's ColumnParallelLinear in both backends: the affine
+    projection builds it with gather_output=True, which TE's linear layers refuse. With `norm` (mlp projection
+    only) fc1 has the config's norm fused in front, as the Nemotron Nano VL / omni projector's RMSNorm."""
+    if norm:
+        fc1 = te.TELayerNormColumnParallelLinear if backend == "te" else LayerNormColumnParallelLinear
+    else:
+        fc1 = ColumnParallelLinear
+    return MLPSubmodules(linear_fc1=fc1, linear_fc2=te.TERowParallelLinear if backend == "te" else RowParallelLinear)
