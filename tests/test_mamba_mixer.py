@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
@@ -199,8 +200,26 @@ def test_mixer_rejects_what_it_does_not_do(pg_collection):
     h = torch.randn(4, 1, 16)
     with pytest.raises(NotImplementedError, match="inference"):
         mixer(h, inference_context=object())
-    with pytest.raises(NotImplementedError, match="packed"):
-        mixer(h, packed_seq_params=object())
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32))
+    with pytest.raises(ValueError, match="THD format with batch 1"):
+        mixer(torch.randn(4, 2, 16), packed_seq_params=packed)
+    with pytest.raises(ValueError, match="THD format with batch 1"):
+        mixer(h, packed_seq_params=PackedSeqParams(qkv_format="sbhd", cu_seqlens_q=packed.cu_seqlens_q))
+
+
+def test_packed_sequences_are_scanned_each_on_its_own(pg_collection):
+    """Sequences laid end to end (THD, padded boundaries) give what each gives alone: no state or convolution
+    crosses a boundary; tokens past the last sequence are padding."""
+    mixer = make_mixer(pg_collection)
+    lengths, padded = [5, 1, 7], [6, 1, 9]  # the padded tails of the first and last sequences
+    h = torch.randn(sum(padded), 1, 16)
+    cu = torch.tensor([0, 5, 6, 13], dtype=torch.int32)
+    cu_padded = torch.tensor([0, 6, 7, 16], dtype=torch.int32)
+    packed, _ = mixer(h, packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu,
+                                                            cu_seqlens_q_padded=cu_padded))
+    for start, length in zip(cu_padded[:-1].tolist(), lengths):
+        alone, _ = mixer(h[start:start + length])
+        torch.testing.assert_close(packed[start:start + length], alone, rtol=1e-5, atol=1e-6)
 
 
 # -------------------------------------------------------------- parameters as megatron's MambaMixer has them

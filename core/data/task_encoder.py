@@ -22,6 +22,7 @@ the batch carries `packing_kwargs` for MimoModel (THD cu_seqlens; positions rest
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Literal, Sequence
@@ -408,7 +409,9 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
     # -- sequence packing (energon calls these when get_train_dataset(..., packing_buffer_size=N)) ----------------
 
     def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
-        """First-fit decreasing: groups of samples whose lengths add up to at most `seq_length`."""
+        """First-fit decreasing: groups of samples whose lengths add up to at most `seq_length`, in an order that
+        does not follow their lengths (energon yields them in this order: longest first would give each buffer's
+        first micro-batches its longest samples)."""
         if not self.pack_sequences:
             return [[s] for s in samples]
         bins: list[tuple[int, list[EncodedSample]]] = []
@@ -420,7 +423,9 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
                     break
             else:
                 bins.append((n, [s]))
-        return [group for _, group in bins]
+        # a fixed order (resumes re-make it) from the samples' keys
+        return sorted((group for _, group in bins),
+                      key=lambda group: zlib.crc32(",".join(str(s.__key__) for s in group).encode()))
 
     @stateless
     def pack_selected_samples(self, samples: list[EncodedSample]) -> EncodedSample:
