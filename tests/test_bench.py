@@ -36,3 +36,19 @@ def test_checkpoint_benchmark_reads_the_log_lines(tmp_path, capsys):
     events = parse(capsys.readouterr().out)
     assert [(e["event"], e["seconds"], e["blocked_seconds"]) for e in events] == [("saved", 2.0, 0.25),
                                                                                   ("loaded", 1.0, None)]
+
+
+def test_data_loader_benchmark_packs_what_training_reads(tmp_path):
+    """The loader bench at toy size: the provider's own loader packs several samples a row and drops none, and
+    the same packed data trains (`--train`: the case's `mimo run` on the bench's dataset)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "data_loader.py"), "--quick", "--cases", "dense",
+                             "--workers", "1", "--train", "--out", str(tmp_path)], capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "data_loader.json").read_text())
+    packed, unpacked, train = report["rows"]
+    assert (packed["packing"], unpacked["packing"], train["source"]) == (True, False, "mimo run, cpu")
+    assert packed["samples_per_row"] > 1 and unpacked["samples_per_row"] == 1
+    assert packed["fill"] > unpacked["fill"] and packed["skipped"] == unpacked["skipped"] == 0
+    assert train["status"] == "ok" and packed["ratio_vs_train"] > 0
