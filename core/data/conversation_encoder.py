@@ -17,7 +17,7 @@ declared sample type and refuses an unreadable one in one line.
 from __future__ import annotations
 
 import torch
-from megatron.energon import Sample, stateless
+from megatron.energon import stateless
 
 from .chat_cooker import CHAT_COOKER
 from .chat_template import PLAIN, ChatTemplate, RenderedConversation
@@ -80,10 +80,4 @@ class ConversationTaskEncoder(MultimodalTaskEncoder):
         labels = torch.full_like(tokens, self.tokenizer.pad_id)
         labels[:-1] = tokens[1:]
         labels = labels.masked_fill(loss_mask == 0, self.tokenizer.pad_id)
-        fields = dict(tokens=tokens, labels=labels, loss_mask=loss_mask,
-                      position_ids=torch.arange(len(tokens), dtype=torch.long), images=processed,
-                      seqlens=[len(tokens)])
-        if isinstance(sample, Sample):
-            return EncodedSample.derive_from(sample, **fields)
-        return EncodedSample(__key__=sample.get("__key__", ""), __restore_key__=sample.get("__restore_key__", ()),
-                             **fields)
+        return self._encoded(sample, tokens, labels, loss_mask, processed)

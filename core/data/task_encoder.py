@@ -398,8 +398,13 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         processed = [self.image_mode.process(im) for im in images]
         assert [p.num_tokens for p in processed] == counts
         tokens, labels, loss_mask = self.encode_tokens(self._text_of(sample), counts)
+        return self._encoded(sample, tokens, labels, loss_mask, processed)
+
+    @staticmethod
+    def _encoded(sample, tokens, labels, loss_mask, images: list) -> EncodedSample:
+        """One sample's row, keeping the sample's key and restore key (an energon Sample or a raw dict)."""
         fields = dict(tokens=tokens, labels=labels, loss_mask=loss_mask,
-                      position_ids=torch.arange(len(tokens), dtype=torch.long), images=processed,
+                      position_ids=torch.arange(len(tokens), dtype=torch.long), images=images,
                       seqlens=[len(tokens)])
         if isinstance(sample, Sample):
             return EncodedSample.derive_from(sample, **fields)
