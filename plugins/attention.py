@@ -84,8 +84,7 @@ class SDPAttention(MegatronModule):
         """query [t, heads, d], key/value [t, groups, d]; sequence i is tokens [start_i, start_i + len_i), where
         start comes from the padded cumulative lengths when given. Tokens outside every sequence give zeros."""
         out = query.new_zeros(query.shape[0], query.shape[1] * query.shape[2])
-        q_bounds = _bounds(params.cu_seqlens_q, params.cu_seqlens_q_padded)
-        kv_bounds = _bounds(params.cu_seqlens_kv, params.cu_seqlens_kv_padded)
+        q_bounds, kv_bounds = _bounds_of(params)
         # Not cuDNN: it builds an execution plan per new shape, and packed images come in ever new lengths (on an
         # H100 that cost over a second of host time per iteration for nemotron-moe-vlm-mid).
         with sdpa_kernel(_VARIABLE_LENGTH_BACKENDS):
@@ -99,8 +98,20 @@ class SDPAttention(MegatronModule):
         return out
 
 
+def _bounds_of(params) -> tuple[list, list]:
+    """(query, key/value) bounds of `params`' sequences, read to the host once for all the layers that share these
+    params in one forward (each read waits for the GPU), again only if a cu_seqlens tensor changed since."""
+    tensors = (params.cu_seqlens_q, params.cu_seqlens_q_padded, params.cu_seqlens_kv, params.cu_seqlens_kv_padded)
+    version = tuple((id(t), t._version) if t is not None else None for t in tensors)
+    cached = params.__dict__.get("_sdpa_bounds")
+    if cached is None or cached[0] != version:
+        cached = (version, (_bounds(tensors[0], tensors[1]), _bounds(tensors[2], tensors[3])))
+        params.__dict__["_sdpa_bounds"] = cached
+    return cached[1]
+
+
 def _bounds(cu_seqlens, cu_seqlens_padded):
-    """[(start, length)] of each packed sequence, read to the host once per forward (not once per sequence)."""
+    """[(start, length)] of each packed sequence, read to the host once (not once per sequence)."""
     ends = cu_seqlens.tolist()
     starts = (cu_seqlens_padded if cu_seqlens_padded is not None else cu_seqlens).tolist()
     return [(starts[i], ends[i + 1] - ends[i]) for i in range(len(ends) - 1)]

@@ -223,6 +223,19 @@ def test_thd_attention_equals_padded_masked_attention(world, causal):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
+def test_thd_bounds_are_read_once_per_forward_and_again_after_a_change():
+    """Every attention layer of a forward shares one PackedSeqParams: its boundaries cross to the host once (a GPU
+    wait each time); RADIO shifts cu_seqlens in place for its class tokens, after which they are read again."""
+    from mimo.plugins.attention import _bounds_of
+
+    cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone())
+    first = _bounds_of(params)
+    assert first == ([(0, 3), (3, 4)], [(0, 3), (3, 4)]) and _bounds_of(params) is first
+    params.cu_seqlens_q.add_(torch.tensor([0, 1, 2], dtype=torch.int32))  # in place, as RADIO does
+    assert _bounds_of(params)[0] == [(0, 4), (4, 5)]
+
+
 def test_thd_padded_boundaries_and_sbhd_with_a_mask(world):
     torch.manual_seed(1)
     attn = _attention(2, 2).double()
