@@ -9,7 +9,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-ckpt_app = typer.Typer(no_args_is_help=True, help="Inspect checkpoints.")
+from mimo.errors import UsageError
+
+ckpt_app = typer.Typer(no_args_is_help=True, help="Inspect checkpoints; import and export Hugging Face weights.")
 
 
 @ckpt_app.command("inspect")
@@ -59,3 +61,41 @@ def inspect_checkpoint(directory: Path,
                   f"{' (distributed, ' + contents['optimizer_sharding'] + ')' if contents.get('distributed_optimizer') else ''}"
                   f"; RNG state: {'yes' if contents['rng'] else 'no'}")
     console.print("provider settings: " + ", ".join(f"{k}={v}" for k, v in summary["settings"].items()))
+
+
+@ckpt_app.command("import-hf")
+def import_hf(hf_dir: Path, out: Path,
+              provider: str = typer.Option(None, help="the provider to convert with (default: the one whose "
+                                                      "plugin reads the folder's config.json)")):
+    """Convert a Hugging Face model folder (config.json + safetensors) into a weights-only mimo checkpoint in OUT
+    and OUT/provider.yaml (its provider and settings): train from it with `mimo run --provider-config
+    OUT/provider.yaml --pretrained OUT`. One process on the CPU, the whole model in memory."""
+    from mimo.core import hf
+
+    from .main import _quiet_import_notices, fail
+
+    _quiet_import_notices()
+    try:
+        name = hf.import_hf(hf_dir, out, provider)
+    except UsageError as err:
+        raise fail(str(err)) from None
+    typer.echo(f"imported {hf_dir} as provider {name}: train with mimo run --provider {name} --provider-config "
+               f"{out / hf.SETTINGS_FILE} --pretrained {out}")
+
+
+@ckpt_app.command("export-hf")
+def export_hf(checkpoint: Path, out: Path,
+              assignments: list[str] = typer.Option(None, "--set", help="override a saved provider setting for the "
+                                                                 "conversion, key=value (e.g. backend=local)")):
+    """Write the weights of a mimo checkpoint (CHECKPOINT: its save directory; any layout) as a Hugging Face
+    model folder OUT that transformers' from_pretrained loads. One process on the CPU, the whole model in memory."""
+    from mimo.core import hf
+
+    from .main import _quiet_import_notices, fail
+
+    _quiet_import_notices()
+    try:
+        name = hf.export_hf(checkpoint, out, assignments or [])
+    except UsageError as err:
+        raise fail(str(err)) from None
+    typer.echo(f"exported {checkpoint} (provider {name}) to {out}")

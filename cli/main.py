@@ -52,12 +52,15 @@ def _run(**kwargs):
     from mimo.core import launch
     from mimo.core.train import prepare, train
 
+    from mimo.core.hf import pretrained_from_hf
+
     config = run_config(kwargs)
     try:
         plan = prepare(config)  # every check that needs no process group, before any worker starts
-        if config.launch.nproc_per_node > 1 and "RANK" not in os.environ:
-            raise typer.Exit(code=launch.start_workers(config.launch, sys.argv[1:]))
-        train(plan)
+        with pretrained_from_hf(plan) as plan:  # --pretrained HF_DIR: converted before the workers start
+            if config.launch.nproc_per_node > 1 and "RANK" not in os.environ:
+                raise typer.Exit(code=launch.start_workers(config.launch, sys.argv[1:]))
+            train(plan)
     except UsageError as err:
         raise fail(str(err)) from None
     except TrainingStopped as err:

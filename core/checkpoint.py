@@ -136,10 +136,12 @@ class Checkpointer:
         dist.barrier()
 
     def _common(self, iteration: int, consumed_samples: int) -> dict:
-        scheduler_state = self.scheduler.state_dict()
-        # megatron-core's scheduler leaves its WSD fields out of state_dict()
-        scheduler_state.update(wsd_decay_steps=self.scheduler.wsd_decay_steps,
-                               lr_wsd_decay_style=self.scheduler.lr_wsd_decay_style)
+        scheduler_state = None  # a weights-only checkpointer (no optimizer, no schedule: mimo ckpt import-hf)
+        if self.scheduler is not None:
+            scheduler_state = self.scheduler.state_dict()
+            # megatron-core's scheduler leaves its WSD fields out of state_dict()
+            scheduler_state.update(wsd_decay_steps=self.scheduler.wsd_decay_steps,
+                                   lr_wsd_decay_style=self.scheduler.lr_wsd_decay_style)
         return {
             "checkpoint_version": VERSION,
             "iteration": iteration,
@@ -148,7 +150,8 @@ class Checkpointer:
             "run": self.run_info,
             "contents": {"optimizer": not self.options.no_save_optim, "rng": not self.options.no_save_rng,
                          "optimizer_sharding": self._optimizer_sharding(),
-                         "distributed_optimizer": self.optimizer.config.use_distributed_optimizer},
+                         "distributed_optimizer": self.optimizer is not None and
+                                                  self.optimizer.config.use_distributed_optimizer},
         }
 
     def _optimizer_sharding(self) -> str:
@@ -230,7 +233,7 @@ class Checkpointer:
             with torch.no_grad():  # megatron-core's dp_reshardable loader copies into parameters without it
                 self.optimizer.load_state_dict({n: _merge_common(sub) for n, sub in loaded["optimizer"].items()})
             _unshare_adam_steps(self.optimizer)
-        if not opts.no_load_scheduler:
+        if not opts.no_load_scheduler and common["opt_param_scheduler"] is not None:
             self._load_scheduler(common["opt_param_scheduler"])
         if load_rng:
             _set_rng_state(next(iter(loaded["rng_state"].values())))

@@ -109,7 +109,9 @@ class Trainer:
         loss_sum, tokens, skipped_samples = self._global_totals  # the same on every rank
         moe_losses = _moe_losses()
         lm_loss = loss_sum / max(tokens, 1)
-        lr = self.optimizer.param_groups[0]["lr"]
+        # a rank whose modules are all frozen (an LLM rank in stage1) has no parameter groups: the schedule says
+        groups = self.optimizer.param_groups
+        lr = groups[0]["lr"] if groups else self.scheduler.get_lr({})
         ok, num_zeros, grad_norm = False, None, None
         if math.isfinite(lm_loss):  # every rank agrees, so all skip the optimizer's collectives together
             with self.timers.phase("optimizer"):

@@ -1,4 +1,5 @@
-"""Every hook a mimo plugin can implement. A provider implements the first five; the rest have defaults.
+"""Every hook a mimo plugin can implement. A provider implements the first five; the rest have defaults or are
+optional.
 
 Hooks that build or feed the model are `firstresult`: the loop calls them only on the chosen provider's plugin
 (plus plugins that register no provider, which may extend any model), so an implementation never checks names.
@@ -72,4 +73,30 @@ def model_flops(settings):
     """Return `{module name: forward FLOPs per sample}` (matmul FLOPs, 2 per multiply-add; MoE counts the
     experts a token is routed to, not all of them). The loop takes training as 3x forward for TFLOP/s and MFU.
     Optional: without it those figures are left out of the logs.
+    """
+
+
+@hookspec(firstresult=True)
+def hf_settings(hf_config):
+    """Return this provider's settings (a dict of setting names to values) for a Hugging Face model's config.json
+    (`hf_config`, a dict), or None for a model type it does not read. A config it reads but cannot express raises
+    `mimo.errors.UsageError`, one line naming the field and its value. Optional: `mimo ckpt import-hf` and
+    `--pretrained HF_DIR` ask each provider plugin in turn.
+    """
+
+
+@hookspec(firstresult=True)
+def hf_to_mimo(settings, hf_config, hf_tensors):
+    """Return the model's weights `{MimoModel state-dict name: tensor}` (TP1, PP1: whole tensors) for a Hugging
+    Face checkpoint: `hf_tensors` maps its tensor names to tensors, read lazily. Names are megatron-core
+    MimoModel's: `language_model.`, `modality_submodules.<modality>.encoders.<encoder>.`,
+    `...input_projections.0.`. Optional (with hf_settings).
+    """
+
+
+@hookspec(firstresult=True)
+def mimo_to_hf(settings, state):
+    """Return `(config.json dict, {Hugging Face tensor name: tensor})` for the model's weights `state` (MimoModel
+    state-dict names, TP1, `_extra_state` entries included), what `transformers`' `from_pretrained` loads.
+    Optional: `mimo ckpt export-hf` needs it.
     """

@@ -42,7 +42,8 @@ def build_settings(provider: Provider, assignments: list[str] = (), config_file:
     """The provider's settings object: its defaults, then the file's values, then each `key=value`."""
     values: dict[str, Any] = dict(provider.defaults)
     if config_file is not None:
-        values.update(_check_all(provider, _read_config_file(config_file), source=str(config_file)))
+        values.update(_check_all(provider, _without_provider(provider, _read_config_file(config_file), config_file),
+                                 source=str(config_file)))
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep or not key.strip():
@@ -52,6 +53,18 @@ def build_settings(provider: Provider, assignments: list[str] = (), config_file:
         return provider.settings(**values)
     except (TypeError, ValueError) as err:
         raise UsageError(f"invalid settings for provider '{provider.name}': {err}") from None
+
+
+def _without_provider(provider: Provider, data: dict, path: Path) -> dict:
+    """A file may name the provider it holds settings for (`provider: NAME`, as `mimo ckpt import-hf` writes
+    it); then it must be the run's."""
+    if "provider" not in data or "provider" in typing.get_type_hints(provider.settings):
+        return data
+    named = data.pop("provider")
+    if named != provider.name:
+        raise UsageError(f"provider config file {path} holds settings for provider '{named}', this run uses "
+                         f"'{provider.name}'")
+    return data
 
 
 def _read_config_file(path: Path) -> dict:

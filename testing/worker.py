@@ -103,6 +103,8 @@ def run(name: str, assignments: list[str], workdir: Path) -> dict:
 
     Stage.current = "checkpoint"
     check_checkpoint(model, build, batches[0], workdir)
+    Stage.current = "hf_settings/hf_to_mimo/mimo_to_hf"
+    check_hf_conversion(plan.hooks, plan.settings, model, notes)
     return {"built_parameters": built, "losses": [r.lm_loss for r in results],
             "seq_length": int(batches[0]["input_ids"].shape[1]), "hooks_called": sorted(called),
             "notes": sorted(notes)}
@@ -186,6 +188,55 @@ def check_training(results, trainable: dict[str, bool], encoders_fed: set[str]) 
                 hook = "build_language_model" if module == "language" else "build_encoders"
                 raise ContractError(hook, f"iteration {i}: module '{module}' got no gradient (its output does not "
                                           f"reach the loss)")
+
+
+HF_PROBE = {"model_type": "mimo-contract-probe"}  # a Hugging Face model type no provider reads
+
+
+def check_hf_conversion(hooks, settings, model, notes: set[str]) -> None:
+    """The Hugging Face hooks: None for a model type the provider does not read; the trained model exported
+    (`mimo_to_hf`) reads back (`hf_settings`) as the same settings and converts back (`hf_to_mimo`) to the same
+    bits. Settings the provider cannot export are refused with one line (noted, not checked further)."""
+    import torch
+
+    from mimo.core.hf import whole_state
+    from mimo.errors import UsageError
+
+    from .report import ContractError
+
+    if hooks.hf_settings(hf_config=dict(HF_PROBE)) is not None:
+        raise ContractError("hf_settings", f"must return None for a model type the provider does not read "
+                                           f"({HF_PROBE['model_type']!r})")
+    if hooks.hf_to_mimo(settings=settings, hf_config=dict(HF_PROBE), hf_tensors={}) is not None:
+        raise ContractError("hf_to_mimo", f"must return None for a model type the provider does not read "
+                                          f"({HF_PROBE['model_type']!r})")
+    state = whole_state(model)
+    try:
+        exported = hooks.mimo_to_hf(settings=settings, state=state)
+    except UsageError as err:
+        if "\n" in str(err):
+            raise ContractError("mimo_to_hf", "a refusal must be one line") from None
+        notes.add(f"Hugging Face export not checked: these settings have no Hugging Face form ({err})")
+        return
+    if exported is None:
+        return
+    hf_config, tensors = exported
+    fields = hooks.hf_settings(hf_config=hf_config)
+    if not isinstance(fields, dict):
+        raise ContractError("hf_settings", "must read the config.json that mimo_to_hf writes (got None)")
+    for name, value in fields.items():
+        have = getattr(settings, name, None)  # None: a setting left to resolve itself (may be read back resolved)
+        if have is not None and (list(have) if isinstance(have, tuple) else have) != (list(value) if isinstance(value, tuple) else value):
+            raise ContractError("hf_settings", f"reads {name}={value!r} from mimo_to_hf's config.json, the model "
+                                               f"it came from has {have!r}")
+    back = hooks.hf_to_mimo(settings=settings, hf_config=hf_config, hf_tensors=tensors)
+    weights = {k: t for k, t in state.items() if not k.endswith("_extra_state")}
+    if not isinstance(back, dict) or set(back) != set(weights):
+        raise ContractError("hf_to_mimo", "must give back every weight mimo_to_hf exported, under its name")
+    changed = [k for k, t in weights.items() if not torch.equal(back[k], t)]
+    if changed:
+        raise ContractError("hf_to_mimo", f"mimo_to_hf then hf_to_mimo changes {changed[0]}: the round trip must "
+                                          f"keep every bit")
 
 
 def check_checkpoint(model, build, batch: dict, workdir: Path) -> None:

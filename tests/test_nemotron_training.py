@@ -40,3 +40,8 @@ def test_stage1_trains_the_projection_only(tmp_path):
     assert records[-1]["lm_loss"] > 0
     # the frozen LLM has no optimizer (no gradient norm to report); the projection's module trains
     assert not records[-1].get("grad_norm_language") and records[-1]["grad_norm_images"] > 0
+    # heterogeneous: the LLM rank holds no trainable parameter at all, and trains (logs) like one process
+    split, _ = train(tmp_path, "stage1-split", "--train-iters", "5", "--set", "stage=stage1", "--nproc-per-node", "2",
+                     "--encoder-ranks", "1")
+    assert [r["lr"] for r in split] == [r["lr"] for r in records]
+    assert [r["lm_loss"] for r in split] == pytest.approx([r["lm_loss"] for r in records], rel=1e-5)

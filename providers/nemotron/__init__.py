@@ -104,3 +104,24 @@ def model_flops(settings: NemotronVLMSettings):
     from .flops import forward_flops
 
     return forward_flops(settings)
+
+
+@hookimpl
+def hf_settings(hf_config: dict):
+    from .hf import hf_settings as settings_of
+
+    return settings_of(hf_config)
+
+
+@hookimpl
+def hf_to_mimo(settings: NemotronVLMSettings, hf_config: dict, hf_tensors):
+    from .hf import hf_to_mimo as convert
+
+    return convert(settings, hf_config, hf_tensors)
+
+
+@hookimpl
+def mimo_to_hf(settings: NemotronVLMSettings, state: dict):
+    from .hf import mimo_to_hf as convert
+
+    return convert(settings, state)
