@@ -71,18 +71,19 @@ def find_provider(registry: Registry, hf_config: dict, name: str | None = None) 
 def _closest_variant(providers, fields: dict):
     def agreement(provider):
         defaults = provider.settings(**provider.defaults)
-        return sum(_plain(getattr(defaults, k, None)) == _plain(v) for k, v in fields.items())
+        return sum(plain_value(getattr(defaults, k, None)) == plain_value(v) for k, v in fields.items())
 
     return max(providers, key=agreement)  # the first registered among equals
 
 
-def _plain(value):
+def plain_value(value):
+    """A setting as YAML and config.json hold it (tuples as lists), for comparing values from either."""
     return list(value) if isinstance(value, tuple) else value
 
 
 def write_settings(path: Path, provider: str, fields: dict) -> None:
     """A `--provider-config` file: `provider:` and the settings."""
-    values = {"provider": provider, **{k: _plain(v) for k, v in fields.items()}}
+    values = {"provider": provider, **{k: plain_value(v) for k, v in fields.items()}}
     path.write_text(yaml.safe_dump(values, sort_keys=False))
 
 
@@ -252,7 +253,7 @@ def pretrained_from_hf(plan, registry: Registry | None = None):
         raise UsageError(f"--pretrained {c.pretrained}: provider '{plan.config.provider}' does not read Hugging "
                          f"Face model_type {hf_config.get('model_type')!r}")
     for name, value in fields.items():
-        if _plain(getattr(plan.settings, name)) != _plain(value):
+        if plain_value(getattr(plan.settings, name)) != plain_value(value):
             raise UsageError(f"--pretrained {c.pretrained} has {name}={value!r}, this run's settings "
                              f"{getattr(plan.settings, name)!r} (use the --provider-config that mimo ckpt "
                              f"import-hf writes)")

@@ -199,7 +199,7 @@ def check_hf_conversion(hooks, settings, model, notes: set[str]) -> None:
     bits. Settings the provider cannot export are refused with one line (noted, not checked further)."""
     import torch
 
-    from mimo.core.hf import whole_state
+    from mimo.core.hf import plain_value, whole_state
     from mimo.errors import UsageError
 
     from .report import ContractError
@@ -226,7 +226,7 @@ def check_hf_conversion(hooks, settings, model, notes: set[str]) -> None:
         raise ContractError("hf_settings", "must read the config.json that mimo_to_hf writes (got None)")
     for name, value in fields.items():
         have = getattr(settings, name, None)  # None: a setting left to resolve itself (may be read back resolved)
-        if have is not None and (list(have) if isinstance(have, tuple) else have) != (list(value) if isinstance(value, tuple) else value):
+        if have is not None and plain_value(have) != plain_value(value):
             raise ContractError("hf_settings", f"reads {name}={value!r} from mimo_to_hf's config.json, the model "
                                                f"it came from has {have!r}")
     back = hooks.hf_to_mimo(settings=settings, hf_config=hf_config, hf_tensors=tensors)

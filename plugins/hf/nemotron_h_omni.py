@@ -32,7 +32,7 @@ def _vision_config(hf_config: dict) -> dict:
     return {"model_type": "radio", **(hf_config.get("vision_config") or {})}
 
 
-def _text_config(hf_config: dict) -> dict:
+def text_config(hf_config: dict) -> dict:
     return hf_config.get("text_config") or hf_config.get("llm_config") or {}  # released configs: llm_config
 
 
@@ -46,7 +46,7 @@ def config_fields(hf_config: dict, processor_config: dict | None = None) -> dict
     ratio = hf_config.get("downsample_ratio", 0.5)
     if ratio != 0.5:
         raise UsageError(f"omni config downsample_ratio={ratio!r}: the provider pixel-shuffles 2 x 2 blocks only")
-    mtp = _text_config(hf_config).get("num_nextn_predict_layers") or 0
+    mtp = text_config(hf_config).get("num_nextn_predict_layers") or 0
     if mtp:  # transformers then adds a LayerNorm between RADIO and the projector (vision_final_layernorm)
         raise UsageError(f"omni config text_config.num_nextn_predict_layers={mtp!r}: the provider has no "
                          f"LayerNorm between RADIO and the projector (vision_final_layernorm)")

@@ -45,7 +45,7 @@ def hf_settings(hf_config: dict) -> dict | None:
     if model_type != OMNI:
         return None
     fields = nemotron_h_omni.config_fields(hf_config)
-    fields.update(nemotron_h.config_fields(nemotron_h_omni._text_config(hf_config)))
+    fields.update(nemotron_h.config_fields(nemotron_h_omni.text_config(hf_config)))
     image_token = hf_config.get("image_token_id", hf_config.get("img_context_token_id"))  # released: img_context_...
     if image_token is not None:
         fields["image_token_id"] = image_token
@@ -64,7 +64,7 @@ def hf_to_mimo(settings: NemotronVLMSettings, hf_config: dict, hf_tensors) -> di
     if unknown := sorted(name for name in hf_tensors if not name.startswith(known)):
         raise UsageError(f"the omni checkpoint has tensors the provider has no place for: {unknown[:3]}")
     state = {LANGUAGE_PREFIX + name: t for name, t in
-             nemotron_h.to_megatron(language, nemotron_h_omni._text_config(hf_config), experts).items()}
+             nemotron_h.to_megatron(language, nemotron_h_omni.text_config(hf_config), experts).items()}
     state.update({ENCODER_PREFIX + name: t for name, t in image_path["encoder"].items()})
     state.update({PROJECTION_PREFIX + name: t for name, t in image_path["projection"].items()})
     return state
