@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 from helpers import read_metrics, run_mimo
+from hf_models import TEXT, save_omni
 from safetensors.torch import load_file
 
 from mimo.core import hf
@@ -19,14 +20,6 @@ from mimo.plugins import Registry
 from mimo.plugins.settings import build_settings
 
 PROVIDER = "nemotron-moe-vlm-tiny"
-# nemotron-moe-vlm-tiny's LLM (M * E M E) and RADIO (2 layers of 32, 1 class token + 1 register = its 2)
-TEXT = dict(model_type="nemotron_h", vocab_size=264, hidden_size=64,
-            layers_block_type=["mamba", "attention", "moe", "mamba", "moe"], num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16,
-            conv_kernel=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-            moe_shared_expert_intermediate_size=64, intermediate_size=64)
-RADIO = dict(model_type="radio", hidden_size=32, num_hidden_layers=2, num_attention_heads=2, mlp_ratio=2.0,
-             patch_size=16, max_img_size=256, num_cls_tokens=1, num_registers=1, video_temporal_patch_size=2)
 EXPERT_BIAS = "mixer.gate.e_score_correction_bias"  # moved by megatron-core's bias update in every training step
 ENV = {"TORCH_COMPILE_DISABLE": "1"}
 RUN = ("run", "--provider", PROVIDER, "--device", "cpu", "--log-interval", "1")
@@ -40,20 +33,7 @@ def _mimo(*args: str):
 
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3_Config
-    from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import NemotronH_Omni_Reasoning_V3
-
-    folder = tmp_path_factory.mktemp("omni")
-    config = NemotronH_Omni_Reasoning_V3_Config(vision_config=RADIO, text_config=TEXT, vision_hidden_size=32,
-                                               projector_hidden_size=64, image_token_id=263)
-    torch.manual_seed(0)
-    model = NemotronH_Omni_Reasoning_V3(config).eval()
-    with torch.no_grad():  # away from the initial values (norms of ones, zero biases), so that mixing them up shows
-        for name, tensor in model.state_dict().items():
-            if tensor.is_floating_point() and "lambda1" not in name:
-                tensor.add_(torch.randn_like(tensor) * 0.02)
-    model.save_pretrained(folder)
-    return folder
+    return save_omni(tmp_path_factory.mktemp("omni"), TEXT)
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +96,24 @@ def test_training_from_the_import_or_the_folder_and_exporting_a_heterogeneous_ch
     got, want = load_file(tmp_path / "hf" / "model.safetensors"), load_file(hf_dir / "model.safetensors")
     for name in (n for n in want if n.endswith(EXPERT_BIAS)):
         assert (got[name] - want[name]).abs().max() <= 1e-3 + 1e-7, name
+
+
+def test_a_dense_llm_imports_into_tensor_parallel_ranks_and_exports_from_them(tmp_path):
+    """An omni checkpoint whose LLM has no MoE layers (M * - M -) trains under --llm-tp 2 --encoder-tp 2 with the
+    first loss of one rank, and its TP2 checkpoint (trained at learning rate 0) exports to the original bits."""
+    hf_folder = save_omni(tmp_path / "omni", {**TEXT, "layers_block_type": ["mamba", "attention", "mlp", "mamba",
+                                                                             "mlp"]})
+    imported = tmp_path / "imported"
+    _mimo("ckpt", "import-hf", str(hf_folder), str(imported))
+    config = ("--provider-config", str(imported / hf.SETTINGS_FILE), "--pretrained", str(imported),
+              "--train-iters", "1", "--lr", "0")
+    _mimo(*RUN, *config, "--metrics-file", str(tmp_path / "tp1.jsonl"))
+    _mimo(*RUN, *config, "--nproc-per-node", "2", "--llm-tp", "2", "--encoder-tp", "2",
+          "--metrics-file", str(tmp_path / "tp2.jsonl"), "--save", str(tmp_path / "tp2"))
+    tp1, tp2 = (read_metrics(tmp_path / f"{n}.jsonl")[0]["lm_loss"] for n in ("tp1", "tp2"))
+    assert tp2 == pytest.approx(tp1, rel=1e-6)
+    _mimo("ckpt", "export-hf", str(tmp_path / "tp2"), str(tmp_path / "hf"))
+    _assert_same_tensors(tmp_path / "hf", hf_folder)
 
 
 def test_a_config_the_provider_cannot_express_exits_2_with_one_line(hf_dir, tmp_path):

@@ -58,7 +58,8 @@ def model_shape(settings: NemotronVLMSettings):
         IMAGES: ModuleShape(s.vision_layers, s.vision_hidden_size, s.vision_heads, num_query_groups=s.vision_heads,
                             num_parameters=counts[IMAGES].total, num_active_parameters=counts[IMAGES].active),
         "language": ModuleShape(s.num_layers, s.hidden_size, s.num_attention_heads,
-                                num_query_groups=s.num_query_groups, num_experts=s.num_experts,
+                                num_query_groups=s.num_query_groups,
+                                num_experts=s.num_experts if "E" in s.hybrid_pattern else 0,
                                 num_parameters=counts["language"].total,
                                 num_active_parameters=counts["language"].active),
     }

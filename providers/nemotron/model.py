@@ -129,7 +129,9 @@ def vision_spec(s: NemotronVLMSettings, ctx) -> Encoder:
 
 def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
     backend = resolve_backend(s.backend)
-    if ctx.parallelism["language"].tp > 1:  # megatron-core's TransformerConfig refuses it, less clearly
+    # A pattern without E layers is a dense LLM: no experts in its config, so TP needs no sequence parallelism.
+    num_experts = s.num_experts if "E" in s.hybrid_pattern else None
+    if num_experts and ctx.parallelism["language"].tp > 1:  # megatron-core's TransformerConfig refuses it, less clearly
         raise ValueError("--llm-tp > 1: megatron-core trains MoE layers under tensor parallelism only with "
                          "sequence parallelism, which mimo does not enable; use --llm-tp 1 (and --llm-ep to "
                          "split the experts)")
@@ -140,12 +142,7 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         activation_func=squared_relu, hidden_dropout=s.dropout, attention_dropout=s.dropout,
         init_method_std=s.init_method_std, mamba_num_heads=s.mamba_num_heads, mamba_head_dim=s.mamba_head_dim,
         mamba_num_groups=s.mamba_num_groups, mamba_state_dim=s.mamba_state_dim,
-        num_moe_experts=s.num_experts, moe_router_topk=s.moe_router_topk, moe_ffn_hidden_size=s.moe_ffn_hidden_size,
-        moe_shared_expert_intermediate_size=s.moe_shared_expert_intermediate_size,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
-        moe_router_topk_scaling_factor=s.moe_router_topk_scaling_factor,
-        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=s.moe_aux_loss_coeff,
-        moe_grouped_gemm=backend == "te",
+        **(_moe_config(s, backend) if num_experts else {}),
     )
     return ModuleSpec(module=HybridModel, params=dict(
         config=config,
@@ -154,3 +151,14 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         share_embeddings_and_output_weights=False, position_embedding_type="none",
         pg_collection=ctx.pg_collection("language"),
     ))
+
+
+def _moe_config(s: NemotronVLMSettings, backend: str) -> dict:
+    return dict(
+        num_moe_experts=s.num_experts, moe_router_topk=s.moe_router_topk, moe_ffn_hidden_size=s.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=s.moe_shared_expert_intermediate_size,
+        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
+        moe_router_topk_scaling_factor=s.moe_router_topk_scaling_factor,
+        moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=s.moe_aux_loss_coeff,
+        moe_grouped_gemm=backend == "te",
+    )
