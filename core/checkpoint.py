@@ -69,11 +69,12 @@ class Checkpointer:
     """Saves and loads one run's state. Every method is collective over the world."""
 
     def __init__(self, options: CheckpointOptions, model, optimizer, scheduler, topology: Topology,
-                 run_info: dict, data_state_fn):
+                 run_info: dict, data_state_fn, load_foreign=None):
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
         self.options, self.model, self.optimizer, self.scheduler = options, model, optimizer, scheduler
         self.topology, self.run_info, self.data_state_fn = topology, run_info, data_state_fn
+        self.load_foreign = load_foreign  # (path, directory): a --pretrained format the provider reads itself
         # One strategy for the whole run: with cached_metadata it reuses the first save's plan.
         self.strategy = TorchDistSaveShardedStrategy(cached_metadata=options.ckpt_assume_constant_structure)
         self.async_queue = None
@@ -202,7 +203,7 @@ class Checkpointer:
             if opts.load and opts.finetune:
                 raise UsageError(f"--finetune: no checkpoint in {opts.load} ({TRACKER} is missing)")
             if opts.pretrained:
-                self._load_weights_only(opts.pretrained, what="--pretrained")
+                self._load_pretrained(opts.pretrained)
             return 0, 0, None
         directory = iteration_dir(opts.load, iteration)
         if not directory.is_dir():
@@ -257,6 +258,17 @@ class Checkpointer:
                 raise UsageError(f"the checkpoint's distributed-optimizer state is sharded for {name} DP {saved}, "
                                  f"this run has DP {par.dp}: resume at DP {saved}, or pass --no-load-optim (save "
                                  f"with --dist-ckpt-optim-fully-reshardable to reshard later)")
+
+    def _load_pretrained(self, path: Path) -> None:
+        from .pretrained import foreign_directory
+
+        directory = foreign_directory(path)
+        if directory is None:
+            self._load_weights_only(path, what="--pretrained")
+        elif self.load_foreign is None:
+            raise UsageError(f"--pretrained {path} is not a mimo checkpoint")
+        else:
+            self.load_foreign(path, directory)
 
     def _load_weights_only(self, root: Path, what: str, common: dict | None = None) -> None:
         iteration = read_tracker(root)

@@ -19,6 +19,7 @@ from .metrics import MetricsLogger
 from .model import build_model, count_parameters
 from .optim import build_optimizer, build_scheduler
 from .prefetch import read_ahead
+from .pretrained import load_foreign
 from .profile import StepProfiler
 from .skip_report import SkipReporter, check_skip_fraction
 from .step import Trainer, is_token_source
@@ -113,7 +114,9 @@ def start(plan: Plan) -> Session:
     if c.save or c.load or c.pretrained:
         info = run_info(plan, plan.settings, lane_data_state=False)  # known once the data is open, below
         checkpointer = Checkpointer(c, model, optimizer, scheduler, topo, info,
-                                    lambda: {"loader": source.state_dict() if hasattr(source, "state_dict") else None})
+                                    lambda: {"loader": source.state_dict() if hasattr(source, "state_dict") else None},
+                                    load_foreign=lambda path, directory: load_foreign(plan.hooks, plan.settings,
+                                                                                      model, path, directory))
         start_iteration, consumed, data_state = checkpointer.load()
     # Index-addressed data continues from the samples already seen; a loader with its own state restores it.
     data_ctx = data_context(plan, consumed)

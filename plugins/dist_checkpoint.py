@@ -42,7 +42,14 @@ def load(sharded_state: dict, directory: str | Path) -> tuple[dict, set[str]]:
 
     Returns the loaded state and the keys this rank asked for that the checkpoint lacks (megatron-core calls those
     "unexpected"); they are left out of the load, and the caller decides whether that is an error."""
-    strategy = TorchDistLoadStrategy()
-    loaded, _, absent = dist_checkpointing.load(sharded_state, str(directory), sharded_strategy=strategy,
-                                                strict=StrictHandling.RETURN_ALL)
+    loaded, absent, _ = load_with_unrequested(sharded_state, directory)
     return loaded, absent
+
+
+def load_with_unrequested(sharded_state: dict, directory: str | Path) -> tuple[dict, set[str], set[str]]:
+    """As `load`, and also the checkpoint's keys that no rank asked for (megatron-core's "missing" keys, agreed
+    over the world)."""
+    strategy = TorchDistLoadStrategy()
+    loaded, unrequested, absent = dist_checkpointing.load(sharded_state, str(directory), sharded_strategy=strategy,
+                                                          strict=StrictHandling.RETURN_ALL)
+    return loaded, absent, unrequested

@@ -100,3 +100,14 @@ def mimo_to_hf(settings, state):
     state-dict names, TP1, `_extra_state` entries included), what `transformers`' `from_pretrained` loads.
     Optional: `mimo ckpt export-hf` needs it.
     """
+
+
+@hookspec(firstresult=True)
+def load_pretrained(settings, model, directory):
+    """Load the weights of a checkpoint in a format of the provider's own (`--pretrained DIR` that is neither a mimo
+    checkpoint nor a Hugging Face folder; `directory` is the megatron-core dist-checkpoint directory itself) into
+    `model`, the built MimoModel holding this rank's modules in any layout. Collective over the world. Return
+    True when it read the checkpoint, None when the format is not its own. A weight the model needs that the
+    checkpoint lacks, or a weight of the checkpoint the model has no place for, raises `mimo.errors.UsageError`
+    (one line). Optional.
+    """

@@ -126,3 +126,13 @@ def mimo_to_hf(settings: NemotronVLMSettings, state: dict):
     from .hf import mimo_to_hf as convert
 
     return convert(settings, state)
+
+
+@hookimpl
+def load_pretrained(settings: NemotronVLMSettings, model, directory):
+    from .checkpoint import is_nemotron_checkpoint, load_nemotron_checkpoint
+
+    if not is_nemotron_checkpoint(directory):
+        return None
+    load_nemotron_checkpoint(model, directory)
+    return True

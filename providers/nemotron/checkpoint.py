@@ -3,8 +3,10 @@
 
 Both functions are collective over the world: each rank describes the modules it holds (its own grid's shards),
 and one `dist_checkpointing` call reads or writes all of them. Loading is strict: a tensor the model needs that
-the checkpoint lacks raises `MissingCheckpointKeys` naming it, on every rank. Keys the checkpoint has and the
-model does not (optimizer state, TE's attention `_extra_state`, ...) are ignored.
+the checkpoint lacks raises `MissingCheckpointKeys`, and a weight under the model's prefixes that no rank's
+modules hold raises `UnexpectedCheckpointKeys`, each naming keys, on every rank. What is not a model weight
+(optimizer state, RNG, TE's `_extra_state`, ...) is ignored. `mimo run --pretrained DIR` reaches this through the
+provider's `load_pretrained` hook.
 """
 
 from __future__ import annotations
@@ -12,27 +14,43 @@ from __future__ import annotations
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing.dict_utils import nested_values
-from megatron.core.dist_checkpointing.mapping import ShardedBase
+from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor, apply_factories
 
+from mimo.errors import UsageError
 from mimo.plugins import dist_checkpoint
 
-from .names import to_nemotron
+from .names import PREFIXES, to_nemotron
 
 # State entries that carry no weights and that checkpoints may lack: TE's FP8 metadata (`_extra_state`; local
 # modules keep an empty one) and the router's per-step token counter, which megatron-core zeroes every step.
 OPTIONAL_SUFFIXES = ("_extra_state", ".local_tokens_per_expert")
 
 
-class MissingCheckpointKeys(KeyError):
+def _shown(keys: list[str]) -> str:
+    return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
+class MissingCheckpointKeys(UsageError):
     """The checkpoint lacks tensors the model needs."""
 
     def __init__(self, directory, keys: list[str]):
         self.keys = keys
-        shown = ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
-        super().__init__(f"Nemotron checkpoint {directory} lacks {len(keys)} key(s) the model needs: {shown}")
+        super().__init__(f"Nemotron checkpoint {directory} lacks {len(keys)} key(s) the model needs: {_shown(keys)}")
 
-    def __str__(self):
-        return self.args[0]
+
+class UnexpectedCheckpointKeys(UsageError):
+    """The checkpoint holds model weights this model has no place for (another shape of model)."""
+
+    def __init__(self, directory, keys: list[str]):
+        self.keys = keys
+        super().__init__(f"Nemotron checkpoint {directory} holds {len(keys)} weight(s) the model has no place for "
+                         f"(a model of other settings?): {_shown(keys)}")
+
+
+def is_nemotron_checkpoint(directory) -> bool:
+    """Whether the dist checkpoint in `directory` holds weights under Nemotron's module prefixes."""
+    prefixes = tuple(nemotron for nemotron, _ in PREFIXES)
+    return any(key.startswith(prefixes) for key in dist_checkpoint.saved_tensor_shapes(directory))
 
 
 def nemotron_sharded_state_dict(model) -> dict:
@@ -59,17 +77,40 @@ def load_nemotron_checkpoint(model, directory: str) -> None:
     """Load a Nemotron-format checkpoint into the MimoModel, strictly (see the module docstring)."""
     state = {name: entry for name, entry in nemotron_sharded_state_dict(model).items()
              if not name.endswith(OPTIONAL_SUFFIXES)}
-    # megatron-core names mismatches from the checkpoint's side: "unexpected" are keys this rank asked for that
-    # the checkpoint lacks (left out of the load), "missing" are checkpoint keys no rank asked for.
-    loaded, absent = dist_checkpoint.load(state, directory)
-    # Each rank knows what its own modules lack; every rank raises the same error (nobody waits forever).
+    # Checked before loading: megatron-core merges split tensors (Mamba's in_proj, conv1d) while loading and
+    # fails there, with a traceback, when a part is absent or of another shape. Each rank checks its own modules;
+    # every rank raises the same error (nobody waits forever in a collective).
+    saved = dist_checkpoint.saved_tensor_shapes(directory)
+    requested = _requested_tensor_shapes(model)
     everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, sorted(absent))
+    dist.all_gather_object(everyone, sorted(k for k in requested if k not in saved))
     missing = sorted({key for keys in everyone for key in keys})
     if missing:
         raise MissingCheckpointKeys(directory, missing)
+    dist.all_gather_object(everyone, sorted((k, shape, saved[k][0]) for k, shape in requested.items()
+                                            if shape != saved[k][0]))
+    if reshaped := sorted({entry for entries in everyone for entry in entries}):
+        key, shape, stored = reshaped[0]
+        raise UsageError(f"Nemotron checkpoint {directory} holds {key} of shape {list(stored)}, the model's is "
+                         f"{list(shape)} (a model of other settings?)")
+    # megatron-core's "missing" keys: the checkpoint's keys that no rank asked for, agreed over the world.
+    loaded, _, unrequested = dist_checkpoint.load_with_unrequested(state, directory)
+    prefixes = tuple(nemotron for nemotron, _ in PREFIXES)
+    extra = sorted(key for key in unrequested
+                   if key.startswith(prefixes) and not key.split("/")[0].endswith(OPTIONAL_SUFFIXES))
+    if extra:
+        raise UnexpectedCheckpointKeys(directory, extra)
     result = model.load_state_dict(loaded, strict=False)
     left = [name for name in result.missing_keys if not name.endswith(OPTIONAL_SUFFIXES)]
     if left or result.unexpected_keys:  # cannot happen when the request came from this model
         raise RuntimeError(f"loading {directory}: state dict mismatch, missing {left[:5]}, unexpected "
                            f"{result.unexpected_keys[:5]}")
+
+
+def _requested_tensor_shapes(model) -> dict[str, tuple]:
+    """{checkpoint key: global shape} of every tensor this rank's modules load, split tensors as their saved
+    parts."""
+    probe = nemotron_sharded_state_dict(model)
+    apply_factories(probe)
+    kept = {name: value for name, value in probe.items() if not name.endswith(OPTIONAL_SUFFIXES)}
+    return {entry.key: tuple(entry.global_shape) for entry in nested_values(kept) if isinstance(entry, ShardedTensor)}

@@ -1,0 +1,98 @@
+"""`mimo run --pretrained DIR` with a Nemotron-format checkpoint (providers/nemotron/checkpoint.py through the
+provider's `load_pretrained` hook): the same weights as a mimo checkpoint of them give the same first loss, in one
+process and heterogeneous, whether DIR is the dist checkpoint itself or a Megatron-LM save directory with a
+tracker; a checkpoint of another model shape is one line.
+
+dist_checkpointing's saver starts a helper process, so the checkpoints are written by this file run as a script
+(`python tests/test_nemotron_pretrained.py DIR`)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import read_metrics, run_mimo
+
+SCRIPT = Path(__file__).resolve()
+PROVIDER = "nemotron-moe-vlm-tiny"
+ENV = {"TORCH_COMPILE_DISABLE": "1"}
+RUN = ("run", "--provider", PROVIDER, "--device", "cpu", "--train-iters", "1", "--lr", "0")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pretrained")
+    result = subprocess.run([sys.executable, str(SCRIPT), str(root)], capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **ENV})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    # Megatron-LM's save layout: a tracker naming an iteration directory (its common.pt is not mimo's).
+    megatron = root / "megatron"
+    shutil.copytree(root / "nemotron", megatron / "iter_0000007")
+    (megatron / "latest_checkpointed_iteration.txt").write_text("7")
+    return root
+
+
+def _first_loss(tmp_path, name: str, *args: str) -> float:
+    metrics = tmp_path / f"{name}.jsonl"
+    result = run_mimo(*RUN, *args, "--metrics-file", str(metrics), env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_metrics(metrics)[0]["lm_loss"]
+
+
+def test_a_nemotron_checkpoint_starts_a_run_like_the_mimo_checkpoint_of_the_same_weights(saved, tmp_path):
+    want = _first_loss(tmp_path, "mimo", "--pretrained", str(saved / "mimo"))
+    assert want != _first_loss(tmp_path, "random")  # the saved weights are not the ones a run starts from
+    assert _first_loss(tmp_path, "nemotron", "--pretrained", str(saved / "nemotron")) == want
+    heterogeneous = _first_loss(tmp_path, "split", "--pretrained", str(saved / "megatron"), "--nproc-per-node", "2",
+                                "--encoder-ranks", "1")
+    assert heterogeneous == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("hybrid_pattern=M*EMEM", r"lacks \d+ key\(s\) the model needs: language_model\.decoder\.layers\.5\."),
+    ("hybrid_pattern=M*EM", r"holds \d+ weight\(s\) the model has no place for \(a model of other settings\?\): "
+             r"language_model\.decoder\.layers\.4\."),
+    ("moe_ffn_hidden_size=48", r"holds language_model\.decoder\.layers\.2\.mlp\.experts\S+ of shape \[\d+(, \d+)*\], the model's is \[\d+"),
+])
+def test_a_checkpoint_of_another_shape_is_one_line(saved, setting, message):
+    result = run_mimo(*RUN, "--pretrained", str(saved / "nemotron"), "--set", setting, env=ENV)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]  # after megatron-core's own warnings from building the model
+    assert last.startswith("error: Nemotron checkpoint ") and re.search(message, last), last
+
+
+def test_a_folder_with_no_checkpoint_is_one_line(tmp_path):
+    result = run_mimo(*RUN, "--pretrained", str(tmp_path), env=ENV)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: --pretrained {tmp_path}: no checkpoint there (neither a latest_checkpointed_iteration.txt, a "
+        f"Hugging Face config.json with safetensors, nor a dist checkpoint's .metadata)"]
+
+
+def _main(root: Path) -> None:
+    """One random model of nemotron-moe-vlm-tiny (moved away from the initialization a run would make), saved as a
+    mimo checkpoint (root/mimo) and as a Nemotron-format checkpoint (root/nemotron)."""
+    import torch
+    from mimo.core import hf
+    from mimo.core.config import CheckpointOptions
+    from mimo.plugins import Registry
+    from mimo.providers.nemotron.checkpoint import save_nemotron_checkpoint
+
+    built = hf._build(Registry(), PROVIDER, None, [], "fp32", "cpu")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for param in built.model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    hf._checkpointer(built, CheckpointOptions(save=root / "mimo", no_save_optim=True, no_save_rng=True)).save(0, 0)
+    (root / "nemotron").mkdir()
+    save_nemotron_checkpoint(built.model, str(root / "nemotron"))
+
+
+if __name__ == "__main__":
+    _main(Path(sys.argv[1]))
