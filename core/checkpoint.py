@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from mimo.errors import UsageError
 
+from .checkpoint_match import check_kept_options, check_model_fits
 from .config import CheckpointOptions
 from .topology import LANGUAGE, Topology
 
@@ -218,6 +219,7 @@ class Checkpointer:
             print(f"warning: {directory} holds no optimizer state (saved with --no-save-optim): loading the "
                   f"weights and starting a fresh optimizer", flush=True)
         if load_optim:
+            check_kept_options(common["run"].get("options"), self.run_info["options"], directory)
             self._check_optimizer_resharding(common)
         load_rng = common["contents"]["rng"] and opts.load_rng
         saved_lanes = common["run"]["layout"][LANGUAGE]["dp"]
@@ -300,6 +302,10 @@ class Checkpointer:
         if saved != self.run_info["provider"]:
             raise UsageError(f"{directory} was saved by provider '{saved}', this run uses "
                              f"'{self.run_info['provider']}'")
+        # Settings and tensor shapes against this run's model, from the metadata, before any tensor is read.
+        what = "--pretrained" if self.options.pretrained and Path(directory).parent == Path(self.options.pretrained) \
+            else "--load"
+        check_model_fits(self.model, common["run"]["settings"], self.run_info["settings"], directory, what)
 
     def _load_scheduler(self, saved: dict) -> None:
         # A constant schedule has no length: a run resumed with a larger --train-iters continues it unchanged, so

@@ -78,3 +78,20 @@ def test_boolean_options_are_pairs_without_doubled_negatives():
     assert "--no-no-" not in result.stdout
     for pair in ("--save-optim", "--load-optim", "--load-scheduler", "--save-rng", "--load-rng"):
         assert f"{pair} " in result.stdout and f"--no-{pair[2:]} " in result.stdout, pair
+
+
+def test_a_checkpoint_of_another_shape_is_refused_naming_the_setting(tmp_path):
+    save = tmp_path / "save"
+    first = run_mimo(*CPU, "--train-iters", "1", "--save", str(save))
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoint = save / "iter_0000001"
+    shape = "tensor language_model.module.decoder.final_layernorm.bias has shape [64] there, [32] here"
+    for how in ("--load", "--pretrained"):
+        metrics = tmp_path / f"m{how}.jsonl"
+        line = refused(run_mimo(*CPU, how, str(save), "--set", "hidden_size=32", "--metrics-file", str(metrics)))
+        assert line == (f"error: {how} {checkpoint} was saved with other settings: hidden_size 64 there, 32 here; its "
+                        f"model does not fit this run's ({shape})")
+        assert metrics.read_text() == ""  # created at start-up, never written: nothing trained
+    # Settings that shape no tensor may change; a resume under another precision may not, with optimizer state.
+    line = refused(run_mimo(*CPU, "--load", str(save), "--precision", "bf16", "--set", "dropout=0.1"))
+    assert line.startswith(f"error: --precision bf16 differs from the checkpoint's fp32 ({checkpoint})")
