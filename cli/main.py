@@ -53,10 +53,12 @@ def _run(**kwargs):
     from mimo.core.train import prepare, train
 
     from mimo.core.hf import pretrained_from_hf
+    from mimo.core.output_paths import check_output_paths
 
     config = run_config(kwargs)
     try:
         plan = prepare(config)  # every check that needs no process group, before any worker starts
+        check_output_paths(config)  # likewise every path the run writes: created and test-written now
         with pretrained_from_hf(plan) as plan:  # --pretrained HF_DIR: converted before the workers start
             if config.launch.nproc_per_node > 1 and "RANK" not in os.environ:
                 raise typer.Exit(code=launch.start_workers(config.launch, sys.argv[1:]))

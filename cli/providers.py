@@ -47,7 +47,8 @@ def list_providers(as_json: bool = typer.Option(False, "--json", help="machine-r
 
 @providers_app.command("show")
 def show_provider(name: str, as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
-    """A provider's settings with their types, defaults and help (set them with `mimo run --set key=value`)."""
+    """A provider's settings with their types, defaults, rules and help (set them with `mimo run --set key=value`)."""
+    from mimo.plugins.constraints import describe
     from mimo.plugins.settings import describe_fields
 
     from .main import fail
@@ -56,14 +57,17 @@ def show_provider(name: str, as_json: bool = typer.Option(False, "--json", help=
         provider, plugin = _registry().get(name)
     except UsageError as err:
         raise fail(str(err)) from None
-    fields = describe_fields(provider.settings, dict(provider.defaults))
+    try:
+        fields = describe_fields(provider.settings, dict(provider.defaults))
+    except UsageError as err:  # a rule the provider declares wrongly
+        raise fail(str(err)) from None
     if as_json:
         typer.echo(json.dumps({"name": provider.name, "description": provider.description,
                                "distribution": plugin.distribution, "settings": fields}, indent=2, default=str))
         return
-    table = Table("setting", "type", "default", "help", title=f"{provider.name}: {provider.description}")
+    table = Table("setting", "type", "default", "rules", "help", title=f"{provider.name}: {provider.description}")
     for f in fields:
-        table.add_row(f["name"], f["type"], repr(f["default"]), f["help"])
+        table.add_row(f["name"], f["type"], repr(f["default"]), describe(f["rules"]), f["help"])
     Console().print(table)
 
 

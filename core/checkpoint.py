@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from mimo.errors import UsageError
 
+from .checkpoint_match import check_kept_options, check_model_fits
 from .config import CheckpointOptions
 from .topology import LANGUAGE, Topology
 
@@ -99,8 +100,8 @@ class Checkpointer:
             directory.mkdir(parents=True)
         dist.barrier()
         _fault_point("before-shards", iteration)
-        state = self._sharded_state(loading=False, optimizer=not self.options.no_save_optim,
-                                    rng=not self.options.no_save_rng)
+        state = self._sharded_state(loading=False, optimizer=self.options.save_optim,
+                                    rng=self.options.save_rng)
         state.update(self._common(iteration, consumed_samples))
         background = {"async_sharded_save": True, "async_strategy": "mcore"} if self.async_queue else {}
         request = dist_checkpointing.save(state, str(directory), sharded_strategy=self.strategy, **background)
@@ -149,7 +150,7 @@ class Checkpointer:
             "consumed_samples": consumed_samples,
             "opt_param_scheduler": scheduler_state,
             "run": self.run_info,
-            "contents": {"optimizer": not self.options.no_save_optim, "rng": not self.options.no_save_rng,
+            "contents": {"optimizer": self.options.save_optim, "rng": self.options.save_rng,
                          "optimizer_sharding": self._optimizer_sharding(),
                          "distributed_optimizer": self.optimizer is not None and
                                                   self.optimizer.config.use_distributed_optimizer},
@@ -214,13 +215,14 @@ class Checkpointer:
             self._load_weights_only(opts.load, what="--finetune", common=common)
             return 0, 0, None
 
-        load_optim = common["contents"]["optimizer"] and not opts.no_load_optim
-        if not common["contents"]["optimizer"] and not opts.no_load_optim and dist.get_rank() == 0:
+        load_optim = common["contents"]["optimizer"] and opts.load_optim
+        if not common["contents"]["optimizer"] and opts.load_optim and dist.get_rank() == 0:
             print(f"warning: {directory} holds no optimizer state (saved with --no-save-optim): loading the "
                   f"weights and starting a fresh optimizer", flush=True)
         if load_optim:
+            check_kept_options(common["run"].get("options"), self.run_info["options"], directory)
             self._check_optimizer_resharding(common)
-        load_rng = common["contents"]["rng"] and not opts.no_load_rng
+        load_rng = common["contents"]["rng"] and opts.load_rng
         saved_lanes = common["run"]["layout"][LANGUAGE]["dp"]
         lanes = self.topology.parallelism[LANGUAGE].dp
         # Distributed-optimizer state loads in the format it was saved in.
@@ -234,7 +236,7 @@ class Checkpointer:
             with torch.no_grad():  # megatron-core's dp_reshardable loader copies into parameters without it
                 self.optimizer.load_state_dict({n: _merge_common(sub) for n, sub in loaded["optimizer"].items()})
             _unshare_adam_steps(self.optimizer)
-        if not opts.no_load_scheduler and common["opt_param_scheduler"] is not None:
+        if opts.load_scheduler and common["opt_param_scheduler"] is not None:
             self._load_scheduler(common["opt_param_scheduler"])
         if load_rng:
             _set_rng_state(next(iter(loaded["rng_state"].values())))
@@ -312,6 +314,10 @@ class Checkpointer:
         if saved != self.run_info["provider"]:
             raise UsageError(f"{directory} was saved by provider '{saved}', this run uses "
                              f"'{self.run_info['provider']}'")
+        # Settings and tensor shapes against this run's model, from the metadata, before any tensor is read.
+        what = "--pretrained" if self.options.pretrained and Path(directory).parent == Path(self.options.pretrained) \
+            else "--load"
+        check_model_fits(self.model, common["run"]["settings"], self.run_info["settings"], directory, what)
 
     def _load_scheduler(self, saved: dict) -> None:
         # A constant schedule has no length: a run resumed with a larger --train-iters continues it unchanged, so

@@ -103,11 +103,12 @@ class CheckpointOptions:
     load: Path | None = option(None, "resume from the latest checkpoint here, if there is one")
     pretrained: Path | None = option(None, "start from these weights (strict) when --load has no checkpoint")
     finetune: bool = option(False, "load weights only; iteration, optimizer, schedule and data start anew")
-    no_save_optim: bool = option(False, "save weights without optimizer state")
-    no_load_optim: bool = option(False, "do not load optimizer state (start a fresh optimizer)")
-    no_load_scheduler: bool = option(False, "do not load the learning-rate schedule's state")
-    no_save_rng: bool = option(False, "do not save RNG states")
-    no_load_rng: bool = option(False, "do not load RNG states")
+    # Megatron's --no-save-optim etc., as --x / --no-x pairs (a field named no_x would read --no-no-x).
+    save_optim: bool = option(True, "save optimizer state with the weights (--no-save-optim: weights only)")
+    load_optim: bool = option(True, "load optimizer state (--no-load-optim: start a fresh optimizer)")
+    load_scheduler: bool = option(True, "load the learning-rate schedule's state")
+    save_rng: bool = option(True, "save RNG states")
+    load_rng: bool = option(True, "load RNG states")
     dist_ckpt_optim_fully_reshardable: bool = option(
         False, "save distributed-optimizer state so it loads at any data-parallel size")
     ckpt_assume_constant_structure: bool = option(

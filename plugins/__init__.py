@@ -1,5 +1,6 @@
 """mimo's public plugin API: everything a provider package imports from mimo."""
 
+from .constraints import setting
 from .context import BuildContext, DataContext, ModuleParallelism
 from .hookspecs import hookimpl
 from .manager import ENTRY_POINT_GROUP, Registry
@@ -7,7 +8,7 @@ from .types import Encoder, ModuleShape, Provider
 
 __all__ = [
     "BuildContext", "DataContext", "ENTRY_POINT_GROUP", "Encoder", "ModuleParallelism", "ModuleShape",
-    "Provider", "Registry", "SDPAttention", "hookimpl",
+    "Provider", "Registry", "SDPAttention", "hookimpl", "setting",
 ]
 
 

@@ -14,6 +14,7 @@ import yaml
 
 from mimo.errors import UsageError
 
+from . import constraints
 from .types import Provider
 
 
@@ -24,15 +25,17 @@ def suggest(word: str, choices) -> str:
 
 
 def describe_fields(settings_cls: type, defaults: dict | None = None) -> list[dict]:
-    """Name, type, default and help of each setting, for `mimo providers show`."""
+    """Name, type, default, help and declared rules of each setting, for `mimo providers show`."""
     hints = typing.get_type_hints(settings_cls)
     instance = settings_cls(**(defaults or {}))
+    rules = constraints.declared(settings_cls)
     return [
         {
             "name": f.name,
             "type": _type_name(hints[f.name]),
             "default": getattr(instance, f.name),
             "help": f.metadata.get("help", ""),
+            "rules": rules.get(f.name, {}),
         }
         for f in dataclasses.fields(settings_cls)
     ]
@@ -49,10 +52,17 @@ def build_settings(provider: Provider, assignments: list[str] = (), config_file:
         if not sep or not key.strip():
             raise UsageError(f"--set expects key=value, got '{assignment}'")
         values.update(_check_all(provider, {key.strip(): raw}, source="--set", from_text=True))
+    constraints.check(provider.settings, {**_field_defaults(provider.settings), **values}, provider.name)
     try:
         return provider.settings(**values)
     except (TypeError, ValueError) as err:
         raise UsageError(f"invalid settings for provider '{provider.name}': {err}") from None
+
+
+def _field_defaults(settings_cls: type) -> dict:
+    return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(settings_cls)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 
 
 def _without_provider(provider: Provider, data: dict, path: Path) -> dict:

@@ -14,6 +14,7 @@ from .flops_check import check_flops
 from .model_check import check_model_shape, check_specs
 from .report import ContractError, ContractReport, ModuleReport
 from .settings_check import check_registration, check_settings_round_trip
+from .size_check import check_size_settings
 from .subject import Subject, builtin_provider_names, hookspec_signatures, load_subject
 from .suite import ProviderContract
 from .train_check import CPU_PARAMETER_LIMIT, check_build_and_train
@@ -22,5 +23,5 @@ __all__ = [
     "CPU_PARAMETER_LIMIT", "ContractError", "ContractReport", "ModuleReport", "ProviderContract", "Subject",
     "builtin_provider_names", "check_build_and_train", "check_data", "check_data_path", "check_flops",
     "check_layout_independence", "check_micro_batch", "check_model_shape", "check_provider", "check_registration",
-    "check_settings_round_trip", "check_specs", "hookspec_signatures", "load_subject",
+    "check_settings_round_trip", "check_size_settings", "check_specs", "hookspec_signatures", "load_subject",
 ]

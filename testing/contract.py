@@ -13,6 +13,7 @@ from .flops_check import check_flops
 from .model_check import check_model_shape, check_specs, module_reports, vocab_size
 from .report import ContractReport
 from .settings_check import check_registration, check_settings_round_trip
+from .size_check import check_size_settings
 from .subject import load_subject
 from .train_check import CPU_PARAMETER_LIMIT, check_build_and_train, too_large
 
@@ -30,6 +31,7 @@ def check_provider(name: str, settings=(), *, registry: Registry | None = None, 
     check_registration(subject)
     with tempfile.TemporaryDirectory(prefix="mimo-settings-") as directory:
         check_settings_round_trip(subject, Path(directory))
+    check_size_settings(subject)
     shapes = check_model_shape(subject)
     report.modules = module_reports(shapes)
     encoders, language = check_specs(subject, shapes)

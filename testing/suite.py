@@ -18,6 +18,7 @@ from .flops_check import check_flops
 from .model_check import check_model_shape, check_specs, module_reports, vocab_size
 from .report import ContractReport
 from .settings_check import check_registration, check_settings_round_trip
+from .size_check import check_size_settings
 from .subject import Subject, load_subject
 from .train_check import CPU_PARAMETER_LIMIT, check_build_and_train, too_large
 
@@ -57,6 +58,9 @@ class ProviderContract:
 
     def test_settings_round_trip(self, tmp_path):
         check_settings_round_trip(self._subject(), tmp_path)
+
+    def test_size_settings(self):
+        check_size_settings(self._subject())
 
     def test_model_shape(self):
         shapes, _, _ = self._static()

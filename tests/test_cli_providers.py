@@ -66,6 +66,8 @@ def test_providers_show_lists_settings_and_defaults():
     result = run_mimo("providers", "show", "mock-vlm", "--json")
     settings = {s["name"]: s for s in json.loads(result.stdout)["settings"]}
     assert settings["num_layers"]["default"] == 2 and settings["projection"]["type"] == "one of 'mlp', 'affine'"
+    assert settings["num_attention_heads"]["rules"] == {"minimum": 1, "divides": "hidden_size"}
+    assert settings["projection"]["rules"] == {}
 
 
 @pytest.mark.smoke

@@ -79,9 +79,7 @@ def test_variants_share_one_settings_class_and_differ_only_in_defaults():
 
 @pytest.mark.parametrize("overrides, message", [
     ({"hybrid_pattern": "MEX*"}, "must be made of M (Mamba), E (MoE) and * (attention)"),
-    ({"num_query_groups": 3}, "num_query_groups 3 does not divide num_attention_heads 4"),
-    ({"mamba_num_groups": 3}, "mamba_num_groups 3 does not divide mamba_num_heads 4"),
-    ({"moe_router_topk": 5}, "moe_router_topk 5 must lie in [1, num_experts]"),
+    ({"moe_router_topk": 5}, "moe_router_topk 5 must be at most num_experts 4"),
     ({"image_size": 40}, "image_size 40 is not a multiple of 32"),
     ({"max_patches": 2000}, "need 1 <= min_patches <= max_patches <= 256"),
     ({"seq_length": 16}, "an image can take 16 tokens, which leaves no text in seq_length 16"),
@@ -91,6 +89,25 @@ def test_settings_are_checked(overrides, message):
     with pytest.raises(ValueError) as err:
         NemotronVLMSettings(**{**TINY, **overrides})
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("num_query_groups=3", "'num_query_groups' of provider 'nemotron-moe-vlm-tiny' is 3: it must divide "
+                           "num_attention_heads (4)"),
+    ("mamba_num_groups=3", "'mamba_num_groups' of provider 'nemotron-moe-vlm-tiny' is 3: it must divide "
+                           "mamba_num_heads (4)"),
+    ("vision_heads=3", "it must divide vision_hidden_size (32)"),
+    ("class_tokens=-1", "'class_tokens' of provider 'nemotron-moe-vlm-tiny' is -1: it must be at least 0"),
+    ("image_probability=1.5", "'image_probability' of provider 'nemotron-moe-vlm-tiny' is 1.5: it must be at most 1.0"),
+    ("hidden_size=0", "'hidden_size' of provider 'nemotron-moe-vlm-tiny' is 0: it must be at least 1"),
+])
+def test_declared_rules_are_checked_before_the_settings_are_built(assignment, message):
+    from mimo.plugins.settings import build_settings
+
+    tiny = next(v for v in VARIANTS if v.name == "nemotron-moe-vlm-tiny")
+    with pytest.raises(UsageError) as err:
+        build_settings(tiny, [assignment])
+    assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_training_stages_freeze_through_the_hook(world):

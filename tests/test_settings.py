@@ -5,8 +5,9 @@ from typing import Literal
 
 import pytest
 
-from mimo import Provider
+from mimo import Provider, setting
 from mimo.errors import UsageError
+from mimo.plugins.constraints import describe
 from mimo.plugins.settings import build_settings, describe_fields
 
 
@@ -91,3 +92,91 @@ def test_describe_fields_shows_variant_defaults():
     rows = {r["name"]: r for r in describe_fields(Shape, {"width": 2.0})}
     assert rows["width"]["default"] == 2.0 and rows["layers"]["help"] == "layers"
     assert rows["mode"]["type"] == "one of 'a', 'b'"
+
+
+# ---- declared constraints (field metadata), as a third-party provider writes them
+
+@dataclass
+class Declared:
+    hidden: int = field(default=32, metadata={"help": "width", "minimum": 1})
+    heads: int = field(default=4, metadata={"minimum": 1, "divides": "hidden"})
+    image: int = field(default=16, metadata={"minimum": 1, "multiple_of": ["patch", 8]})
+    patch: int = setting(4, "patch side", minimum=1)
+    kernel: int = setting(4, "conv width", choices=(2, 3, 4))
+    ratio: float = setting(0.5, "a share", minimum=0.0, maximum=1.0)
+    ffn: int | None = setting(None, "MLP width (default 4 x hidden)", minimum=1, multiple_of="heads")
+
+    def __post_init__(self):
+        assert self.image % self.patch == 0  # declared rules ran first: never reached with a bad value
+
+
+DECLARED = Provider("declared", "test", Declared)
+
+
+@pytest.mark.parametrize("assignments, message", [
+    (["hidden=-4"], "setting 'hidden' of provider 'declared' is -4: it must be at least 1"),
+    (["hidden=0"], "setting 'hidden' of provider 'declared' is 0: it must be at least 1"),
+    (["hidden=30", "heads=7"], "setting 'heads' of provider 'declared' is 7: it must divide hidden (30)"),
+    (["image=18"], "setting 'image' of provider 'declared' is 18: it must be a multiple of patch (4)"),
+    (["image=12", "patch=3"], "setting 'image' of provider 'declared' is 12: it must be a multiple of 8"),
+    (["patch=0"], "setting 'patch' of provider 'declared' is 0: it must be at least 1"),  # not a division by 0
+    (["kernel=5"], "setting 'kernel' of provider 'declared' is 5: it must be one of 2, 3, 4"),
+    (["ratio=1.5"], "setting 'ratio' of provider 'declared' is 1.5: it must be at most 1.0"),
+    (["ffn=6"], "setting 'ffn' of provider 'declared' is 6: it must be a multiple of heads (4)"),
+])
+def test_declared_rules_refuse_with_one_line(assignments, message):
+    with pytest.raises(UsageError) as err:
+        build_settings(DECLARED, assignments)
+    assert str(err.value) == message
+
+
+def test_declared_rules_accept_valid_values_and_skip_none(tmp_path):
+    s = build_settings(DECLARED, ["hidden=48", "heads=6", "image=24", "patch=8", "kernel=2", "ffn=12"])
+    assert (s.hidden, s.heads, s.image, s.ffn) == (48, 6, 24, 12)
+    assert build_settings(DECLARED).ffn is None  # an unset optional size is not checked
+    config = tmp_path / "s.yaml"
+    config.write_text("heads: 5\n")  # a config file goes through the same checker
+    with pytest.raises(UsageError, match="'heads' of provider 'declared' is 5: it must divide hidden"):
+        build_settings(DECLARED, [], config)
+
+
+def test_wrong_declarations_are_named():
+    @dataclass
+    class Misspelt:
+        layers: int = field(default=2, metadata={"minimun": 1})
+
+    @dataclass
+    class Dangling:
+        heads: int = field(default=2, metadata={"divides": "hiden"})
+        hidden: int = 4
+
+    with pytest.raises(UsageError, match=r"Misspelt.layers declares metadata 'minimun'; did you mean 'minimum'"):
+        build_settings(Provider("m", "test", Misspelt))
+    with pytest.raises(UsageError, match=r"Dangling.heads declares divides 'hiden', which is not a setting; did "
+                                         r"you mean 'hidden'"):
+        build_settings(Provider("d", "test", Dangling))
+
+
+def test_describe_fields_lists_the_rules():
+    rows = {r["name"]: r for r in describe_fields(Declared)}
+    assert rows["heads"]["rules"] == {"minimum": 1, "divides": "hidden"}
+    assert rows["hidden"]["help"] == "width"
+    assert describe(rows["image"]["rules"]) == ">= 1, multiple of patch, multiple of 8"
+    assert describe(rows["ratio"]["rules"]) == ">= 0.0, <= 1.0"
+    assert describe(rows["kernel"]["rules"]) == "one of 2, 3, 4"
+    assert rows["patch"]["help"] == "patch side" and rows["ffn"]["default"] is None
+
+
+@pytest.mark.parametrize("assignments, message", [
+    (["hidden_size=-4"], "setting 'hidden_size' of provider 'mock-vlm' is -4: it must be at least 1"),
+    (["hidden_size=60", "num_attention_heads=7"],
+     "setting 'num_attention_heads' of provider 'mock-vlm' is 7: it must divide hidden_size (60)"),
+    (["patch_size=0"], "setting 'patch_size' of provider 'mock-vlm' is 0: it must be at least 1"),
+    (["image_size=30"], "setting 'image_size' of provider 'mock-vlm' is 30: it must be a multiple of patch_size (8)"),
+])
+def test_mock_vlm_declares_its_rules(assignments, message):
+    from mimo.providers.mock_vlm import MockVLMSettings
+
+    with pytest.raises(UsageError) as err:
+        build_settings(Provider("mock-vlm", "test", MockVLMSettings), assignments)
+    assert str(err.value) == message

@@ -6,53 +6,49 @@ Small and fast (50 iterations in well under two minutes on two CPU cores): for s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
-from mimo import ModuleShape, Provider, hookimpl
+from mimo import ModuleShape, Provider, hookimpl, setting
 
 IMAGES = "images"  # the modality name, also the encoder grid's module name
 
 
-def _setting(default, help: str):
-    return field(default=default, metadata={"help": help})
+SIZE = {"minimum": 1}  # a size or count: 0 and negative values are refused
 
 
 @dataclass
 class MockVLMSettings:
-    vision_layers: int = _setting(2, "transformer layers of the vision encoder")
-    vision_hidden_size: int = _setting(64, "hidden size of the vision encoder")
-    vision_heads: int = _setting(4, "attention heads of the vision encoder")
-    image_size: int = _setting(32, "image height and width in pixels")
-    patch_size: int = _setting(8, "ViT patch size; an image gives (image_size / patch_size)^2 tokens")
-    projection: Literal["mlp", "affine"] = _setting("mlp", "projection from vision to LLM hidden size")
-    num_layers: int = _setting(2, "transformer layers of the language model")
-    hidden_size: int = _setting(64, "hidden size of the language model")
-    num_attention_heads: int = _setting(4, "attention heads of the language model")
-    ffn_hidden_size: int | None = _setting(None, "MLP size of both models (default: 4 x hidden size)")
+    vision_layers: int = setting(2, "transformer layers of the vision encoder", **SIZE)
+    vision_hidden_size: int = setting(64, "hidden size of the vision encoder", **SIZE)
+    # megatron-core's attention splits the hidden size evenly over the heads (no kv_channels setting here).
+    vision_heads: int = setting(4, "attention heads of the vision encoder", **SIZE, divides="vision_hidden_size")
+    image_size: int = setting(32, "image height and width in pixels", **SIZE, multiple_of="patch_size")
+    patch_size: int = setting(8, "ViT patch size; an image gives (image_size / patch_size)^2 tokens", **SIZE)
+    projection: Literal["mlp", "affine"] = setting("mlp", "projection from vision to LLM hidden size")
+    num_layers: int = setting(2, "transformer layers of the language model", **SIZE)
+    hidden_size: int = setting(64, "hidden size of the language model", **SIZE)
+    num_attention_heads: int = setting(4, "attention heads of the language model", **SIZE, divides="hidden_size")
+    ffn_hidden_size: int | None = setting(None, "MLP size of both models (default: 4 x hidden size)", **SIZE)
     # 260 = the byte tokenizer's 256 bytes + pad, bos, eos, image: what `--data` captions need.
-    vocab_size: int = _setting(260, "vocabulary size; the last id is the image placeholder")
-    seq_length: int = _setting(64, "tokens per sample, image tokens included")
-    image_probability: float = _setting(1.0, "fraction of samples that carry an image (others are text only)")
-    num_classes: int = _setting(8, "synthetic data: image classes, each with its own caption")
-    shuffle_buffer: int = _setting(100, "--data: energon's sample shuffle buffer (0: none; shards still shuffle)")
-    chat_template: Literal["plain", "nemotron"] = _setting(
+    vocab_size: int = setting(260, "vocabulary size; the last id is the image placeholder", minimum=3)
+    seq_length: int = setting(64, "tokens per sample, image tokens included", minimum=2)
+    image_probability: float = setting(
+        1.0, "fraction of samples that carry an image (others are text only)", minimum=0.0, maximum=1.0)
+    num_classes: int = setting(8, "synthetic data: image classes, each with its own caption", **SIZE)
+    shuffle_buffer: int = setting(100, "--data: energon's sample shuffle buffer (0: none; shards still shuffle)",
+                                   minimum=0)
+    chat_template: Literal["plain", "nemotron"] = setting(
         "plain", "--data: prompt format (plain: no turn markers; nemotron: ChatML turns, needs vocab_size >= 264)")
-    attention: Literal["sdpa", "local"] = _setting(
+    attention: Literal["sdpa", "local"] = setting(
         "sdpa", "core attention: torch's fused SDPA (flash on GPUs) or megatron-core's unfused DotProductAttention")
-    dropout: float = _setting(0.0, "hidden and attention dropout of both models")
-    freeze_vision: bool = _setting(False, "do not train the ViT (the projection still trains)")
-    freeze_language: bool = _setting(False, "do not train the language model")
+    dropout: float = setting(0.0, "hidden and attention dropout of both models", minimum=0.0, maximum=1.0)
+    freeze_vision: bool = setting(False, "do not train the ViT (the projection still trains)")
+    freeze_language: bool = setting(False, "do not train the language model")
 
     def __post_init__(self):
-        if self.image_size % self.patch_size:
-            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
         if self.image_tokens >= self.seq_length:
             raise ValueError(f"an image's {self.image_tokens} tokens do not fit in seq_length {self.seq_length}")
-        if not 0.0 <= self.image_probability <= 1.0:
-            raise ValueError(f"image_probability must lie in [0, 1], got {self.image_probability}")
-        if self.shuffle_buffer < 0:
-            raise ValueError(f"shuffle_buffer must be 0 or more, got {self.shuffle_buffer}")
 
     @property
     def image_tokens(self) -> int:

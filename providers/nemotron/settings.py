@@ -19,8 +19,13 @@ PATTERN_20L = "MEMEM*EMEMEM*EMEMEM*"
 PATTERN_54L = "MEMEM*EMEM*EMEM*EMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEME"
 
 
-def _setting(default, help: str):
-    return field(default=default, metadata={"help": help})
+def _setting(default, help: str, **rules):
+    """A setting with its help and declared rules (mimo.plugins.constraints: checked before __post_init__)."""
+    return field(default=default, metadata={"help": help, **rules})
+
+
+SIZE = {"minimum": 1}  # a size or count: 0 and negative values are refused
+FRACTION = {"minimum": 0.0, "maximum": 1.0}
 
 
 @dataclass
@@ -33,14 +38,14 @@ class NemotronVLMSettings:
         "device); auto: te when both are installed and a GPU is visible")
 
     # -- vision encoder (RADIO ViT)
-    vision_layers: int = _setting(32, "transformer layers of the RADIO encoder")
-    vision_hidden_size: int = _setting(1280, "hidden size of the RADIO encoder")
-    vision_heads: int = _setting(16, "attention heads of the RADIO encoder")
-    vision_ffn_hidden_size: int = _setting(5120, "MLP size of the RADIO encoder")
-    patch_size: int = _setting(16, "ViT patch size in pixels")
+    vision_layers: int = _setting(32, "transformer layers of the RADIO encoder", **SIZE)
+    vision_hidden_size: int = _setting(1280, "hidden size of the RADIO encoder", **SIZE)
+    vision_heads: int = _setting(16, "attention heads of the RADIO encoder", **SIZE, divides="vision_hidden_size")
+    vision_ffn_hidden_size: int = _setting(5120, "MLP size of the RADIO encoder", **SIZE)
+    patch_size: int = _setting(16, "ViT patch size in pixels", **SIZE)
     class_tokens: int = _setting(8, "class and register tokens RADIO prepends per image (tile); all dropped after "
-                                    "the encoder; 0: none")
-    vision_layernorm_epsilon: float = _setting(1e-6, "epsilon of the RADIO encoder's LayerNorms")
+                                    "the encoder; 0: none", minimum=0)
+    vision_layernorm_epsilon: float = _setting(1e-6, "epsilon of the RADIO encoder's LayerNorms", minimum=0.0)
     vision_activation: Literal["gelu", "gelu_tanh"] = _setting(
         "gelu", "MLP activation of the RADIO encoder: gelu (exact, erf; C-RADIO's) or gelu_tanh (tanh "
                 "approximation: Megatron-LM's fast_gelu)")
@@ -50,46 +55,49 @@ class NemotronVLMSettings:
                                                       "pixels by, after the mean")
     video_temporal_patch_size: int = _setting(
         1, "frames per patch of RADIO's separate video patch embedder, which Nemotron omni checkpoints hold (mimo "
-           "feeds the encoder images only; dynamic resolution); 1: no video embedder")
-    max_image_size: int = _setting(2048, "side in pixels of RADIO's position-embedding grid (CPE)")
+           "feeds the encoder images only; dynamic resolution); 1: no video embedder", **SIZE)
+    max_image_size: int = _setting(2048, "side in pixels of RADIO's position-embedding grid (CPE)", **SIZE)
     cpe_augmentation: bool = _setting(True, "jitter RADIO's position embeddings (CPE) while the encoder trains, "
                                             "as RADIOViTModel does in training mode; never while it is frozen")
     dynamic_resolution: bool = _setting(True, "images keep their aspect ratio, packed into one THD sequence; "
                                               "false: every image is one image_size x image_size tile")
-    image_size: int = _setting(512, "tile side in pixels (without dynamic resolution)")
-    min_patches: int = _setting(256, "dynamic resolution: fewest patches per image")
-    max_patches: int = _setting(4096, "dynamic resolution: most patches per image")
+    image_size: int = _setting(512, "tile side in pixels (without dynamic resolution)", **SIZE)
+    min_patches: int = _setting(256, "dynamic resolution: fewest patches per image", **SIZE)
+    max_patches: int = _setting(4096, "dynamic resolution: most patches per image", **SIZE)
     pixel_shuffle: bool = _setting(True, "merge each 2x2 block of patch features into one token (4x fewer)")
     projection: Literal["mlp", "affine"] = _setting(
         "affine", "vision-to-LLM projection: one linear layer, or an MLP (squared ReLU); no biases")
-    projection_hidden_size: int = _setting(20480, "hidden size of the mlp projection (4 x its input)")
+    projection_hidden_size: int = _setting(20480, "hidden size of the mlp projection (4 x its input)", **SIZE)
     projection_norm: bool = _setting(False, "RMSNorm (eps 1e-5) on the mlp projection's input, as in the "
                                             "Nemotron Nano VL / omni projector")
 
     # -- language model (hybrid Mamba / MoE / attention)
     hybrid_pattern: str = _setting(PATTERN_20L, "one symbol per layer: M Mamba, E MoE, * attention, - dense MLP")
-    hidden_size: int = _setting(2688, "hidden size of the language model")
-    num_attention_heads: int = _setting(32, "query heads of the attention layers")
-    num_query_groups: int = _setting(8, "key/value heads of the attention layers (grouped-query attention)")
-    kv_channels: int = _setting(128, "head dimension of the attention layers")
-    num_experts: int = _setting(128, "routed experts per MoE layer")
-    moe_router_topk: int = _setting(6, "experts each token is routed to")
-    moe_ffn_hidden_size: int = _setting(1856, "hidden size of each routed expert")
-    ffn_hidden_size: int = _setting(10752, "hidden size of the dense MLP layers (-; squared ReLU, no gate)")
-    moe_shared_expert_intermediate_size: int = _setting(3712, "hidden size of the shared expert")
+    hidden_size: int = _setting(2688, "hidden size of the language model", **SIZE)
+    num_attention_heads: int = _setting(32, "query heads of the attention layers", **SIZE)
+    num_query_groups: int = _setting(8, "key/value heads of the attention layers (grouped-query attention)", **SIZE,
+                                     divides="num_attention_heads")
+    kv_channels: int = _setting(128, "head dimension of the attention layers", **SIZE)
+    num_experts: int = _setting(128, "routed experts per MoE layer", **SIZE)
+    moe_router_topk: int = _setting(6, "experts each token is routed to", **SIZE)
+    moe_ffn_hidden_size: int = _setting(1856, "hidden size of each routed expert", **SIZE)
+    ffn_hidden_size: int = _setting(10752, "hidden size of the dense MLP layers (-; squared ReLU, no gate)", **SIZE)
+    moe_shared_expert_intermediate_size: int = _setting(3712, "hidden size of the shared expert", **SIZE)
     moe_router_topk_scaling_factor: float = _setting(2.5, "scale of the (normalized sigmoid) routing weights")
-    moe_aux_loss_coeff: float = _setting(1e-4, "coefficient of the per-sequence load-balancing loss")
-    mamba_num_heads: int = _setting(64, "Mamba-2 heads")
-    mamba_head_dim: int = _setting(64, "Mamba-2 head dimension")
-    mamba_num_groups: int = _setting(8, "Mamba-2 groups (B/C projections shared by heads of a group)")
-    mamba_state_dim: int = _setting(128, "Mamba-2 state size")
-    mamba_conv_kernel: int = _setting(4, "Mamba-2 causal convolution width")
+    moe_aux_loss_coeff: float = _setting(1e-4, "coefficient of the per-sequence load-balancing loss", minimum=0.0)
+    mamba_num_heads: int = _setting(64, "Mamba-2 heads", **SIZE)
+    mamba_head_dim: int = _setting(64, "Mamba-2 head dimension", **SIZE)
+    mamba_num_groups: int = _setting(8, "Mamba-2 groups (B/C projections shared by heads of a group)", **SIZE,
+                                     divides="mamba_num_heads")
+    mamba_state_dim: int = _setting(128, "Mamba-2 state size", **SIZE)
+    mamba_conv_kernel: int = _setting(4, "Mamba-2 causal convolution width", **SIZE)
     mamba_dt_clamp_min: float = _setting(
         0.0, "lower bound of the Mamba-2 step size dt (after softplus) in the forward pass; 0: none, as in "
-             "megatron-core's MambaMixer; Hugging Face's NemotronH clamps at its time_step_min (local backend only)")
-    vocab_size: int = _setting(131072, "vocabulary size (embedding and output layer, untied)")
-    seq_length: int = _setting(8192, "tokens per sample, image tokens included")
-    init_method_std: float = _setting(0.0173, "standard deviation of the initial weights (all modules)")
+             "megatron-core's MambaMixer; Hugging Face's NemotronH clamps at its time_step_min (local backend only)",
+        minimum=0.0)
+    vocab_size: int = _setting(131072, "vocabulary size (embedding and output layer, untied)", **SIZE)
+    seq_length: int = _setting(8192, "tokens per sample, image tokens included", **SIZE)
+    init_method_std: float = _setting(0.0173, "standard deviation of the initial weights (all modules)", minimum=0.0)
 
     # -- tokens and data
     tokenizer_path: str | None = _setting(
@@ -99,28 +107,21 @@ class NemotronVLMSettings:
     chat_template: Literal["nemotron", "plain"] = _setting(
         "nemotron", "--data: prompt format (nemotron: the Nemotron VL models' ChatML turns and <img> tags; plain: "
                     "no turn markers)")
-    shuffle_buffer: int = _setting(100, "--data: energon's sample shuffle buffer (0: none; shards still shuffle)")
+    shuffle_buffer: int = _setting(100, "--data: energon's sample shuffle buffer (0: none; shards still shuffle)",
+                                   minimum=0)
     image_token_id: int | None = _setting(None, "image placeholder token (default: the tokenizer's <image>, "
-                                                "else vocab_size - 1)")
-    image_probability: float = _setting(1.0, "synthetic data: fraction of samples with an image")
-    num_classes: int = _setting(16, "synthetic data: image classes, each with its own caption")
-    dropout: float = _setting(0.0, "hidden and attention dropout of both models")
+                                                "else vocab_size - 1)", minimum=0)
+    image_probability: float = _setting(1.0, "synthetic data: fraction of samples with an image", **FRACTION)
+    num_classes: int = _setting(16, "synthetic data: image classes, each with its own caption", **SIZE)
+    dropout: float = _setting(0.0, "hidden and attention dropout of both models", **FRACTION)
 
     def __post_init__(self):
         bad = sorted(set(self.hybrid_pattern) - set(LAYER_SYMBOLS))
         if not self.hybrid_pattern or bad:
             raise ValueError(f"hybrid_pattern {self.hybrid_pattern!r} must be made of M (Mamba), E (MoE) and "
                              f"* (attention), plus - (dense MLP)" + (f"; it has {bad}" if bad else ""))
-        for groups, heads in (("num_query_groups", "num_attention_heads"), ("mamba_num_groups", "mamba_num_heads")):
-            if getattr(self, heads) % getattr(self, groups):
-                raise ValueError(f"{groups} {getattr(self, groups)} does not divide {heads} {getattr(self, heads)}")
-        if not 1 <= self.moe_router_topk <= self.num_experts:
-            raise ValueError(f"moe_router_topk {self.moe_router_topk} must lie in [1, num_experts]")
-        if self.mamba_dt_clamp_min < 0:
-            raise ValueError(f"mamba_dt_clamp_min must be 0 or more, got {self.mamba_dt_clamp_min}")
-        if self.vision_hidden_size % self.vision_heads:
-            raise ValueError(f"vision_heads {self.vision_heads} does not divide vision_hidden_size "
-                             f"{self.vision_hidden_size}")
+        if self.moe_router_topk > self.num_experts:
+            raise ValueError(f"moe_router_topk {self.moe_router_topk} must be at most num_experts {self.num_experts}")
         for name in ("image_size", "max_image_size"):
             if getattr(self, name) % (self.patch_size * self.shuffle_side):
                 raise ValueError(f"{name} {getattr(self, name)} is not a multiple of "
@@ -129,26 +130,19 @@ class NemotronVLMSettings:
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or min(self.image_std) <= 0:
             raise ValueError(f"image_mean and image_std need 3 values (RGB), the std's positive; got "
                              f"{self.image_mean}, {self.image_std}")
-        frames = self.video_temporal_patch_size
-        if frames < 1 or (frames > 1 and not self.dynamic_resolution):
+        if self.video_temporal_patch_size > 1 and not self.dynamic_resolution:
             raise ValueError(f"video_temporal_patch_size {self.video_temporal_patch_size} must be 1, or more with "
                              f"dynamic_resolution (megatron-core's RADIO groups frames only there)")
         if self.projection_norm and self.projection != "mlp":
             raise ValueError("projection_norm needs projection 'mlp'")
-        if self.class_tokens < 0:
-            raise ValueError(f"class_tokens must be >= 0, got {self.class_tokens}")
         if self.dynamic_resolution and not 1 <= self.min_patches <= self.max_patches <= self.max_grid ** 2:
             raise ValueError(f"need 1 <= min_patches <= max_patches <= {self.max_grid ** 2} (the position grid of "
                              f"max_image_size), got {self.min_patches}, {self.max_patches}")
         if self.max_image_tokens >= self.seq_length:
             raise ValueError(f"an image can take {self.max_image_tokens} tokens, which leaves no text in "
                              f"seq_length {self.seq_length}")
-        if self.image_token_id is not None and not 0 <= self.image_token_id < self.vocab_size:
+        if self.image_token_id is not None and self.image_token_id >= self.vocab_size:
             raise ValueError(f"image_token_id {self.image_token_id} is outside the vocabulary of {self.vocab_size}")
-        if not 0.0 <= self.image_probability <= 1.0:
-            raise ValueError(f"image_probability must lie in [0, 1], got {self.image_probability}")
-        if self.shuffle_buffer < 0:
-            raise ValueError(f"shuffle_buffer must be 0 or more, got {self.shuffle_buffer}")
 
     # -- derived quantities
 

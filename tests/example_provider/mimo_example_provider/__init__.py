@@ -1,22 +1,33 @@
 """patch-vlm: a third-party provider. Its encoder is its own megatron module (a linear patch embedding, not a ViT),
 so training it through `mimo run` shows the loop works for models mimo has never seen."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mimo import Encoder, ModuleShape, Provider, hookimpl
 
 
+def _size(default, **rules):
+    """Declared rules, as plain field metadata: mimo checks them before the settings are built."""
+    return field(default=default, metadata={"minimum": 1, **rules})
+
+
 @dataclass
 class PatchVLMSettings:
-    hidden_size: int = 32
-    layers: int = 1
-    heads: int = 2
-    patch: int = 4
-    image: int = 8
-    vocab: int = 64
-    seq_length: int = 24
+    hidden_size: int = _size(32)
+    layers: int = _size(1)
+    heads: int = _size(2, divides="hidden_size")
+    patch: int = _size(4)
+    image: int = _size(8, multiple_of="patch")
+    vocab: int = _size(64, minimum=2)
+    seq_length: int = _size(24)
+    dropout: float = field(default=0.0, metadata={"help": "hidden and attention dropout", "minimum": 0.0,
+                                                  "maximum": 1.0})
+
+    def __post_init__(self):  # what the declared rules cannot say
+        if _tokens(self) >= self.seq_length:
+            raise ValueError(f"an image's {_tokens(self)} tokens do not fit in seq_length {self.seq_length}")
 
 
 def _tokens(s):
@@ -74,7 +85,8 @@ def build_language_model(settings, ctx):
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     config = ctx.transformer_config("language", num_layers=settings.layers, hidden_size=settings.hidden_size,
-                                    num_attention_heads=settings.heads, hidden_dropout=0.0, attention_dropout=0.0)
+                                    num_attention_heads=settings.heads, hidden_dropout=settings.dropout,
+                                    attention_dropout=settings.dropout)
     return ModuleSpec(module=GPTModel, params=dict(
         config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=settings.vocab,
         max_sequence_length=settings.seq_length, pg_collection=ctx.pg_collection("language")))

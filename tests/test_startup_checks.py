@@ -1,0 +1,97 @@
+"""What `mimo run` checks before any work: declared setting rules, every output path, the checkpoint against the
+model, and options that read as people expect. Each failure is one line, exit 2, and nothing trains."""
+
+import pytest
+
+from helpers import run_mimo
+from mimo.core.config import CheckpointOptions, LoggingOptions, RunConfig
+from mimo.core.output_paths import check_output_paths
+from mimo.errors import UsageError
+
+CPU = ("run", "--provider", "mock-vlm", "--device", "cpu", "--train-iters", "2", "--log-interval", "1")
+
+
+def refused(result) -> str:
+    """The one error line of a run that stopped before training."""
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
+    assert "iteration" not in result.stdout and "Traceback" not in result.stderr
+    return lines[0]
+
+
+@pytest.fixture
+def a_file(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("not a directory")
+    return path
+
+
+@pytest.mark.parametrize("where, message", [
+    (lambda f: LoggingOptions(tensorboard_dir=f), "--tensorboard-dir {f} is a file, not a directory"),
+    (lambda f: LoggingOptions(profile_dir=f / "prof"), "--profile-dir {f}/prof: {f} is a file, not a directory"),
+    (lambda f: LoggingOptions(metrics_file=f / "m.jsonl"),
+     "--metrics-file {f}/m.jsonl: {f} is a file, not a directory"),
+    (lambda f: LoggingOptions(metrics_file=f.parent), "--metrics-file {d} is a directory, not a file"),
+    (lambda f: CheckpointOptions(save=f / "deep" / "ckpt"), "--save {f}/deep/ckpt: {f} is a file, not a directory"),
+])
+def test_output_paths_that_cannot_be_written_are_named(a_file, where, message):
+    options = where(a_file)
+    config = RunConfig(provider="mock-vlm", **{"logging" if isinstance(options, LoggingOptions) else "checkpoint":
+                                               options})
+    with pytest.raises(UsageError) as err:
+        check_output_paths(config)
+    assert str(err.value) == message.format(f=a_file, d=a_file.parent)
+
+
+def test_output_paths_are_created_and_left_clean(tmp_path):
+    config = RunConfig(provider="mock-vlm", logging=LoggingOptions(
+        tensorboard_dir=tmp_path / "tb", profile_dir=tmp_path / "p" / "q", metrics_file=tmp_path / "m" / "x.jsonl"),
+        checkpoint=CheckpointOptions(save=tmp_path / "ckpt"))
+    check_output_paths(config)
+    assert all((tmp_path / d).is_dir() for d in ("tb", "p/q", "ckpt"))
+    assert [p.name for p in (tmp_path / "m").iterdir()] == ["x.jsonl"]  # the probes are gone
+    assert all(not any((tmp_path / d).iterdir()) for d in ("tb", "p/q", "ckpt"))
+
+
+def test_a_tensorboard_dir_that_is_a_file_stops_the_run_before_training(a_file, tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    line = refused(run_mimo(*CPU, "--tensorboard-dir", str(a_file), "--metrics-file", str(metrics)))
+    assert line == f"error: --tensorboard-dir {a_file} is a file, not a directory"
+    assert not metrics.exists()
+
+
+def test_settings_that_break_a_declared_rule_stop_the_run(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    line = refused(run_mimo(*CPU, "--set", "hidden_size=60", "--set", "num_attention_heads=7",
+                            "--metrics-file", str(metrics)))
+    assert line == ("error: setting 'num_attention_heads' of provider 'mock-vlm' is 7: it must divide hidden_size "
+                    "(60)")
+    assert refused(run_mimo(*CPU, "--set", "hidden_size=-4")) == (
+        "error: setting 'hidden_size' of provider 'mock-vlm' is -4: it must be at least 1")
+    assert not metrics.exists()
+
+
+def test_boolean_options_are_pairs_without_doubled_negatives():
+    result = run_mimo("run", "--help", env={"COLUMNS": "240"})
+    assert result.returncode == 0, result.stderr
+    assert "--no-no-" not in result.stdout
+    for pair in ("--save-optim", "--load-optim", "--load-scheduler", "--save-rng", "--load-rng"):
+        assert f"{pair} " in result.stdout and f"--no-{pair[2:]} " in result.stdout, pair
+
+
+def test_a_checkpoint_of_another_shape_is_refused_naming_the_setting(tmp_path):
+    save = tmp_path / "save"
+    first = run_mimo(*CPU, "--train-iters", "1", "--save", str(save))
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoint = save / "iter_0000001"
+    shape = "tensor language_model.module.decoder.final_layernorm.bias has shape [64] there, [32] here"
+    for how in ("--load", "--pretrained"):
+        metrics = tmp_path / f"m{how}.jsonl"
+        line = refused(run_mimo(*CPU, how, str(save), "--set", "hidden_size=32", "--metrics-file", str(metrics)))
+        assert line == (f"error: {how} {checkpoint} was saved with other settings: hidden_size 64 there, 32 here; its "
+                        f"model does not fit this run's ({shape})")
+        assert metrics.read_text() == ""  # created at start-up, never written: nothing trained
+    # Settings that shape no tensor may change; a resume under another precision may not, with optimizer state.
+    line = refused(run_mimo(*CPU, "--load", str(save), "--precision", "bf16", "--set", "dropout=0.1"))
+    assert line.startswith(f"error: --precision bf16 differs from the checkpoint's fp32 ({checkpoint})")
