@@ -73,6 +73,10 @@ class Evaluator:
         # a schedule (and bridge communicator) of its own: the trainer's is watched by the step timers
         self._schedule, _ = schedule_for(topology, model.config)
         self._totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, tokens]
+        # A missing split fails now, not after training: opening the data reads the dataset's index, no sample.
+        opened = self.hooks.data_provider(settings=settings, ctx=dataclasses.replace(data_ctx, opened_loaders=[]))
+        if hasattr(opened, "close"):
+            opened.close()
 
     def evaluate(self, iteration: int) -> EvalResult:
         started = time.perf_counter()

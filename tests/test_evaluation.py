@@ -1,6 +1,6 @@
 """Held-out evaluation: it leaves training exactly as it was, reports in every channel, and gives one figure for a
-checkpoint whatever the layout (colocated, heterogeneous, LLM PP 2), equal to a plain forward over the samples.
-`mimo eval` on an energon val split: tests/test_evaluation_docs.py (the documented example)."""
+checkpoint whatever the layout (colocated, heterogeneous, LLM PP 2), equal to a plain forward over the samples;
+PP 2 trains as one stage does. `mimo eval` on an energon val split: tests/test_evaluation_docs.py."""
 
 from __future__ import annotations
 
@@ -76,24 +76,37 @@ def checkpoint(tmp_path_factory):
     return save, evals[-1]
 
 
-LAYOUTS = {
-    "colocated": (),
-    "heterogeneous": ("--nproc-per-node", "2", "--encoder-ranks", "1"),
-    "llm-pp-2": ("--nproc-per-node", "3", "--encoder-ranks", "1", "--llm-pp", "2"),
-}
+HETERO = ("--nproc-per-node", "2", "--encoder-ranks", "1")
+PP2 = ("--nproc-per-node", "3", "--encoder-ranks", "1", "--llm-pp", "2")
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_mimo_eval_gives_the_same_loss_in_every_layout_and_as_a_plain_forward(tmp_path, checkpoint, layout):
+def test_mimo_eval_of_a_checkpoint_matches_the_run_and_a_plain_forward(tmp_path, checkpoint):
+    """Heterogeneous here; colocated in tests/test_evaluation_docs.py, LLM PP 2 below (through mimo run)."""
     save, in_run = checkpoint
     out = tmp_path / "eval.json"
-    _, _, result = run(tmp_path, "eval", "--load", str(save), "--eval-iters", "2", "--json", str(out),
-                       *LAYOUTS[layout], command="eval")
+    _, _, result = run(tmp_path, "eval", "--load", str(save), "--eval-iters", "2", "--json", str(out), *HETERO,
+                       command="eval")
     figures = json.loads(out.read_text())
     assert figures["iteration"] == 3 and figures["samples"] == 8 and figures["split"] == "val"
     assert "validation (val) at iteration 3 | lm loss" in result.stdout
     assert figures["lm_loss"] == pytest.approx(in_run["lm_loss"], rel=1e-5, abs=0)
     assert figures["lm_loss"] == pytest.approx(plain_forward_loss(save, eval_iters=2), rel=1e-5, abs=0)
+
+
+def test_llm_pp_2_evaluates_and_trains_like_the_colocated_layout(tmp_path, checkpoint):
+    """Each LLM stage builds only its own layers (embedding first, output layer and loss last). From the same
+    weights, PP 2's evaluations and training losses are the colocated layout's, and a plain forward's."""
+    save, in_run = checkpoint
+    start = ("--train-iters", "2", "--pretrained", str(save), "--eval-iters", "2", "--eval-at-start")
+    colocated, colocated_evals, _ = run(tmp_path, "colocated", *start)
+    piped, piped_evals, result = run(tmp_path, "pp2", *start, *PP2)
+    assert "language: ranks 1-2 TP1 PP2 DP1" in result.stdout
+    at_start = [colocated_evals[0]["lm_loss"], piped_evals[0]["lm_loss"]]
+    assert at_start == pytest.approx([in_run["lm_loss"]] * 2, rel=1e-5, abs=0)
+    assert at_start == pytest.approx([plain_forward_loss(save, eval_iters=2)] * 2, rel=1e-5, abs=0)
+    assert [r["lm_loss"] for r in piped] == pytest.approx([r["lm_loss"] for r in colocated], rel=1e-5, abs=0)
+    assert [r["grad_norm"] for r in piped] == pytest.approx([r["grad_norm"] for r in colocated], rel=1e-4, abs=0)
+    assert piped_evals[-1]["lm_loss"] == pytest.approx(colocated_evals[-1]["lm_loss"], rel=1e-5, abs=0)
 
 
 _plain = {}
@@ -137,18 +150,6 @@ def plain_forward_loss(save, eval_iters: int) -> float:
                 tokens += float(mask.sum())
     _plain[save] = loss_sum / tokens
     return _plain[save]
-
-
-def test_llm_pp_2_trains_like_one_stage(tmp_path, checkpoint):
-    """Each LLM stage builds only its own layers (embedding first, output layer and loss last): from the same
-    weights, PP 2 trains as the colocated layout does."""
-    save, _ = checkpoint
-    start = ("--train-iters", "2", "--pretrained", str(save))
-    colocated, _, _ = run(tmp_path, "colocated", *start)
-    piped, _, result = run(tmp_path, "pp2", *start, *LAYOUTS["llm-pp-2"])
-    assert "language: ranks 1-2 TP1 PP2 DP1" in result.stdout
-    assert [r["lm_loss"] for r in piped] == pytest.approx([r["lm_loss"] for r in colocated], rel=1e-5, abs=0)
-    assert [r["grad_norm"] for r in piped] == pytest.approx([r["grad_norm"] for r in colocated], rel=1e-4, abs=0)
 
 
 @pytest.mark.parametrize("args, message", [
