@@ -20,7 +20,9 @@ def sample(directory: Path,
            seed: int = typer.Option(0, "--seed", help="the same seed writes the same dataset"),
            corrupt: int = typer.Option(0, "--corrupt", help="samples whose image bytes cannot be decoded "
                                                             "(to see them skipped and counted)"),
-           shard_size: int = typer.Option(16, "--shard-size", help="samples per tar shard")):
+           shard_size: int = typer.Option(16, "--shard-size", help="samples per tar shard"),
+           val_shards: int = typer.Option(0, "--val-shards", help="the last N shards form the val split (held-out "
+                                                                  "samples for --eval-iters and mimo eval)")):
     """Images of shapes in varying sizes and aspect ratios with captions that name them, as WebDataset shards
     prepared with energon's own tooling. Train on it: mimo run --provider mock-vlm --data DIR"""
     import random
@@ -37,6 +39,10 @@ def sample(directory: Path,
             raise UsageError(f"--corrupt {corrupt} must lie between 0 and --num-samples {num_samples}")
         if shard_size < 1:
             raise UsageError(f"--shard-size {shard_size} must be 1 or more")
+        shards = -(-num_samples // shard_size)
+        if not 0 <= val_shards < shards:
+            raise UsageError(f"--val-shards {val_shards} must leave training shards: use 0 to {shards - 1} "
+                             f"({num_samples} samples make {shards} shards of {shard_size})")
         if directory.exists() and any(directory.iterdir()):
             raise UsageError(f"{directory} is not empty: choose a new directory")
     except UsageError as err:
@@ -44,6 +50,7 @@ def sample(directory: Path,
     # Which samples are corrupt follows the seed too, so a dataset can be written again exactly.
     corrupt_indices = sorted(random.Random(seed).sample(range(num_samples), corrupt))
     info = write_sample_dataset(directory, num_samples=num_samples, seed=seed, shard_size=shard_size,
-                                corrupt_indices=corrupt_indices)
+                                corrupt_indices=corrupt_indices, val_shards=val_shards)
     typer.echo(f"wrote {info.num_samples} samples in {len(info.shards)} shards to {info.path}"
-               + (f" ({len(info.corrupt_keys)} corrupt: {', '.join(info.corrupt_keys)})" if corrupt else ""))
+               + (f" ({len(info.corrupt_keys)} corrupt: {', '.join(info.corrupt_keys)})" if corrupt else "")
+               + (f"; val split: {', '.join(info.splits['val'])}" if val_shards else ""))

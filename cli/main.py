@@ -6,7 +6,9 @@ import inspect
 import logging
 import os
 import sys
+import typing
 import warnings
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -73,6 +75,33 @@ def _run(**kwargs):
 app.command("run", context_settings={"max_content_width": 120})(
     with_options(_run, provider_parameters() + loop_parameters())
 )
+
+
+def _eval(split: str = "val", json_path=None, **kwargs):
+    """Evaluate a checkpoint without training: its held-out loss on --data's val (or test) split, or the
+    provider's synthetic eval data, over --eval-iters global batches (default 10), in any layout that fits."""
+    _quiet_import_notices()
+    from mimo.core.eval_run import eval_config, evaluate_checkpoint
+    from mimo.core.hf import pretrained_from_hf
+    from mimo.core import launch
+    from mimo.core.train import prepare
+
+    try:
+        plan = prepare(eval_config(run_config(kwargs), split))
+        with pretrained_from_hf(plan) as plan:
+            if plan.config.launch.nproc_per_node > 1 and "RANK" not in os.environ:
+                raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
+            evaluate_checkpoint(plan, split, json_path)
+    except UsageError as err:
+        raise fail(str(err)) from None
+
+
+app.command("eval", context_settings={"max_content_width": 120})(with_options(_eval, [
+    inspect.Parameter("split", inspect.Parameter.KEYWORD_ONLY, default="val", annotation=Annotated[
+        str, typer.Option("--split", help="which split of --data to evaluate: val or test")]),
+    inspect.Parameter("json_path", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+        typing.Optional[Path], typer.Option("--json", help="write the figures to this JSON file")]),
+] + provider_parameters() + loop_parameters()))
 
 
 def _plan(as_json: bool = False, **kwargs):

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 import typer
 
 from mimo.core.config import (
-    COMPONENTS, CheckpointOptions, DataOptions, LaunchOptions, LayoutOptions, LoggingOptions, OptimizerOptions, RunConfig, SchedulerOptions, TrainingOptions,
+    COMPONENTS, CheckpointOptions, DataOptions, EvalOptions, LaunchOptions, LayoutOptions, LoggingOptions, OptimizerOptions, RunConfig, SchedulerOptions, TrainingOptions,
 )
 
 
@@ -58,6 +58,7 @@ def run_config(kwargs: dict) -> RunConfig:
         provider=kwargs["provider"], provider_settings=list(kwargs.get("set") or []),
         provider_config=kwargs.get("provider_config"), launch=part[LaunchOptions], training=part[TrainingOptions],
         optimizer=part[OptimizerOptions], scheduler=part[SchedulerOptions], data=part[DataOptions],
+        evaluation=part[EvalOptions],
         logging=part[LoggingOptions],
         checkpoint=part[CheckpointOptions], layout=part[LayoutOptions],
     )

@@ -71,6 +71,28 @@ class DataOptions:
 
 
 @dataclass
+class EvalOptions:
+    eval_interval: int | None = option(None, "iterations between held-out evaluations (default: none during the "
+                                             "run; with --eval-iters, one at the end)")
+    eval_iters: int = option(0, "global batches each evaluation reads (0: no evaluation)")
+    eval_at_start: bool = option(False, "also evaluate before the first training iteration")
+    eval_data: Path | None = option(None, "evaluate on this energon dataset or metadataset's val split (default: "
+                                          "the val split of --data; without --data, the provider's synthetic data "
+                                          "from a fixed seed of its own)")
+
+    def validate(self) -> None:
+        if self.eval_iters < 0:
+            raise UsageError(f"--eval-iters must be 0 or more, got {self.eval_iters}")
+        if self.eval_interval is not None and self.eval_interval < 1:
+            raise UsageError(f"--eval-interval must be at least 1, got {self.eval_interval}")
+        if (self.eval_interval or self.eval_at_start or self.eval_data) and not self.eval_iters:
+            raise UsageError("--eval-interval, --eval-at-start and --eval-data need --eval-iters K (the global "
+                             "batches each evaluation reads)")
+        if self.eval_data is not None and not self.eval_data.exists():
+            raise UsageError(f"--eval-data {self.eval_data}: no such file or directory")
+
+
+@dataclass
 class LoggingOptions:
     log_interval: int = option(10, "iterations between log lines")
     metrics_file: Path | None = option(None, "append one JSON object per logged iteration to this file")
@@ -132,7 +154,7 @@ class LayoutOptions:
 DEFAULT_TRAIN_ITERS = 100
 
 COMPONENTS = {"Launch": LaunchOptions, "Training": TrainingOptions, "Optimizer": OptimizerOptions, "Learning-rate schedule": SchedulerOptions,
-              "Data": DataOptions, "Logging": LoggingOptions, "Checkpoints": CheckpointOptions, "Parallel layout": LayoutOptions}
+              "Data": DataOptions, "Evaluation": EvalOptions, "Logging": LoggingOptions, "Checkpoints": CheckpointOptions, "Parallel layout": LayoutOptions}
 
 
 @dataclass
@@ -145,6 +167,7 @@ class RunConfig:
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
     scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
     data: DataOptions = field(default_factory=DataOptions)
+    evaluation: EvalOptions = field(default_factory=EvalOptions)
     logging: LoggingOptions = field(default_factory=LoggingOptions)
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     layout: LayoutOptions = field(default_factory=LayoutOptions)
@@ -180,6 +203,7 @@ class RunConfig:
             raise UsageError(f"--num-workers must be 0 or more, got {self.data.num_workers}")
         if self.data.data is not None and not self.data.data.exists():
             raise UsageError(f"--data {self.data.data}: no such file or directory")
+        self.evaluation.validate()
         c = self.checkpoint
         for name, value in (("--save-interval", c.save_interval), ("--keep-last", c.keep_last)):
             if value is not None and value < 1:

@@ -51,6 +51,10 @@ class MetricsLogger:
         self._loss_sum = self._tokens = self._iters = 0
         self._start = time.perf_counter()
 
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (an evaluation) out of the interval's time, so throughput counts training alone."""
+        self._start += seconds
+
     def update(self, iteration: int, result, consumed_samples: int) -> dict | None:
         """Account one iteration (on every rank: the NaN limit and the timers are collective)."""
         finite = math.isfinite(result.lm_loss) and (result.grad_norm is None or math.isfinite(result.grad_norm))
@@ -83,6 +87,7 @@ class MetricsLogger:
         elapsed_ms = (time.perf_counter() - self._start) * 1000 / self._iters
         seconds = elapsed_ms / 1000
         record = {
+            "split": "train",
             "iteration": iteration,
             "lm_loss": self._loss_sum / self._tokens if self._tokens else float("nan"),
             "lr": result.lr,

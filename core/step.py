@@ -55,7 +55,7 @@ class Trainer:
         self._skipped_samples = skipped_samples
         config = model.config  # the language model's TransformerConfig; the schedule reads it
         config.finalize_model_grads_func = self._finalize_grads
-        self._schedule, communicator = _schedule(topology, config)
+        self._schedule, communicator = schedule_for(topology, config)
         self.timers = timers or StepTimers([], [], device, enabled=False)
         if communicator is not None:
             timers.watch_bridge(communicator)
@@ -125,7 +125,7 @@ class Trainer:
                           num_zeros=num_zeros, moe_losses=moe_losses)
 
 
-def _schedule(topology: Topology, config):
+def schedule_for(topology: Topology, config):
     """megatron-core's schedule for the layout: no pipelining when colocated; the multimodule 1F1B schedule with
     the bridge communicator when the encoders and the LLM have ranks of their own."""
     from megatron.core.pipeline_parallel import schedules

@@ -12,7 +12,7 @@ from mimo.errors import UsageError
 from mimo.plugins import BuildContext, DataContext, ModuleParallelism, Provider, Registry
 from mimo.plugins.settings import build_settings
 
-from . import launch, topology
+from . import evaluation, launch, topology
 from .checkpoint import Checkpointer, run_info
 from .config import DEFAULT_TRAIN_ITERS, RunConfig
 from .metrics import MetricsLogger
@@ -90,6 +90,7 @@ class Session:
     skips: SkipReporter  # one line per skipped --data sample, on the rank that counts it
     iteration: int = 0
     consumed: int = 0
+    evaluations: evaluation.EvalSchedule | None = None  # --eval-iters: held-out loss during the run
 
 
 def start(plan: Plan) -> Session:
@@ -155,8 +156,20 @@ def start(plan: Plan) -> Session:
     reader = read_ahead(source, config.data.prefetch_microbatches, device)
     skips = SkipReporter(source, enabled=is_token_source(topo),  # the rank whose count enters the total
                          rank=dist.get_rank() if plan.world_size > 1 else None)
+    evaluations = None
+    if config.evaluation.eval_iters:
+        evaluator = evaluation.Evaluator(
+            model, plan.hooks, plan.settings, topo, device, params_dtype,
+            evaluation.eval_context(data_ctx, "val", _eval_path(config)), config.evaluation.eval_iters,
+            plan.num_microbatches, plan.global_batch_size, config.provider)
+        evaluations = evaluation.EvalSchedule(evaluator, config.evaluation, plan.train_iters, logger)
     return Session(plan, model, optimizer, scheduler, trainer, logger, profiler, checkpointer,
-                   _chain(first_batch, reader), reader, device, topo, skips, start_iteration, consumed)
+                   _chain(first_batch, reader), reader, device, topo, skips, start_iteration, consumed, evaluations)
+
+
+def _eval_path(config: RunConfig) -> str | None:
+    path = config.evaluation.eval_data or config.data.data
+    return str(path) if path else None
 
 
 def data_context(plan: Plan, start_sample: int) -> DataContext:
@@ -184,6 +197,8 @@ def advance(session: Session, iterations: int) -> None:
         s.iteration, s.consumed = iteration, s.consumed + plan.global_batch_size
         s.skips.report()
         s.logger.update(iteration, result, s.consumed)
+        if s.evaluations:
+            s.evaluations.after_iteration(iteration, s.consumed)
         if plan.config.data.data is not None:
             check_skip_fraction(result.skipped_samples, s.consumed, plan.config.data.max_skip_fraction,
                                 plan.config.data.data)
@@ -211,6 +226,8 @@ def train(plan: Plan) -> list[dict]:
     """Run the plan in this process (one rank of the world). Returns the logged records on the logging rank."""
     session = start(plan)
     try:
+        if session.evaluations:
+            session.evaluations.at_start(session.iteration, session.consumed)
         advance(session, plan.train_iters - session.iteration)
     except BaseException:
         session.logger.close()

@@ -82,6 +82,16 @@ class BuildContext:
         """The module's process groups, or None on a rank that does not hold the module."""
         return self.pg_collections.get(module)
 
+    def is_first_stage(self, module: str) -> bool:
+        """Whether this rank holds `module`'s first pipeline stage (its embedding): a model's `pre_process`."""
+        pgc = self.pg_collections.get(module)
+        return pgc is None or pgc.pp.rank() == 0
+
+    def is_last_stage(self, module: str) -> bool:
+        """Whether this rank holds `module`'s last pipeline stage (output layer and loss): `post_process`."""
+        pgc = self.pg_collections.get(module)
+        return pgc is None or pgc.pp.rank() == pgc.pp.size() - 1
+
 
 @dataclass(frozen=True)
 class DataContext:
@@ -113,6 +123,9 @@ class DataContext:
     num_workers: int = 0
     pack_sequences: bool = False  # the run's --pack-sequences: pass it to a task encoder whose model takes THD
     packing_buffer_size: int = 64  # samples read ahead per lane to choose packs from (energon_loader applies it)
+    # which split of the dataset: "train", or "val"/"test" for held-out evaluation (energon_loader applies it;
+    # synthetic data tells evaluation apart by its `seed`, which the loop sets to a fixed one of its own)
+    split: str = "train"
     # the loaders energon_loader opened: with data_path set, the loop refuses a provider that opened none
     opened_loaders: list = field(default_factory=list, repr=False, compare=False)
 
@@ -155,6 +168,8 @@ class DataContext:
 
         if getattr(task_encoder, "pack_sequences", False):
             dataset_kwargs.setdefault("packing_buffer_size", self.packing_buffer_size)
+        if self.split != "train":
+            dataset_kwargs["split_part"] = self.split
         loader = LaneLoader.from_context(self, task_encoder, **dataset_kwargs)
         self.opened_loaders.append(loader)
         return loader

@@ -85,11 +85,13 @@ class _Stream:
             task_encoder.skip_counter = counter
         config = WorkerConfig(rank=self.rank, world_size=num_lanes // k, num_workers=self.num_workers,
                               seed_offset=seed, global_error_handler=counter)
+        # an evaluation reads another split (split_part) the same way: seeded, repeating, so it never runs dry
+        self.what = f"{dataset_kwargs.get('split_part', 'train')} samples".replace("train samples", "training samples")
         try:
             self.dataset = get_train_dataset(path, worker_config=config, batch_size=None, task_encoder=task_encoder,
                                              **dataset_kwargs)
         except EmptyDatasetError as err:
-            raise UsageError(f"--data {path}: the dataset has no training samples ({err})") from None
+            raise UsageError(f"--data {path}: the dataset has no {self.what} ({err})") from None
         except (FileNotFoundError, ValueError, KeyError) as err:
             raise UsageError(f"--data {path}: not an energon dataset or metadataset ({type(err).__name__}: "
                              f"{err})") from None
@@ -108,8 +110,8 @@ class _Stream:
         if 0 not in sizes:
             return
         if num_lanes * self.per_lane == 1:
-            raise UsageError(f"--data {path}: the dataset has no training samples")
-        raise UsageError(f"--data {path}: too few training samples for {num_lanes} LLM data-parallel lanes x "
+            raise UsageError(f"--data {path}: the dataset has no {self.what}")
+        raise UsageError(f"--data {path}: too few {self.what} for {num_lanes} LLM data-parallel lanes x "
                          f"{self.per_lane} loader workers (some workers get none): lower --num-workers")
 
     # -- reading ------------------------------------------------------------------------------------------------

@@ -81,6 +81,7 @@ def language_spec(settings, ctx) -> ModuleSpec:
         params=dict(
             config=config, transformer_layer_spec=_layer_spec(get_gpt_layer_local_spec(), settings), vocab_size=settings.vocab_size,
             max_sequence_length=settings.seq_length, position_embedding_type="rope",
+            pre_process=ctx.is_first_stage("language"), post_process=ctx.is_last_stage("language"),
             pg_collection=ctx.pg_collection("language"),
         ),
     )

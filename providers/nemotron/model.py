@@ -149,6 +149,7 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         hybrid_stack_spec=hybrid_stack_spec(backend, s.mamba_conv_kernel, s.num_experts, s.mamba_dt_clamp_min),
         vocab_size=s.vocab_size, max_sequence_length=s.seq_length, hybrid_layer_pattern=s.hybrid_pattern,
         share_embeddings_and_output_weights=False, position_embedding_type="none",
+        pre_process=ctx.is_first_stage("language"), post_process=ctx.is_last_stage("language"),
         pg_collection=ctx.pg_collection("language"),
     ))
 

@@ -1,0 +1,90 @@
+"""`mimo eval`: the held-out loss of a checkpoint, without training, in any layout that fits.
+
+The world, grids and model are built as for a run; the checkpoint's weights load through the resharding path
+(`--pretrained`, weights only, strict); then one evaluation (core/evaluation.py) reads `--eval-iters` global
+batches of the chosen split. The same samples as a training run's evaluations: the same eval seed, lanes and
+loader workers give the same batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from mimo.errors import UsageError
+from mimo.plugins import BuildContext
+
+from . import evaluation, launch, topology
+from .checkpoint import Checkpointer, read_tracker, run_info
+from .config import RunConfig
+from .model import build_model
+from .step import is_token_source
+
+DEFAULT_EVAL_ITERS = 10
+
+
+def eval_config(config: RunConfig, split: str) -> RunConfig:
+    """The run options `mimo eval` means: the checkpoint's weights only, `--eval-iters` (default 10) batches."""
+    c, e = config.checkpoint, config.evaluation
+    if c.load and c.pretrained:
+        raise UsageError("mimo eval: give one of --load CKPT and --pretrained PATH")
+    if not (c.load or c.pretrained):
+        raise UsageError("mimo eval needs --load CKPT (a mimo checkpoint) or --pretrained PATH (a mimo checkpoint "
+                         "or a Hugging Face folder)")
+    if split not in ("val", "test"):
+        raise UsageError(f"--split {split}: use val or test")
+    if split != "val" and not (e.eval_data or config.data.data):
+        raise UsageError(f"--split {split} needs --data (the provider's synthetic data has one eval split, val)")
+    if c.load and read_tracker(c.load) is None:
+        raise UsageError(f"--load {c.load}: no checkpoint there (latest_checkpointed_iteration.txt is missing)")
+    return dataclasses.replace(
+        config,
+        checkpoint=dataclasses.replace(c, load=None, pretrained=c.load or c.pretrained, save=None),
+        evaluation=dataclasses.replace(e, eval_iters=e.eval_iters or DEFAULT_EVAL_ITERS),
+        training=dataclasses.replace(config.training, train_iters=1, train_samples=None),
+    )
+
+
+def evaluate_checkpoint(plan, split: str, json_path: Path | None = None) -> evaluation.EvalResult:
+    """Run in every process of the world: build, load, evaluate once, report on the logging rank."""
+    from .train import data_context
+
+    config, t = plan.config, plan.config.training
+    params_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
+    device = launch.init_process(t.device, config.launch.distributed_timeout_minutes)
+    try:
+        if dist.get_world_size() != plan.world_size:
+            raise UsageError(f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} joined")
+        topo = topology.build(plan.parallelism, backend="nccl" if device.type == "cuda" else "gloo")
+        seed_pgs = topo.pg_collections.get(topology.LANGUAGE) or next(iter(topo.pg_collections.values()))
+        launch.seed_everything(t.seed, seed_pgs.tp.rank(), seed_pgs.ep.rank(), seed_pgs.expt_tp.rank())
+        ctx = BuildContext(params_dtype=params_dtype, parallelism=plan.parallelism,
+                           pg_collections=topo.pg_collections)
+        model = build_model(plan.hooks, plan.settings, config.provider, topo, ctx, device, t.seed)
+        checkpoint = config.checkpoint.pretrained
+        Checkpointer(config.checkpoint, model, None, None, topo, run_info(plan, plan.settings, False),
+                     lambda: {}).load()
+        path = config.evaluation.eval_data or config.data.data
+        data_ctx = evaluation.eval_context(data_context(plan, 0), split, str(path) if path else None)
+        evaluator = evaluation.Evaluator(model, plan.hooks, plan.settings, topo, device, params_dtype, data_ctx,
+                                         config.evaluation.eval_iters, plan.num_microbatches,
+                                         plan.global_batch_size, config.provider)
+        result = evaluator.evaluate(read_tracker(checkpoint) or 0)
+        logging_rank = is_token_source(topo) and data_ctx.first_position == 0
+        metrics_file = Path(config.logging.metrics_file) if config.logging.metrics_file and logging_rank else None
+        evaluation.report(result, types.SimpleNamespace(enabled=logging_rank, metrics_file=metrics_file,
+                                                        tensorboard=None, progress=None), None, 0)
+        if json_path and logging_rank:
+            figures = {**result.record(), "checkpoint": str(checkpoint), "data": str(path) if path else None,
+                       "global_batch_size": plan.global_batch_size, "eval_iters": config.evaluation.eval_iters}
+            Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
+        dist.barrier()
+        return result
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,48 @@
+"""docs/evaluation.md's example runs as written: a dataset with a val split, a run that evaluates and saves, and
+`mimo eval` of its checkpoint on the same val samples, which gives the run's last evaluation again."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+import pytest
+
+from helpers import REPO, read_metrics, run_mimo
+
+DOC = REPO / "docs" / "evaluation.md"
+DOC_ROOT = "/tmp/mimo-eval"  # where the example writes; the test writes under its own folder instead
+
+
+def example_lines() -> list[str]:
+    text = DOC.read_text().split("## Example", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_the_documented_example_runs_and_mimo_eval_matches_the_last_in_run_evaluation(tmp_path):
+    lines = example_lines()
+    assert [shlex.split(line)[:2] for line in lines] == [["mimo", "data"], ["mimo", "run"], ["mimo", "eval"]]
+    for line in lines:
+        argv = shlex.split(line.replace(DOC_ROOT, str(tmp_path)))
+        result = run_mimo(*argv[1:], env={"TORCH_COMPILE_DISABLE": "1"})
+        assert result.returncode == 0, (line, result.stderr[-3000:])
+    records = read_metrics(tmp_path / "train.jsonl")
+    evals = [r for r in records if r["split"] == "val"]
+    assert [r["iteration"] for r in evals] == [3, 6]
+    assert evals[-1]["lm_loss"] < evals[0]["lm_loss"]  # six iterations on captions already generalize a little
+    figures = json.loads((tmp_path / "eval.json").read_text())
+    assert figures["split"] == "val" and figures["iteration"] == 6 and figures["samples"] == evals[-1]["samples"]
+    assert figures["num_tokens"] == evals[-1]["num_tokens"]  # the same samples
+    assert figures["lm_loss"] == pytest.approx(evals[-1]["lm_loss"], rel=1e-6, abs=0)
+    assert "validation (val) at iteration 6 |" in result.stdout
+
+
+def test_a_dataset_without_a_val_split_is_refused_before_training(tmp_path):
+    data = tmp_path / "ds"
+    assert run_mimo("data", "sample", str(data), "--num-samples", "16").returncode == 0
+    result = run_mimo("run", "--provider", "mock-vlm", "--device", "cpu", "--data", str(data), "--train-iters", "2",
+                      "--eval-iters", "1", "--num-workers", "0", env={"TORCH_COMPILE_DISABLE": "1"})
+    assert result.returncode == 2 and "the dataset has no val samples" in result.stderr, result.stderr[-2000:]
+    assert "iteration      1/2" not in result.stdout
