@@ -238,6 +238,10 @@ def pretrained_from_hf(plan, registry: Registry | None = None):
 
     c = plan.config.checkpoint
     if not is_hf_folder(c.pretrained) or (c.load and read_tracker(c.load) is not None):
+        if c.pretrained and not is_hf_folder(c.pretrained):
+            from .pretrained import foreign_directory
+
+            foreign_directory(c.pretrained)  # a folder holding no checkpoint is one line before workers start
         yield plan  # a mimo checkpoint, or a resumed run (--pretrained unused)
         return
     if os.environ.get(CONVERTED_ENV):

@@ -89,7 +89,7 @@ def _main(root: Path) -> None:
     with torch.no_grad():
         for param in built.model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    hf._checkpointer(built, CheckpointOptions(save=root / "mimo", no_save_optim=True, no_save_rng=True)).save(0, 0)
+    hf._checkpointer(built, CheckpointOptions(save=root / "mimo", save_optim=False, save_rng=False)).save(0, 0)
     (root / "nemotron").mkdir()
     save_nemotron_checkpoint(built.model, str(root / "nemotron"))
 
