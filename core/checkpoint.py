@@ -31,6 +31,7 @@ from .topology import LANGUAGE, Topology
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
+EXTRA_STATE = "_extra_state"
 VERSION = 1
 
 
@@ -231,7 +232,7 @@ class Checkpointer:
         if saved_lanes != lanes:
             state.pop("data_state", None)  # saved per lane: it cannot be split or merged
         loaded = self._dist_load(state, directory)
-        self.model.load_state_dict(loaded["model"])
+        self._load_model(loaded["model"])
         if load_optim:
             with torch.no_grad():  # megatron-core's dp_reshardable loader copies into parameters without it
                 self.optimizer.load_state_dict({n: _merge_common(sub) for n, sub in loaded["optimizer"].items()})
@@ -279,7 +280,14 @@ class Checkpointer:
         directory = iteration_dir(root, iteration)
         self._check_compatible(common or read_common(directory), directory)
         model_state = self.model.sharded_state_dict()
-        self.model.load_state_dict(self._dist_load({"model": model_state}, directory)["model"])
+        self._load_model(self._dist_load({"model": model_state}, directory)["model"])
+
+    def _load_model(self, state: dict) -> None:
+        """Strict, but for `_extra_state` entries the checkpoint did not have (see _dist_load)."""
+        result = self.model.load_state_dict(state, strict=False)
+        missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
+        if missing or result.unexpected_keys:  # cannot happen when the request came from this model
+            raise RuntimeError(f"model state mismatch: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
 
     def _dist_load(self, state: dict, directory: Path) -> dict:
         from torch.distributed.checkpoint.api import CheckpointException
@@ -298,6 +306,9 @@ class Checkpointer:
             first = f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
             raise UsageError(f"checkpoint {directory} cannot be loaded ({first[:400]})") from None
         # A key the model needs that the checkpoint lacks is an error; extra keys in the checkpoint are fine.
+        # transformer-engine modules keep FP8 metadata as `_extra_state`, which a checkpoint of local modules (or
+        # a Hugging Face import) lacks: nothing to restore, the modules keep their fresh one.
+        absent = {key for key in absent if not key.split("/")[0].endswith(EXTRA_STATE)}
         # Every rank must agree before one of them stops: the others would wait in the next collective.
         any_absent = torch.tensor([len(absent)], dtype=torch.int64, device=_collective_device())
         dist.all_reduce(any_absent, op=dist.ReduceOp.MAX)

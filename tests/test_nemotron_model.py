@@ -66,13 +66,13 @@ def _numel(module) -> int:
 
 
 def test_variants_share_one_settings_class_and_differ_only_in_defaults():
-    assert [v.name for v in VARIANTS] == ["nemotron-moe-vlm-20l", "nemotron-moe-vlm-54l", "nemotron-moe-vlm-mid",
-                                          "nemotron-moe-vlm-tiny"]
+    assert [v.name for v in VARIANTS] == ["nemotron-moe-vlm-20l", "nemotron-moe-vlm-54l", "nemotron-moe-vlm-52l",
+                                          "nemotron-moe-vlm-mid", "nemotron-moe-vlm-tiny"]
     assert {v.settings for v in VARIANTS} == {NemotronVLMSettings}
     big20, big54 = (NemotronVLMSettings(**v.defaults) for v in VARIANTS[:2])
     assert big20.hybrid_pattern == PATTERN_20L and big54.hybrid_pattern == PATTERN_54L
     assert dataclasses.replace(big20, hybrid_pattern=PATTERN_54L) == big54  # nothing else differs
-    mid = NemotronVLMSettings(**VARIANTS[2].defaults)
+    mid = NemotronVLMSettings(**VARIANTS[3].defaults)
     assert mid.hybrid_pattern == PATTERN_20L and mid.hidden_size < big20.hidden_size
     assert mid.num_experts < big20.num_experts
 
@@ -167,6 +167,23 @@ def test_analytic_counts_equal_the_built_model(world, overrides):
     assert shape["language"].num_parameters == counts["language"].total
     assert shape["language"].num_active_parameters == counts["language"].active
     assert shape[IMAGES].num_parameters == counts[IMAGES].total
+
+
+def test_the_52_layer_variant_is_the_released_nemotron_3_nano_llm():
+    """Published values of NVIDIA-Nemotron-3-Nano-30B-A3B (model card and config): 52 layers, of them 23 Mamba-2,
+    23 MoE and 6 attention; 32 query heads and 2 key/value heads of 128; hidden 2688; 128 routed experts of 1856,
+    top 6, scaled by 2.5, a shared expert of 3712; Mamba-2 64 heads of 64, 8 groups, state 128; vocabulary 131072;
+    about 31.6B parameters, 3.6B of them active per token."""
+    s = NemotronVLMSettings(**next(v for v in VARIANTS if v.name == "nemotron-moe-vlm-52l").defaults)
+    pattern = s.hybrid_pattern
+    assert (len(pattern), pattern.count("M"), pattern.count("E"), pattern.count("*")) == (52, 23, 23, 6)
+    assert (s.hidden_size, s.num_attention_heads, s.num_query_groups, s.kv_channels) == (2688, 32, 2, 128)
+    assert (s.num_experts, s.moe_router_topk, s.moe_ffn_hidden_size) == (128, 6, 1856)
+    assert (s.moe_shared_expert_intermediate_size, s.moe_router_topk_scaling_factor) == (3712, 2.5)
+    assert (s.mamba_num_heads, s.mamba_head_dim, s.mamba_num_groups, s.mamba_state_dim) == (64, 64, 8, 128)
+    assert s.vocab_size == 131072
+    language = nemotron.model_shape(s)["language"]
+    assert round(language.num_parameters / 1e9, 1) == 31.6 and round(language.num_active_parameters / 1e9, 1) == 3.6
 
 
 def test_full_size_counts():

@@ -1,7 +1,7 @@
 """Nemotron MoE VLM: a RADIO vision encoder, a linear projection and a hybrid Mamba / MoE / attention LLM.
 
-One family (`NemotronVLMSettings`), four variants that differ only in their defaults: the 20- and 54-layer
-models, a mid-size 20-layer model for one GPU, and a tiny one for tests and CPU smoke runs. See README.md for
+One family (`NemotronVLMSettings`), five variants that differ only in their defaults: the 20- and 54-layer
+models of Megatron-LM's recipe, the 52-layer one of the released Nemotron 3 Nano, a mid-size 20-layer model for one GPU, and a tiny one for tests and CPU smoke runs. See README.md for
 the backends, parameter names and Nemotron checkpoints.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from mimo import ModuleShape, Provider, hookimpl
 
-from .settings import ENCODER, IMAGES, PATTERN_20L, PATTERN_54L, NemotronVLMSettings
+from .settings import ENCODER, IMAGES, PATTERN_20L, PATTERN_52L, PATTERN_54L, NemotronVLMSettings
 
 __all__ = ["ENCODER", "IMAGES", "NemotronVLMSettings", "VARIANTS"]
 
@@ -36,6 +36,9 @@ VARIANTS = [
              NemotronVLMSettings, {"hybrid_pattern": PATTERN_20L}),
     Provider("nemotron-moe-vlm-54l", "Nemotron MoE VLM, 54-layer hybrid LLM (hidden 2688, 128 experts) + RADIO-H",
              NemotronVLMSettings, {"hybrid_pattern": PATTERN_54L}),
+    # The released Nemotron 3 Nano 30B-A3B's published LLM shape: the 52-layer pattern, 2 key/value heads.
+    Provider("nemotron-moe-vlm-52l", "Nemotron MoE VLM with the released Nemotron 3 Nano 30B-A3B LLM (52 layers, "
+             "2 KV heads) + RADIO-H", NemotronVLMSettings, {"hybrid_pattern": PATTERN_52L, "num_query_groups": 2}),
     Provider("nemotron-moe-vlm-mid", "Nemotron MoE VLM at reduced width (20 layers, hidden 1536, 32 experts), "
              "for one 80 GB GPU", NemotronVLMSettings, MID),
     Provider("nemotron-moe-vlm-tiny", "Nemotron MoE VLM architecture at toy size, for tests and CPU smoke runs",

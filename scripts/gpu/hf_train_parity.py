@@ -52,7 +52,8 @@ def save_reference(folder: Path, size: dict) -> None:
     from transformers.models.nemotron_h_omni import NemotronH_Omni_Reasoning_V3_Config
     from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import NemotronH_Omni_Reasoning_V3
 
-    radio = dict(model_type="radio", patch_size=16, max_img_size=512, num_cls_tokens=1, num_registers=1,
+    # max_img_size as C-RADIO's releases have it: its position grid holds every variant's max_patches
+    radio = dict(model_type="radio", patch_size=16, max_img_size=2048, num_cls_tokens=1, num_registers=1,
                  video_temporal_patch_size=2, **size["radio"])
     text = dict(model_type="nemotron_h", layers_block_type=PATTERN, conv_kernel=4, **size["text"])
     config = NemotronH_Omni_Reasoning_V3_Config(vision_config=radio, text_config=text,
