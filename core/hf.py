@@ -69,11 +69,22 @@ def find_provider(registry: Registry, hf_config: dict, name: str | None = None) 
 
 
 def _closest_variant(providers, fields: dict):
+    """Among the variants whose defaults together with `fields` are valid settings (a checkpoint's small RADIO
+    position grid cannot hold a large variant's patch counts), the one agreeing with the most fields."""
     def agreement(provider):
         defaults = provider.settings(**provider.defaults)
         return sum(plain_value(getattr(defaults, k, None)) == plain_value(v) for k, v in fields.items())
 
-    return max(providers, key=agreement)  # the first registered among equals
+    valid, first_error = [], None
+    for provider in providers:
+        try:
+            provider.settings(**{**provider.defaults, **fields})
+            valid.append(provider)
+        except (TypeError, ValueError, UsageError) as err:
+            first_error = first_error or f"{provider.name}: {err}"
+    if not valid:
+        raise UsageError(f"no variant holds the checkpoint's settings ({first_error})")
+    return max(valid, key=agreement)  # the first registered among equals
 
 
 def plain_value(value):
