@@ -105,6 +105,8 @@ def run(name: str, assignments: list[str], workdir: Path) -> dict:
     check_checkpoint(model, build, batches[0], workdir)
     Stage.current = "hf_settings/hf_to_mimo/mimo_to_hf"
     check_hf_conversion(plan.hooks, plan.settings, model, notes)
+    Stage.current = "load_pretrained"
+    check_foreign_checkpoint(plan.hooks, plan.settings, model, workdir)
     return {"built_parameters": built, "losses": [r.lm_loss for r in results],
             "seq_length": int(batches[0]["input_ids"].shape[1]), "hooks_called": sorted(called),
             "notes": sorted(notes)}
@@ -283,6 +285,20 @@ def _quiet() -> None:
     logging.disable(logging.WARNING)
 
 
+def check_foreign_checkpoint(hooks, settings, model, workdir) -> None:
+    """`load_pretrained` returns None for a dist checkpoint that is not in the provider's format (one tensor under
+    a name no model has): mimo then says no provider reads it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from .report import ContractError
+
+    directory = Path(workdir) / "foreign-checkpoint"
+    dcp.save({"not_a_model.probe": torch.zeros(2)}, checkpoint_id=str(directory), no_dist=True)
+    if hooks.load_pretrained(settings=settings, model=model, directory=directory) is not None:
+        raise ContractError("load_pretrained", "must return None for a checkpoint not in the provider's format")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mimo.testing.worker", description=__doc__.splitlines()[0])
     parser.add_argument("--provider", required=True)
@@ -306,3 +322,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":  # dist_checkpointing's save may start helper processes, which re-import this module
     sys.exit(main())
+
