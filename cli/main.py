@@ -58,6 +58,7 @@ def _run(**kwargs):
     from mimo.core.resume import check_resume
     from mimo.core.save_lock import lock_save_directory
 
+    launch.die_with_launcher()
     config = run_config(kwargs)
     try:
         plan = prepare(config)  # every check that needs no process group, before any worker starts

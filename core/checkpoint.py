@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from mimo.errors import UsageError
 
+from . import checksums
 from .checkpoint_match import check_kept_options, check_model_fits
 from .config import CheckpointOptions
 from .topology import LANGUAGE, Topology
@@ -123,9 +124,10 @@ class Checkpointer:
         from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
 
         _fault_point("after-shards", iteration)
-        dist.barrier()
+        sums = checksums.gather(iteration_dir(self.options.save, iteration))  # collective, after every write
         if dist.get_rank() == 0:
             root = Path(self.options.save)
+            checksums.write(iteration_dir(root, iteration), sums, _atomic_write)
             # What megatron-core's own (legacy) readers load from common.pt: every non-sharded entry.
             common = extract_sharded_base(extract_nonpersistent(state)[1])[1]
             _atomic_write(iteration_dir(root, iteration) / COMMON, lambda f: torch.save(common, f))
@@ -287,6 +289,7 @@ class Checkpointer:
         from mimo.plugins import dist_checkpoint
 
         _verify_files(directory)
+        checksums.verify(directory)
         try:
             loaded, absent = dist_checkpoint.load(state, directory)
         # Whatever the libraries raise, the user gets one line naming it. torch's CheckpointException derives from

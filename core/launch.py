@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -16,6 +18,20 @@ from . import cpu_redirect
 
 # Set in the workers mimo's own launcher starts: they have RANK like torchrun's, but their parent speaks for them.
 LAUNCHED_BY_MIMO = "MIMO_LAUNCHED_WORKER"
+
+
+def die_with_launcher() -> None:
+    """In a worker of mimo's launcher: get SIGTERM when the launcher dies, even by SIGKILL (torch starts workers in
+    sessions of their own, so nothing else would stop them): they then stop at the next boundary and save."""
+    launcher = os.environ.get(LAUNCHED_BY_MIMO)
+    if not launcher or not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(launcher):  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def external_world(launch_options) -> tuple[int, int, int] | None:
@@ -33,7 +49,7 @@ def external_world(launch_options) -> tuple[int, int, int] | None:
                                  f"starts the workers of one node: --nnodes {launch_options.nnodes} must equal the "
                                  f"step's {tasks} tasks (srun --ntasks-per-node 1)")
             return None
-        if tasks > 1 and not ("MASTER_ADDR" in env and "MASTER_PORT" in env):
+        if tasks > 1 and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
             raise UsageError("under srun, set MASTER_ADDR and MASTER_PORT (e.g. the first host of "
                              "$SLURM_JOB_NODELIST and a free port) so the tasks can meet")
         return int(env["SLURM_PROCID"]), tasks, int(env.get("SLURM_LOCALID", 0))
@@ -87,7 +103,7 @@ def init_process(requested_device: str, timeout_minutes: float = 10.0) -> torch.
         timeout = timedelta(minutes=timeout_minutes)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
-        elif "SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ and _in_srun_step():
+        elif "SLURM_PROCID" in os.environ and os.environ.get("MASTER_ADDR") and _in_srun_step():
             dist.init_process_group(backend, timeout=timeout, rank=int(os.environ["SLURM_PROCID"]),
                                     world_size=int(os.environ["SLURM_NTASKS"]))
         else:
@@ -121,15 +137,13 @@ def start_workers(options, argv: list[str]) -> int:
     The workers join one world (nodes meet at `rdzv_endpoint`); if any worker fails, the launcher stops the
     others. Returns the exit code for the parent: 0, or 1 after printing which rank failed.
     """
-    import sys
-
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Workers on one node share its cores; without a limit each would start a thread per core (torchrun does this).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.nproc_per_node)))
-    os.environ[LAUNCHED_BY_MIMO] = "1"  # the workers inherit it
+    os.environ[LAUNCHED_BY_MIMO] = str(os.getpid())  # the workers inherit it: their launcher's pid
     config = LaunchConfig(
         min_nodes=options.nnodes, max_nodes=options.nnodes, nproc_per_node=options.nproc_per_node,
         run_id=options.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=options.rdzv_endpoint or "localhost:0",

@@ -119,7 +119,7 @@ def test_finetune_and_pretrained_start_from_the_weights_at_iteration_zero(tmp_pa
     fresh, _ = train(tmp_path, "fresh", "--train-iters", "1")
     tuned, _ = train(tmp_path, "ft", "--train-iters", "1", "--load", str(save), "--finetune")
     pretrained, _ = train(tmp_path, "pt", "--train-iters", "1", "--pretrained", str(save),
-                          "--load", str(tmp_path / "empty"))
+                          "--load", str(tmp_path / "empty"), "--save", str(tmp_path / "empty"))
     assert tuned[0]["iteration"] == 1 and tuned[0]["consumed_samples"] == 4
     # Same first batch as the fresh run, but the trained weights: a lower loss, the same for both ways in.
     assert tuned[0]["lm_loss"] < fresh[0]["lm_loss"] - 0.3
