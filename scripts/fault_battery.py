@@ -162,10 +162,10 @@ def kills(out: Path, ref: dict, count: int, rng: random.Random) -> list[dict]:
     return cases
 
 
-def corrupt(out: Path) -> list[dict]:
+def corrupt(out: Path, only: set[str] | None = None) -> list[dict]:
     source = out / "reference" / "save"
     checkpoint = f"iter_{ITERS:07d}"
-    files = sorted(p.name for p in (source / checkpoint).iterdir())
+    files = sorted(p.name for p in (source / checkpoint).iterdir() if not only or p.name in only)
     cases = []
     for name in files:
         for how in ("truncated", "overwritten"):
@@ -260,6 +260,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kills", type=int, default=10)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", default="kills,corrupt,lock,worker")
+    parser.add_argument("--corrupt-files", default="", help="comma-separated checkpoint file names (default: all)")
     args = parser.parse_args(argv)
     parts, started, cases = set(args.parts.split(",")), time.perf_counter(), []
     args.out.mkdir(parents=True, exist_ok=True)
@@ -268,7 +269,7 @@ def main(argv=None) -> int:
         if "kills" in parts:
             cases += kills(args.out, ref, args.kills, random.Random(args.seed))
         if "corrupt" in parts:
-            cases += corrupt(args.out)
+            cases += corrupt(args.out, set(filter(None, args.corrupt_files.split(","))) or None)
     if "lock" in parts:
         cases += lock(args.out)
     if "worker" in parts:

@@ -36,7 +36,8 @@ def test_exit_signal_stops_one_process_without_a_save(tmp_path):
     assert line.startswith("error: stopped by SIGUSR1 after iteration ") and "nothing saved (no --save)" in line
 
 
-@pytest.mark.parametrize("number", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+# SIGTERM, the default --exit-signal, stops the first run of the fault battery's lock part (one process, saved).
+@pytest.mark.parametrize("number", [signal.SIGINT], ids=["SIGINT"])
 def test_two_processes_stop_together_and_save(tmp_path, number):
     save = tmp_path / "save"
     code, run = stopped(tmp_path, number, "--nproc-per-node", "2", "--save", str(save))
