@@ -38,7 +38,9 @@ def _quiet_import_notices() -> None:
     for message in (".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*", ".*is experimental.*",
                     ".*full scope is deprecated.*", ".*an autograd kernel was not registered.*",
                     ".*deprecating ShardedTensor.*", ".*argument order of load has been changed.*",
-                    ".*torch.distributed is disabled, unavailable or uninitialized.*"):
+                    ".*torch.distributed is disabled, unavailable or uninitialized.*",
+                    # mimo sets each rank's GPU (torch.cuda.set_device) before its first collective
+                    ".*barrier\\(\\): using the device under current context.*"):
         warnings.filterwarnings("ignore", message=message)
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)

@@ -61,10 +61,11 @@ def read_common(directory: Path) -> dict:
     path = Path(directory) / COMMON
     if not path.is_file():
         raise UsageError(f"checkpoint {directory} is incomplete: {path} is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+    try:  # plain data only, so reading it runs no code (megatron-core unpickles it: docs/checkpoints.md)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is the same problem for the user
-        raise UsageError(f"checkpoint file {path} cannot be read ({type(err).__name__}: {err})") from None
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+        raise UsageError(f"checkpoint file {path} cannot be read ({type(err).__name__}: {first})") from None
 
 
 class Checkpointer:

@@ -11,7 +11,8 @@ import fault_battery  # noqa: E402
 
 
 def test_the_fault_battery_passes(tmp_path):
-    code = fault_battery.main([str(tmp_path), "--kills", "2", "--seed", "3", "--corrupt-files", "__0_0.distcp,common.pt"])
+    code = fault_battery.main([str(tmp_path), "--kills", "2", "--seed", "3",
+                               "--corrupt-files", "__0_0.distcp,common.pt"])
     report = json.loads((tmp_path / "battery.json").read_text())
     failed = [case for case in report["cases"] if not case["ok"]]
     assert code == 0 and not failed, failed
