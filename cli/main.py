@@ -95,6 +95,7 @@ def _eval(split: str = "val", json_path=None, **kwargs):
     from mimo.core import launch
     from mimo.core.train import prepare
 
+    launch.die_with_launcher()
     try:
         plan = prepare(eval_config(run_config(kwargs), split))
         with pretrained_from_hf(plan) as plan:

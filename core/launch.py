@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -144,6 +145,8 @@ def start_workers(options, argv: list[str]) -> int:
     # Workers on one node share its cores; without a limit each would start a thread per core (torchrun does this).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.nproc_per_node)))
     os.environ[LAUNCHED_BY_MIMO] = str(os.getpid())  # the workers inherit it: their launcher's pid
+    # The agent's warnings narrate a normal stop ("Sending process ... closing signal SIGTERM"); its errors stay.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     config = LaunchConfig(
         min_nodes=options.nnodes, max_nodes=options.nnodes, nproc_per_node=options.nproc_per_node,
         run_id=options.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=options.rdzv_endpoint or "localhost:0",
