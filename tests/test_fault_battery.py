@@ -1,5 +1,6 @@
 """The fault battery (scripts/fault_battery.py) in CI, smaller than its full run in docs/verification.md: two kills
-around saves, a shard truncated and damaged in place (test_checkpoint covers the other files), the save lock, a worker killed in a 2-process run."""
+around saves, a shard truncated and damaged in place (test_checkpoint covers the other files), the save lock, a
+worker killed in a 2-process run."""
 
 import json
 import sys
