@@ -42,8 +42,8 @@ def test_two_processes_stop_together_and_save(tmp_path, number):
     save = tmp_path / "save"
     code, run = stopped(tmp_path, number, "--nproc-per-node", "2", "--save", str(save))
     assert code == 1
-    lines = [line for line in run.stderr_lines() if line.startswith("error:")]
-    assert len(lines) == 1 and "Traceback" not in run.err.read_text(), run.err.read_text()[-3000:]
+    lines = run.stderr_lines()  # the launcher's agent narrates nothing; one worker says how it ended
+    assert len(lines) == 1, run.err.read_text()[-3000:]
     iteration = tracked(save)
     assert lines[0] == (f"error: stopped by {signal.Signals(number).name} after iteration {iteration}; saved "
                         f"iteration {iteration} in {save} (resume with --load {save})")
