@@ -145,13 +145,15 @@ def start_workers(options, argv: list[str]) -> int:
     # Workers on one node share its cores; without a limit each would start a thread per core (torchrun does this).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.nproc_per_node)))
     os.environ[LAUNCHED_BY_MIMO] = str(os.getpid())  # the workers inherit it: their launcher's pid
-    # The agent's warnings narrate a normal stop ("Sending process ... closing signal SIGTERM"); its errors stay.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     config = LaunchConfig(
         min_nodes=options.nnodes, max_nodes=options.nnodes, nproc_per_node=options.nproc_per_node,
         run_id=options.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=options.rdzv_endpoint or "localhost:0",
         max_restarts=0, monitor_interval=0.5, start_method="spawn",
     )
+    # The agent's warnings narrate a normal stop ("Sending process ... closing signal SIGTERM"); its errors stay.
+    # torch gives each of its modules' loggers a level of its own, so each is set.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         elastic_launch(config, sys.executable)("-m", "mimo.cli", *argv)
     except ChildFailedError as err:
