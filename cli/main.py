@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import sys
 import typing
 import warnings
@@ -39,7 +38,9 @@ def _quiet_import_notices() -> None:
     for message in (".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*", ".*is experimental.*",
                     ".*full scope is deprecated.*", ".*an autograd kernel was not registered.*",
                     ".*deprecating ShardedTensor.*", ".*argument order of load has been changed.*",
-                    ".*torch.distributed is disabled, unavailable or uninitialized.*"):
+                    ".*torch.distributed is disabled, unavailable or uninitialized.*",
+                    # mimo sets each rank's GPU (torch.cuda.set_device) before its first collective
+                    ".*barrier\\(\\): using the device under current context.*"):
         warnings.filterwarnings("ignore", message=message)
     logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
     logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -56,19 +57,27 @@ def _run(**kwargs):
 
     from mimo.core.hf import pretrained_from_hf
     from mimo.core.output_paths import check_output_paths
+    from mimo.core.resume import check_resume
+    from mimo.core.save_lock import lock_save_directory
 
+    launch.die_with_launcher()
     config = run_config(kwargs)
     try:
         plan = prepare(config)  # every check that needs no process group, before any worker starts
         check_output_paths(config)  # likewise every path the run writes: created and test-written now
+        speaks = launch.speaks_for_run(config.launch)
+        if speaks and config.checkpoint.save is not None:
+            lock_save_directory(config.checkpoint.save)  # held until this process exits
+        check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
         with pretrained_from_hf(plan) as plan:  # --pretrained HF_DIR: converted before the workers start
-            if config.launch.nproc_per_node > 1 and "RANK" not in os.environ:
+            if launch.needs_launcher(config.launch):
                 raise typer.Exit(code=launch.start_workers(config.launch, sys.argv[1:]))
             train(plan)
     except UsageError as err:
         raise fail(str(err)) from None
     except TrainingStopped as err:
-        typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
+        if not getattr(err, "quiet", False):  # a stop on a signal: one rank says it for the run
+            typer.secho(f"error: {err}", err=True, fg=typer.colors.RED)
         raise typer.Exit(code=1) from None
 
 
@@ -86,10 +95,11 @@ def _eval(split: str = "val", json_path=None, **kwargs):
     from mimo.core import launch
     from mimo.core.train import prepare
 
+    launch.die_with_launcher()
     try:
         plan = prepare(eval_config(run_config(kwargs), split))
         with pretrained_from_hf(plan) as plan:
-            if plan.config.launch.nproc_per_node > 1 and "RANK" not in os.environ:
+            if launch.needs_launcher(plan.config.launch):
                 raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
             evaluate_checkpoint(plan, split, json_path)
     except UsageError as err:

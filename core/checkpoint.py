@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from mimo.errors import UsageError
 
+from . import checksums
 from .checkpoint_match import check_kept_options, check_model_fits
 from .config import CheckpointOptions
 from .topology import LANGUAGE, Topology
@@ -61,10 +62,11 @@ def read_common(directory: Path) -> dict:
     path = Path(directory) / COMMON
     if not path.is_file():
         raise UsageError(f"checkpoint {directory} is incomplete: {path} is missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+    try:  # plain data only, so reading it runs no code (megatron-core unpickles it: docs/checkpoints.md)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is the same problem for the user
-        raise UsageError(f"checkpoint file {path} cannot be read ({type(err).__name__}: {err})") from None
+        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
+        raise UsageError(f"checkpoint file {path} cannot be read ({type(err).__name__}: {first})") from None
 
 
 class Checkpointer:
@@ -124,9 +126,10 @@ class Checkpointer:
         from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
 
         _fault_point("after-shards", iteration)
-        dist.barrier()
+        sums = checksums.gather(iteration_dir(self.options.save, iteration))  # collective, after every write
         if dist.get_rank() == 0:
             root = Path(self.options.save)
+            checksums.write(iteration_dir(root, iteration), sums, _atomic_write)
             # What megatron-core's own (legacy) readers load from common.pt: every non-sharded entry.
             common = extract_sharded_base(extract_nonpersistent(state)[1])[1]
             _atomic_write(iteration_dir(root, iteration) / COMMON, lambda f: torch.save(common, f))
@@ -295,6 +298,7 @@ class Checkpointer:
         from mimo.plugins import dist_checkpoint
 
         _verify_files(directory)
+        checksums.verify(directory)
         try:
             loaded, absent = dist_checkpoint.load(state, directory)
         # Whatever the libraries raise, the user gets one line naming it. torch's CheckpointException derives from

@@ -5,7 +5,8 @@ Each field's `help` is its `mimo run --help` text: the CLI builds its options fr
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -116,6 +117,9 @@ class LaunchOptions:
     rdzv_endpoint: str | None = option(None, "host:port where the nodes meet (multi-node; default: this host)")
     rdzv_id: str = option("mimo", "run id shared by the nodes of one run")
     distributed_timeout_minutes: float = option(10.0, "a collective waiting longer (e.g. a rank died) fails the run")
+    exit_signal: Literal["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"] = option(
+        "SIGTERM", "on this signal (or SIGINT) every rank stops at the next iteration boundary, saves when --save is "
+                   "set, and exits 1 (SLURM preempts with SIGTERM; sbatch --signal can send SIGUSR1 earlier)")
 
 
 @dataclass
@@ -175,6 +179,7 @@ class RunConfig:
     def validate(self) -> None:
         """Checks that need nothing but the options themselves."""
         t, s = self.training, self.scheduler
+        _check_finite(self)
         if t.train_iters is not None and t.train_samples is not None:
             raise UsageError("give at most one of --train-iters and --train-samples")
         for name, value in (("--micro-batch-size", t.micro_batch_size), ("--log-interval", self.logging.log_interval),
@@ -220,3 +225,13 @@ class RunConfig:
             raise UsageError("--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
         if self.optimizer.min_lr > self.optimizer.lr:
             raise UsageError(f"--min-lr {self.optimizer.min_lr} is above --lr {self.optimizer.lr}")
+
+
+def _check_finite(config: RunConfig) -> None:
+    """nan or inf in a numeric option would surface deep in a library as a traceback, or never (a nan lr trains)."""
+    for part in (getattr(config, f.name) for f in fields(config)):
+        if is_dataclass(part):
+            for f in fields(part):
+                value = getattr(part, f.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise UsageError(f"--{f.name.replace('_', '-')} must be a finite number, got {value}")

@@ -15,6 +15,7 @@ functions called from any thread through the patched `torch.cuda` functions.
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 import torch.distributed as dist
@@ -101,6 +102,10 @@ def enable() -> None:
         return
     _enabled = True
     _CudaToCpu().__enter__()  # stays pushed for the life of the process
+    # Here the "GPU" RNG is the CPU generator, so every dropout inside megatron-core's RNG tracker changes the CPU
+    # state and megatron-core logs a warning per layer and step: true by construction, and nothing to act on.
+    logging.getLogger("megatron.core.tensor_parallel.random").addFilter(
+        lambda record: "CPU RNG state changed within GPU RNG context" not in record.getMessage())
 
     cuda = torch.cuda
     cuda.is_available = lambda: False  # a CPU run on a GPU host: nothing may take the GPU path

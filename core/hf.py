@@ -258,7 +258,9 @@ def pretrained_from_hf(plan, registry: Registry | None = None):
     if os.environ.get(CONVERTED_ENV):
         yield _with_pretrained(plan, Path(os.environ[CONVERTED_ENV]))
         return
-    if "RANK" in os.environ:
+    from .launch import external_world
+
+    if external_world(plan.config.launch) is not None:  # torchrun's ranks, or an srun step's
         raise UsageError(f"--pretrained {c.pretrained} is a Hugging Face folder, which mimo converts before it "
                          f"starts workers: under torchrun/srun convert it first (mimo ckpt import-hf)")
     registry = registry or Registry()

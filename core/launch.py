@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import socket
+import sys
 from datetime import timedelta
 
 import torch
@@ -14,11 +17,78 @@ from mimo.errors import UsageError
 from . import cpu_redirect
 
 
+# Set in the workers mimo's own launcher starts: they have RANK like torchrun's, but their parent speaks for them.
+LAUNCHED_BY_MIMO = "MIMO_LAUNCHED_WORKER"
+
+
+def die_with_launcher() -> None:
+    """In a worker of mimo's launcher: get SIGTERM when the launcher dies, even by SIGKILL (torch starts workers in
+    sessions of their own, so nothing else would stop them): they then stop at the next boundary and save."""
+    launcher = os.environ.get(LAUNCHED_BY_MIMO)
+    if not launcher or not launcher.isdigit() or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != int(launcher):  # it died before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def external_world(launch_options) -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when a launcher started this process as one rank of the run: torchrun or
+    mimo's own launcher (RANK, WORLD_SIZE), or an srun step whose tasks are the ranks. None when this process is
+    to start the workers itself (or is the whole run)."""
+    env = os.environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _in_srun_step():
+        tasks = int(env["SLURM_NTASKS"])
+        if launch_options.nproc_per_node > 1:  # each task is one node's launcher (one task per node)
+            if tasks != launch_options.nnodes:
+                raise UsageError(f"under srun with --nproc-per-node {launch_options.nproc_per_node}, each task "
+                                 f"starts the workers of one node: --nnodes {launch_options.nnodes} must equal the "
+                                 f"step's {tasks} tasks (srun --ntasks-per-node 1)")
+            return None
+        if tasks > 1 and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
+            raise UsageError("under srun, set MASTER_ADDR and MASTER_PORT (e.g. the first host of "
+                             "$SLURM_JOB_NODELIST and a free port) so the tasks can meet")
+        return int(env["SLURM_PROCID"]), tasks, int(env.get("SLURM_LOCALID", 0))
+    return None
+
+
+def _in_srun_step() -> bool:
+    # sbatch's batch script also has SLURM_PROCID (0); only srun's tasks have a step id.
+    return "SLURM_STEP_ID" in os.environ or "SLURM_STEPID" in os.environ
+
+
+def needs_launcher(launch_options) -> bool:
+    """Whether this process starts the workers (torch's elastic launcher) instead of being a rank itself."""
+    return (launch_options.nproc_per_node > 1 or launch_options.nnodes > 1) and external_world(launch_options) is None
+
+
+def world_size(launch_options) -> int:
+    external = external_world(launch_options)
+    return external[1] if external else launch_options.nnodes * launch_options.nproc_per_node
+
+
+def speaks_for_run(launch_options) -> bool:
+    """Whether this process says the run's start-up lines and holds its save lock: exactly one process per run
+    (on several nodes under mimo's launcher, global rank 0, as a node's launcher does not know its node rank)."""
+    external = external_world(launch_options)
+    if external is None:
+        return launch_options.nnodes == 1
+    if os.environ.get(LAUNCHED_BY_MIMO):
+        return external[0] == 0 and launch_options.nnodes > 1
+    return external[0] == 0
+
+
 def resolve_device(requested: str) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no GPU is visible to this process; use --device cpu or auto")
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0))
+        return torch.device("cuda", int(local))
     return torch.device("cpu")
 
 
@@ -34,7 +104,7 @@ def init_process(requested_device: str, timeout_minutes: float = 10.0) -> torch.
         timeout = timedelta(minutes=timeout_minutes)
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend, timeout=timeout)
-        elif "SLURM_PROCID" in os.environ and "MASTER_ADDR" in os.environ:
+        elif "SLURM_PROCID" in os.environ and os.environ.get("MASTER_ADDR") and _in_srun_step():
             dist.init_process_group(backend, timeout=timeout, rank=int(os.environ["SLURM_PROCID"]),
                                     world_size=int(os.environ["SLURM_NTASKS"]))
         else:
@@ -68,23 +138,29 @@ def start_workers(options, argv: list[str]) -> int:
     The workers join one world (nodes meet at `rdzv_endpoint`); if any worker fails, the launcher stops the
     others. Returns the exit code for the parent: 0, or 1 after printing which rank failed.
     """
-    import sys
-
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Workers on one node share its cores; without a limit each would start a thread per core (torchrun does this).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.nproc_per_node)))
+    os.environ[LAUNCHED_BY_MIMO] = str(os.getpid())  # the workers inherit it: their launcher's pid
     config = LaunchConfig(
         min_nodes=options.nnodes, max_nodes=options.nnodes, nproc_per_node=options.nproc_per_node,
         run_id=options.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=options.rdzv_endpoint or "localhost:0",
         max_restarts=0, monitor_interval=0.5, start_method="spawn",
     )
+    # The agent's warnings narrate a normal stop ("Sending process ... closing signal SIGTERM"); its errors stay.
+    # torch gives each of its modules' loggers a level of its own, so each is set.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         elastic_launch(config, sys.executable)("-m", "mimo.cli", *argv)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         print(f"error: worker rank {rank} failed first (exit code {failure.exitcode}); the launcher stopped the "
               f"others (see its output above)", file=sys.stderr, flush=True)
+        return 1
+    except SignalException:  # the launcher passed the signal on to the workers and waited: they said how it ended
         return 1
     return 0

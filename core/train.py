@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +11,7 @@ from mimo.errors import UsageError
 from mimo.plugins import BuildContext, DataContext, ModuleParallelism, Provider, Registry
 from mimo.plugins.settings import build_settings
 
-from . import evaluation, launch, topology
+from . import evaluation, launch, signals, topology
 from .checkpoint import Checkpointer, run_info
 from .config import DEFAULT_TRAIN_ITERS, RunConfig
 from .metrics import MetricsLogger
@@ -56,7 +55,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     shapes = hooks.model_shape(settings=settings)
     t = config.training
     if world_size is None:
-        world_size = int(os.environ.get("WORLD_SIZE", config.launch.nnodes * config.launch.nproc_per_node))
+        world_size = launch.world_size(config.launch)  # a launcher's world (torchrun, srun), or the options
     parallelism = topology.plan(config.layout, world_size, shapes, t.micro_batch_size)
     lanes = parallelism[topology.LANGUAGE].dp
     per_microbatch = t.micro_batch_size * lanes
@@ -91,6 +90,7 @@ class Session:
     iteration: int = 0
     consumed: int = 0
     evaluations: evaluation.EvalSchedule | None = None  # --eval-iters: held-out loss during the run
+    signal_watch: signals.SignalWatch | None = None  # --exit-signal and SIGINT: stop at an iteration boundary
 
 
 def start(plan: Plan) -> Session:
@@ -206,6 +206,8 @@ def advance(session: Session, iterations: int) -> None:
             s.checkpointer.wait(blocking=False)
             if iteration == plan.train_iters or (c.save_interval and iteration % c.save_interval == 0):
                 s.checkpointer.save(iteration, s.consumed)
+        if s.signal_watch is not None and (received := s.signal_watch.agreed(s.device)):
+            signals.stop(s, received)
 
 
 def finish(session: Session) -> list[dict]:
@@ -224,16 +226,18 @@ def finish(session: Session) -> list[dict]:
 
 def train(plan: Plan) -> list[dict]:
     """Run the plan in this process (one rank of the world). Returns the logged records on the logging rank."""
-    session = start(plan)
-    try:
-        if session.evaluations:
-            session.evaluations.at_start(session.iteration, session.consumed)
-        advance(session, plan.train_iters - session.iteration)
-    except BaseException:
-        session.logger.close()
-        session.skips.close()
-        raise
-    return finish(session)
+    with signals.SignalWatch(plan.config.launch.exit_signal) as watch:
+        session = start(plan)
+        session.signal_watch = watch
+        try:
+            if session.evaluations:
+                session.evaluations.at_start(session.iteration, session.consumed)
+            advance(session, plan.train_iters - session.iteration)
+        except BaseException:
+            session.logger.close()
+            session.skips.close()
+            raise
+        return finish(session)
 
 
 def _counted_step(trainer, data, logger, device):

@@ -1,0 +1,77 @@
+"""Stopping on a signal (a SLURM preemption's SIGTERM, a Ctrl-C): the handler only notes the signal; every rank
+learns of it at the next iteration boundary (one collective), saves when `--save` is set, and stops together,
+so no rank waits forever in a collective the others left and no work since the last save is lost."""
+
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+from mimo.errors import TrainingStopped
+
+SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+
+
+class Interrupted(TrainingStopped):
+    """A stop on a signal; `quiet` on every rank but the one that says it (one line for the run)."""
+
+    def __init__(self, message: str, quiet: bool):
+        super().__init__(message)
+        self.quiet = quiet
+
+
+class SignalWatch:
+    """Notes `--exit-signal` and SIGINT while installed; `agreed()` is collective over the world."""
+
+    def __init__(self, exit_signal: str = "SIGTERM"):
+        self.watched = {getattr(signal, exit_signal), signal.SIGINT}
+        self.received: int | None = None
+        self._previous: dict = {}
+
+    def __enter__(self):
+        for number in self.watched:
+            self._previous[number] = signal.signal(number, self._note)
+        return self
+
+    def __exit__(self, *exc):
+        for number, handler in self._previous.items():
+            signal.signal(number, handler)
+        self._previous.clear()
+
+    def _note(self, number, frame):
+        if self.received is not None and number == signal.SIGINT:  # a second Ctrl-C: the user means now
+            raise KeyboardInterrupt
+        self.received = number
+
+    def agreed(self, device: torch.device) -> int | None:
+        """The signal any rank received (every rank calls this at the same boundary), or None."""
+        flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) or None
+
+
+def stop(session, number: int) -> None:
+    """Save (when --save is set and this iteration is not saved yet), then raise Interrupted on every rank."""
+    c, iteration, rank = session.plan.config.checkpoint, session.iteration, dist.get_rank()
+    name = signal.Signals(number).name
+    saved = ""
+    if session.checkpointer is not None and c.save:
+        if not _saved_at(session, iteration):
+            session.checkpointer.save(iteration, session.consumed)
+        session.checkpointer.wait(blocking=True)
+        saved = f"; saved iteration {iteration} in {c.save} (resume with --load {c.save})"
+    if hasattr(session.source, "close"):
+        session.source.close()
+    dist.barrier()
+    dist.destroy_process_group()
+    raise Interrupted(f"stopped by {name} after iteration {iteration}{saved}" if saved else
+                      f"stopped by {name} after iteration {iteration}; nothing saved (no --save)",
+                      quiet=rank != 0)
+
+
+def _saved_at(session, iteration: int) -> bool:
+    c = session.plan.config.checkpoint
+    return iteration == session.plan.train_iters or bool(c.save_interval and iteration % c.save_interval == 0)
+

@@ -1,0 +1,285 @@
+"""The fault battery: mimo runs (mock-vlm, CPU) hurt on purpose, each checked against what a user must see.
+
+    python scripts/fault_battery.py OUT [--kills 10] [--seed 0] [--parts kills,corrupt,lock,worker]
+
+- kills: SIGKILL at random moments around saves (at a save's named stages, or a random delay after a save
+  starts); each run is resumed with `--load DIR --save DIR` and its following losses must equal an uninterrupted
+  reference run's exactly.
+- corrupt: every file of a checkpoint truncated, then overwritten in its middle, in turn; each resume must stop with
+  exit 2 and one line (no traceback), or load unchanged weights (a file part that holds no state).
+- lock: a second run saving into a running run's --save directory is refused (exit 2, one line); the first then
+  stops on SIGTERM, saves, and exits 1 with one line.
+- worker: one worker of a 2-process run is SIGKILLed; every process of the run must be gone within the timeout.
+
+Writes OUT/battery.json (every case) and OUT/battery.md (the table for docs/verification.md); exit 1 if any case
+failed. Each run gets a session of its own, killed when checked, so the battery leaves no processes behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BASE = ("run", "--provider", "mock-vlm", "--device", "cpu", "--log-interval", "1", "--set", "image_probability=0.5")
+ITERS, INTERVAL = 8, 2
+STAGES = ("before-shards", "after-shards", "before-tracker")  # MIMO_FAULT_KILL_AT stages in core/checkpoint.py
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+class Run:
+    """One `mimo` command in a session of its own, its output in files under `where`."""
+
+    def __init__(self, where: Path, *args: str, env: dict | None = None):
+        where.mkdir(parents=True, exist_ok=True)
+        self.out, self.err = where / "stdout", where / "stderr"
+        # A mark every process of this run inherits, its workers too (torch starts them in sessions of their own).
+        self.mark = f"{os.getpid()}-{time.monotonic_ns()}"
+        environment = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "MIMO_BATTERY_RUN": self.mark, **(env or {})}
+        environment.setdefault("OMP_NUM_THREADS", "1")
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "mimo.cli", *args], stdout=out, stderr=err,
+                                         env=environment, cwd=where, start_new_session=True)
+        self.started = time.perf_counter()
+
+    def wait(self, timeout: float = 300) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        finally:
+            self.kill_session()
+
+    def wait_for(self, text: str, timeout: float = 120) -> None:
+        """Until stdout holds `text`; an error if the run ends or the time runs out first."""
+        deadline = time.time() + timeout
+        while text not in self.out.read_text():
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"never saw {text!r}: {self.err.read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def signal(self, number: int) -> None:
+        os.kill(self.proc.pid, number)
+
+    def session_pids(self) -> list[int]:
+        """Every live process of this run (the run, its workers, their helpers), wherever it was reparented."""
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit() and _env(int(entry.name)).get("MIMO_BATTERY_RUN") == self.mark:
+                try:
+                    state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                except OSError:
+                    continue
+                if state != "Z":  # a zombie has ended; only its parent's wait is missing
+                    pids.append(int(entry.name))
+        return pids
+
+    def kill_session(self) -> None:
+        """Kill every process of the run: its session, and workers in sessions of their own."""
+        for pid in [self.proc.pid] + self.session_pids():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def stderr_lines(self) -> list[str]:
+        return self.err.read_text().strip().splitlines()
+
+
+def mimo(where: Path, *args: str, env: dict | None = None, timeout: float = 300) -> tuple[int, Run]:
+    run = Run(where, *BASE, *args, env=env)
+    return run.wait(timeout), run
+
+
+def losses(metrics: Path) -> dict[int, float]:
+    if not metrics.exists():
+        return {}
+    return {r["iteration"]: r["lm_loss"] for r in map(json.loads, metrics.read_text().splitlines())}
+
+
+def tracked(save: Path) -> int | None:
+    tracker = save / TRACKER
+    return int(tracker.read_text()) if tracker.exists() else None
+
+
+def one_line_error(code: int, run: Run, expected: int = 2) -> str | None:
+    """None when the run ended with `expected` and exactly one `error:` line and no traceback, else why not."""
+    lines = run.stderr_lines()
+    if code != expected:
+        return f"exit {code}, not {expected}: {' | '.join(lines[-3:])}"
+    if len(lines) != 1 or not lines[0].startswith("error: ") or "Traceback" in run.err.read_text():
+        return f"{len(lines)} stderr lines: {' | '.join(lines[:3])}"
+    return None
+
+
+# ---- the parts ----
+
+def reference(out: Path) -> dict:
+    code, run = mimo(out / "reference", "--train-iters", str(ITERS), "--save", str(out / "reference" / "save"),
+                     "--save-interval", str(INTERVAL), "--metrics-file", str(out / "reference" / "m.jsonl"))
+    if code:
+        raise RuntimeError(f"the reference run failed: {run.err.read_text()[-2000:]}")
+    return losses(out / "reference" / "m.jsonl")
+
+
+def kills(out: Path, ref: dict, count: int, rng: random.Random) -> list[dict]:
+    cases = []
+    for k in range(count):
+        where, at = out / f"kill{k}", rng.randrange(INTERVAL, ITERS + 1, INTERVAL)
+        save, metrics = where / "save", where / "m.jsonl"
+        run_args = ("--train-iters", str(ITERS), "--save", str(save), "--load", str(save),
+                    "--save-interval", str(INTERVAL))
+        if k % 4 == 3:  # a random delay after the save's log line of the iteration before: anywhere in or near it
+            moment = rng.uniform(0.0, 0.4)
+            how = f"SIGKILL {moment:.2f} s after iteration {at}"
+            run = Run(where / "killed", *BASE, *run_args)
+            try:
+                run.wait_for(f"iteration {at:>6}/")
+                time.sleep(moment)
+            finally:
+                run.kill_session()
+            code = run.proc.wait()
+        else:
+            stage = rng.choice(STAGES)
+            how = f"SIGKILL at {stage} of iteration {at}"
+            code, run = mimo(where / "killed", *run_args, env={"MIMO_FAULT_KILL_AT": f"{stage}@{at}"})
+        left = tracked(save)
+        resume_code, resumed = mimo(where / "resumed", *run_args, "--metrics-file", str(metrics))
+        after = losses(metrics)
+        expected = {i: v for i, v in ref.items() if i > (left or 0)}
+        diff = max((abs(after[i] - v) for i, v in expected.items() if i in after), default=None)
+        ok = resume_code == 0 and after == expected and tracked(save) == ITERS
+        cases.append({"part": "kill", "case": how, "killed_exit": code, "tracker_after_kill": left,
+                      "resumed_iterations": sorted(after), "max_loss_difference": diff, "ok": ok,
+                      "problem": None if ok else resumed.err.read_text()[-500:] or f"losses {after} vs {expected}"})
+        print(f"kill {k}: {how}: tracker {left}, resumed {len(after)} iterations, max difference {diff}: "
+              f"{'ok' if ok else 'FAILED'}", flush=True)
+    return cases
+
+
+def corrupt(out: Path, only: set[str] | None = None) -> list[dict]:
+    source = out / "reference" / "save"
+    checkpoint = f"iter_{ITERS:07d}"
+    files = sorted(p.name for p in (source / checkpoint).iterdir() if not only or p.name in only)
+    cases = []
+    for name in files:
+        for how in ("truncated", "overwritten"):
+            where = out / "corrupt" / f"{name.strip('.')}-{how}"
+            save = where / "save"
+            shutil.rmtree(where, ignore_errors=True)
+            shutil.copytree(source, save)
+            path = save / checkpoint / name
+            data = path.read_bytes()
+            if how == "truncated":
+                path.write_bytes(data[: len(data) // 2])
+            else:  # same size: bytes in the middle replaced by a pattern no encoder writes
+                middle = len(data) // 2
+                path.write_bytes(data[:middle] + b"\xa5" * min(64, len(data) - middle) + data[middle + 64:])
+            code, run = mimo(where, "--train-iters", str(ITERS + 1), "--load", str(save))
+            problem = one_line_error(code, run)
+            cases.append({"part": "corrupt", "case": f"{name} {how}", "exit": code,
+                          "line": (run.stderr_lines() or [""])[0][:300], "ok": problem is None, "problem": problem})
+            print(f"corrupt {name} {how}: exit {code}: {(run.stderr_lines() or [''])[0][:160]}", flush=True)
+    return cases
+
+
+def lock(out: Path) -> list[dict]:
+    save = out / "lock" / "save"
+    first = Run(out / "lock" / "first", *BASE, "--train-iters", "100000", "--save", str(save))
+    try:
+        first.wait_for("iteration      2/")
+        code, second = mimo(out / "lock" / "second", "--train-iters", "2", "--save", str(save))
+        refused = one_line_error(code, second)
+        if refused is None and "in use by another run" not in second.stderr_lines()[0]:
+            refused = f"not the lock's line: {second.stderr_lines()[0]}"
+        first.signal(signal.SIGTERM)
+        stopped = first.proc.wait(timeout=120)
+    finally:
+        first.kill_session()
+    stop_problem = one_line_error(stopped, first, expected=1)
+    return [{"part": "lock", "case": "a second run saving into the same --save", "exit": code,
+             "line": (second.stderr_lines() or [""])[0], "ok": refused is None, "problem": refused},
+            {"part": "lock", "case": "the first run stopped by SIGTERM", "exit": stopped,
+             "line": (first.stderr_lines() or [""])[0], "saved": tracked(save),
+             "ok": stop_problem is None and tracked(save) is not None, "problem": stop_problem}]
+
+
+def worker(out: Path, timeout: float = 60) -> list[dict]:
+    run = Run(out / "worker", *BASE, "--train-iters", "100000", "--nproc-per-node", "2")
+    try:
+        run.wait_for("iteration      2/")
+        victim = next(pid for pid in run.session_pids() if _env(pid).get("RANK") == "1")
+        os.kill(victim, signal.SIGKILL)
+        killed = time.perf_counter()
+        while (run.proc.poll() is None or run.session_pids()) and time.perf_counter() - killed < timeout:
+            time.sleep(0.05)
+        gone_after = time.perf_counter() - killed
+        left = run.session_pids()
+        code = run.proc.poll()
+    finally:
+        run.kill_session()
+    ok = not left and code == 1
+    print(f"worker: rank 1 SIGKILLed; all processes gone after {gone_after:.2f} s, exit {code}", flush=True)
+    return [{"part": "worker", "case": "rank 1 of 2 SIGKILLed", "exit": code, "seconds_until_all_gone": gone_after,
+             "left": left, "line": (run.stderr_lines() or [""])[-1], "ok": ok,
+             "problem": None if ok else f"exit {code}, {len(left)} processes left"}]
+
+
+def _env(pid: int) -> dict:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def table(cases: list[dict], seconds: float) -> str:
+    rows = ["| part | case | outcome | ok |", "| --- | --- | --- | --- |"]
+    for c in cases:
+        if c["part"] == "kill":
+            outcome = (f"tracker {c['tracker_after_kill']} after the kill; resumed iterations "
+                       f"{c['resumed_iterations'][0] if c['resumed_iterations'] else '-'}-{ITERS}, largest loss "
+                       f"difference {c['max_loss_difference']}")
+        elif c["part"] == "worker":
+            outcome = f"exit {c['exit']}, every process gone after {c['seconds_until_all_gone']:.2f} s"
+        else:
+            outcome = f"exit {c['exit']}: `{c['line']}`"
+        rows.append(f"| {c['part']} | {c['case']} | {outcome} | {'yes' if c['ok'] else 'NO'} |")
+    passed = sum(c["ok"] for c in cases)
+    return "\n".join(rows) + f"\n\n{passed} of {len(cases)} cases as expected, in {seconds:.0f} s.\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--kills", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--parts", default="kills,corrupt,lock,worker")
+    parser.add_argument("--corrupt-files", default="", help="comma-separated checkpoint file names (default: all)")
+    args = parser.parse_args(argv)
+    parts, started, cases = set(args.parts.split(",")), time.perf_counter(), []
+    args.out.mkdir(parents=True, exist_ok=True)
+    if parts & {"kills", "corrupt"}:
+        ref = reference(args.out)
+        if "kills" in parts:
+            cases += kills(args.out, ref, args.kills, random.Random(args.seed))
+        if "corrupt" in parts:
+            cases += corrupt(args.out, set(filter(None, args.corrupt_files.split(","))) or None)
+    if "lock" in parts:
+        cases += lock(args.out)
+    if "worker" in parts:
+        cases += worker(args.out)
+    seconds = time.perf_counter() - started
+    (args.out / "battery.json").write_text(json.dumps({"seconds": seconds, "cases": cases}, indent=1))
+    (args.out / "battery.md").write_text(table(cases, seconds))
+    print(table(cases, seconds))
+    return 0 if all(c["ok"] for c in cases) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""What --load means (Megatron's semantics, said aloud) and numeric options that must be finite."""
+
+import math
+
+import pytest
+
+from helpers import read_metrics, run_mimo
+from mimo.core.config import CheckpointOptions, OptimizerOptions, RunConfig
+from mimo.core.resume import check_resume
+from mimo.errors import UsageError
+
+CPU = ("run", "--provider", "mock-vlm", "--device", "cpu", "--train-iters", "2", "--log-interval", "1")
+
+
+def config(load, save=None):
+    return RunConfig(provider="mock-vlm", checkpoint=CheckpointOptions(load=load, save=save))
+
+
+def test_load_without_a_checkpoint_is_an_error_unless_it_is_the_save_directory(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UsageError, match=r"--load .*/nowhere: no such directory; to start fresh, drop --load"):
+        check_resume(config(tmp_path / "nowhere"))
+    with pytest.raises(UsageError, match=r"--load .*/empty: no checkpoint there \(latest_checkpointed_iteration"):
+        check_resume(config(empty, save=tmp_path / "elsewhere"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(UsageError, match="is a file, not a checkpoint directory"):
+        check_resume(config(tmp_path / "file"))
+    assert check_resume(config(empty, save=tmp_path / "." / "empty"), speak=False) is None
+    assert capsys.readouterr().out == ""
+    assert check_resume(config(empty, save=empty)) is None
+    assert "holds no checkpoint yet" in capsys.readouterr().out
+    (empty / "latest_checkpointed_iteration.txt").write_text("6\n")
+    assert check_resume(config(empty, save=tmp_path / "other")) == 6
+    assert check_resume(config(None)) is None
+
+
+@pytest.mark.parametrize("field", ["lr", "adam_eps", "clip_grad"])
+def test_numeric_options_must_be_finite(field):
+    for value in (math.nan, math.inf):
+        cfg = RunConfig(provider="mock-vlm", optimizer=OptimizerOptions(**{field: value}))
+        with pytest.raises(UsageError, match=f"--{field.replace('_', '-')} must be a finite number, got {value}"):
+            cfg.validate()
+
+
+def test_resume_lines_on_the_command_line(tmp_path):
+    save, metrics = tmp_path / "save", tmp_path / "m.jsonl"
+    # dropout: megatron-core's RNG tracker would log a warning per layer and step on the CPU; the console stays quiet
+    fresh = run_mimo(*CPU, "--load", str(save), "--save", str(save), "--metrics-file", str(metrics),
+                     "--set", "dropout=0.1")
+    assert fresh.returncode == 0 and fresh.stderr == "", fresh.stderr[-3000:]
+    assert f"--load {save} holds no checkpoint yet" in fresh.stdout.splitlines()[0]
+    assert [r["iteration"] for r in read_metrics(metrics)] == [1, 2]
+    typo = run_mimo(*CPU, "--load", str(tmp_path / "sav"), "--save", str(save))
+    assert typo.returncode == 2 and typo.stderr.strip().splitlines() == [
+        f"error: --load {tmp_path / 'sav'}: no such directory; to start fresh, drop --load or give it the --save "
+        f"directory"]
+    nan = run_mimo(*CPU, "--lr", "nan")
+    assert nan.returncode == 2 and nan.stderr.strip().splitlines() == ["error: --lr must be a finite number, got nan"]
