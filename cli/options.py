@@ -14,6 +14,7 @@ import typer
 
 from mimo.core.config import (
     COMPONENTS, CheckpointOptions, DataOptions, EvalOptions, LaunchOptions, LayoutOptions, LoggingOptions, OptimizerOptions, RunConfig, SchedulerOptions, TrainingOptions,
+    MemoryOptions, PerformanceOptions,
 )
 
 
@@ -61,4 +62,5 @@ def run_config(kwargs: dict) -> RunConfig:
         evaluation=part[EvalOptions],
         logging=part[LoggingOptions],
         checkpoint=part[CheckpointOptions], layout=part[LayoutOptions],
+        performance=part[PerformanceOptions], memory=part[MemoryOptions],
     )

@@ -155,10 +155,73 @@ class LayoutOptions:
     llm_expt_tp: int = option(1, "tensor parallelism of the LLM's experts")
 
 
+RECOMPUTE_MODES = ("none", "selective", "full")
+
+
+@dataclass
+class PerformanceOptions:
+    """How the GPU time is spent: recomputation, overlapped communication, sequence parallelism, FP8, CUDA graphs.
+    The loop sets them in every module's TransformerConfig and DDP config; providers choose only kernels."""
+
+    recompute: str = option(
+        "none", "recompute activations in backward instead of keeping them: none; selective (megatron-core's "
+                "memory-heavy, compute-light parts: core attention, MoE and MLP activations, norms); full (each "
+                "layer's input only). One mode for all modules, or per module: language=full,images=selective")
+    sequence_parallel: bool = option(
+        False, "split norms, dropout and residual activations over each module's TP ranks (Megatron's sequence "
+               "parallelism); needed for a mixture-of-experts LLM under --llm-tp > 1")
+    overlap_grad_reduce: bool = option(False, "reduce gradients bucket by bucket during the last micro-batch's "
+                                              "backward instead of after it")
+    overlap_param_gather: bool = option(False, "distributed optimizer: gather the updated parameters during the "
+                                               "next forward instead of after the step (needs "
+                                               "--use-distributed-optimizer and --overlap-grad-reduce)")
+    fp8: Literal["none", "tensorwise", "delayed", "blockwise"] = option(
+        "none", "FP8 matrix multiplies with transformer-engine's recipe of this name (E4M3 forward, E5M2 "
+                "gradients); needs --precision bf16, a provider backend te, and a Hopper or newer GPU")
+    cuda_graphs: bool = option(False, "capture each transformer layer's forward and backward as CUDA graphs "
+                                      "(megatron-core with transformer-engine; fixed sequence shapes only)")
+
+    def recompute_modes(self) -> dict[str, str]:
+        """{module or "*": mode} from --recompute; "*" is every module not named."""
+        text = self.recompute.strip()
+        if "=" not in text:
+            modes = {"*": text}
+        else:
+            modes = {}
+            for part in filter(None, (p.strip() for p in text.split(","))):
+                module, sep, mode = part.partition("=")
+                if not sep or not module.strip():
+                    raise UsageError(f"--recompute {self.recompute!r}: write MODE or MODULE=MODE,MODULE=MODE")
+                modes[module.strip()] = mode.strip()
+        for mode in modes.values():
+            if mode not in RECOMPUTE_MODES:
+                raise UsageError(f"--recompute: unknown mode {mode!r}; choose among {', '.join(RECOMPUTE_MODES)}")
+        return modes
+
+    def recompute_for(self, module: str) -> str:
+        modes = self.recompute_modes()
+        return modes.get(module, modes.get("*", "none"))
+
+    def validate(self, optimizer: OptimizerOptions, precision: str) -> None:
+        self.recompute_modes()
+        if self.overlap_param_gather and not (optimizer.use_distributed_optimizer and self.overlap_grad_reduce):
+            raise UsageError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
+        if self.fp8 != "none" and precision != "bf16":
+            raise UsageError(f"--fp8 {self.fp8} needs --precision bf16 (FP8 keeps bf16 weights and activations)")
+
+
+@dataclass
+class MemoryOptions:
+    gpu_memory: float | None = option(
+        None, "GiB of memory per GPU the run may use: a layout whose estimate does not fit is refused before "
+              "start (default: the visible GPU's, else 80)")
+
+
 DEFAULT_TRAIN_ITERS = 100
 
 COMPONENTS = {"Launch": LaunchOptions, "Training": TrainingOptions, "Optimizer": OptimizerOptions, "Learning-rate schedule": SchedulerOptions,
-              "Data": DataOptions, "Evaluation": EvalOptions, "Logging": LoggingOptions, "Checkpoints": CheckpointOptions, "Parallel layout": LayoutOptions}
+              "Data": DataOptions, "Evaluation": EvalOptions, "Logging": LoggingOptions, "Checkpoints": CheckpointOptions, "Parallel layout": LayoutOptions,
+              "Performance": PerformanceOptions, "Memory": MemoryOptions}
 
 
 @dataclass
@@ -175,6 +238,8 @@ class RunConfig:
     logging: LoggingOptions = field(default_factory=LoggingOptions)
     checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
     layout: LayoutOptions = field(default_factory=LayoutOptions)
+    performance: PerformanceOptions = field(default_factory=PerformanceOptions)
+    memory: MemoryOptions = field(default_factory=MemoryOptions)
 
     def validate(self) -> None:
         """Checks that need nothing but the options themselves."""
@@ -209,6 +274,9 @@ class RunConfig:
         if self.data.data is not None and not self.data.data.exists():
             raise UsageError(f"--data {self.data.data}: no such file or directory")
         self.evaluation.validate()
+        self.performance.validate(self.optimizer, t.precision)
+        if self.memory.gpu_memory is not None and not self.memory.gpu_memory > 0:
+            raise UsageError(f"--gpu-memory must be a positive number of GiB, got {self.memory.gpu_memory}")
         c = self.checkpoint
         for name, value in (("--save-interval", c.save_interval), ("--keep-last", c.keep_last)):
             if value is not None and value < 1:
