@@ -28,6 +28,7 @@ from mimo.errors import UsageError
 from . import checksums
 from .checkpoint_match import check_kept_options, check_model_fits
 from .config import CheckpointOptions
+from .model import parameters_gathered
 from .topology import LANGUAGE, Topology
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -103,8 +104,9 @@ class Checkpointer:
             directory.mkdir(parents=True)
         dist.barrier()
         _fault_point("before-shards", iteration)
-        state = self._sharded_state(loading=False, optimizer=self.options.save_optim,
-                                    rng=self.options.save_rng)
+        with parameters_gathered(self.model):
+            state = self._sharded_state(loading=False, optimizer=self.options.save_optim,
+                                        rng=self.options.save_rng)
         state.update(self._common(iteration, consumed_samples))
         background = {"async_sharded_save": True, "async_strategy": "mcore"} if self.async_queue else {}
         request = dist_checkpointing.save(state, str(directory), sharded_strategy=self.strategy, **background)

@@ -168,7 +168,7 @@ class PerformanceOptions:
                 "memory-heavy, compute-light parts: core attention, MoE and MLP activations, norms); full (each "
                 "layer's input only). One mode for all modules, or per module: language=full,images=selective")
     sequence_parallel: bool = option(
-        False, "split norms, dropout and residual activations over each module's TP ranks (Megatron's sequence "
+        False, "split the LLM's norms, dropout and residual activations over its TP ranks (Megatron's sequence "
                "parallelism); needed for a mixture-of-experts LLM under --llm-tp > 1")
     overlap_grad_reduce: bool = option(False, "reduce gradients bucket by bucket during the last micro-batch's "
                                               "backward instead of after it")
@@ -176,8 +176,8 @@ class PerformanceOptions:
                                                "next forward instead of after the step (needs "
                                                "--use-distributed-optimizer and --overlap-grad-reduce)")
     fp8: Literal["none", "tensorwise", "delayed", "blockwise"] = option(
-        "none", "FP8 matrix multiplies with transformer-engine's recipe of this name (E4M3 forward, E5M2 "
-                "gradients); needs --precision bf16, a provider backend te, and a Hopper or newer GPU")
+        "none", "the LLM's matrix multiplies in FP8 with transformer-engine's recipe of this name (E4M3 "
+                "forward, E5M2 gradients); needs --precision bf16, a provider backend te and a Hopper or newer GPU")
     cuda_graphs: bool = option(False, "capture each transformer layer's forward and backward as CUDA graphs "
                                       "(megatron-core with transformer-engine; fixed sequence shapes only)")
 

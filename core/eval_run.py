@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from mimo.errors import UsageError
-from mimo.plugins import BuildContext
+
 
 from . import evaluation, launch, topology
 from .checkpoint import Checkpointer, read_tracker, run_info
@@ -52,7 +52,7 @@ def eval_config(config: RunConfig, split: str) -> RunConfig:
 
 def evaluate_checkpoint(plan, split: str, json_path: Path | None = None) -> evaluation.EvalResult:
     """Run in every process of the world: build, load, evaluate once, report on the logging rank."""
-    from .train import data_context
+    from .train import build_context, data_context
 
     config, t = plan.config, plan.config.training
     params_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
@@ -63,8 +63,7 @@ def evaluate_checkpoint(plan, split: str, json_path: Path | None = None) -> eval
         topo = topology.build(plan.parallelism, backend="nccl" if device.type == "cuda" else "gloo")
         seed_pgs = topo.pg_collections.get(topology.LANGUAGE) or next(iter(topo.pg_collections.values()))
         launch.seed_everything(t.seed, seed_pgs.tp.rank(), seed_pgs.ep.rank(), seed_pgs.expt_tp.rank())
-        ctx = BuildContext(params_dtype=params_dtype, parallelism=plan.parallelism,
-                           pg_collections=topo.pg_collections)
+        ctx = build_context(plan, params_dtype, topo)
         model = build_model(plan.hooks, plan.settings, config.provider, topo, ctx, device, t.seed)
         checkpoint = config.checkpoint.pretrained
         Checkpointer(config.checkpoint, model, None, None, topo, run_info(plan, plan.settings, False),

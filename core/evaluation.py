@@ -27,6 +27,7 @@ import torch.distributed as dist
 from mimo.errors import UsageError
 from mimo.plugins import DataContext
 
+from .model import parameters_gathered
 from .step import is_token_source, schedule_for, to_device
 
 # Synthetic eval data is drawn from this seed, whatever the training seed: evaluations of runs with different
@@ -91,7 +92,7 @@ class Evaluator:
             data = _chain(first, source)
             self._totals.zero_()
             was_training = self.model.training
-            with _rng_kept(self.device), torch.no_grad():
+            with _rng_kept(self.device), torch.no_grad(), parameters_gathered(self.model):
                 self.model.eval()  # no dropout, no RADIO position jitter
                 try:
                     for _ in range(self.eval_iters):

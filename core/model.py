@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from mimo.errors import UsageError
@@ -30,7 +32,7 @@ def _seeded_mimo_model_class():
 
 
 def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: BuildContext,
-                device: torch.device, seed: int, distributed_optimizer: bool = False):
+                device: torch.device, seed: int, distributed_optimizer: bool = False, performance=None):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.enums import ModelType
     from megatron.core.models.mimo import MimoModelConfig
@@ -55,12 +57,18 @@ def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: Bu
     )
     model_class = _seeded_mimo_model_class()
     model_class.init_seed = seed
-    model = model_class(config).to(device)
+    # With sequence parallelism MimoModel scatters the LLM's combined embeddings over its TP group itself.
+    llm_tp = topology.pg_collections[LANGUAGE].tp if topology.holds(LANGUAGE) else None
+    model = model_class(config, tp_group=llm_tp).to(device)
     model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
     freeze(model, hooks.frozen_parameters(settings=settings), provider_name, device)
     _attach_tp_groups(model, topology)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=distributed_optimizer)
+    overlap_grads = bool(performance and performance.overlap_grad_reduce)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grads, use_distributed_optimizer=distributed_optimizer,
+        overlap_param_gather=bool(performance and performance.overlap_param_gather),
+        # buckets let the reduction of late layers start while early layers still run backward
+        bucket_size=40_000_000 if overlap_grads else None)
     for name, module in held_modules(model):
         if ctx.params_dtype != torch.float32:
             module = module.to(ctx.params_dtype)  # conv and embedding layers are created in fp32
@@ -71,6 +79,18 @@ def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: Bu
         else:
             model.modality_submodules[name] = wrapped
     return model
+
+
+@contextmanager
+def parameters_gathered(model):
+    """With --overlap-param-gather the distributed optimizer's updated shards reach the other data-parallel ranks
+    only in the next forward: gather them now (a save must hold the updated weights; evaluation must not take the
+    next training forward's gather), and gather in forwards again afterwards."""
+    model.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        model.enable_forward_pre_hook()
 
 
 def _attach_tp_groups(model, topology: Topology) -> None:

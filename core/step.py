@@ -55,6 +55,8 @@ class Trainer:
         self._skipped_samples = skipped_samples
         config = model.config  # the language model's TransformerConfig; the schedule reads it
         config.finalize_model_grads_func = self._finalize_grads
+        # The schedule holds back overlapped gradient reduction until the last micro-batch's backward.
+        config.no_sync_func = model.no_sync
         self._schedule, communicator = schedule_for(topology, config)
         self.timers = timers or StepTimers([], [], device, enabled=False)
         if communicator is not None:

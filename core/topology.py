@@ -24,7 +24,7 @@ def _divisors(n: int) -> str:
 
 
 def plan(layout: LayoutOptions, world_size: int, shapes: dict[str, ModuleShape],
-         micro_batch_size: int) -> dict[str, ModuleParallelism]:
+         micro_batch_size: int, sequence_parallel: bool = False) -> dict[str, ModuleParallelism]:
     """Per-module parallelism for this run, or a UsageError naming the option to change and a value that works."""
     k = layout.encoder_ranks
     if not 0 <= k < world_size:
@@ -43,7 +43,7 @@ def plan(layout: LayoutOptions, world_size: int, shapes: dict[str, ModuleShape],
         *llm_span, tp=layout.llm_tp, pp=layout.llm_pp, ep=layout.llm_ep, expt_tp=layout.llm_expt_tp
     )
     for name, par in parallelism.items():
-        _check_module(name, par, shapes[name])
+        _check_module(name, par, shapes[name], sequence_parallel)
     if k:
         _check_bridge(parallelism, micro_batch_size)
     return parallelism
@@ -93,7 +93,7 @@ def _dp_rank(par: ModuleParallelism, rank: int) -> int:
     return (rank - par.first_rank) // (par.tp * par.cp) % par.dp
 
 
-def _check_module(name: str, par: ModuleParallelism, shape: ModuleShape) -> None:
+def _check_module(name: str, par: ModuleParallelism, shape: ModuleShape, sequence_parallel: bool) -> None:
     is_llm = name == LANGUAGE
     tp_opt, who = ("--llm-tp", "LLM") if is_llm else ("--encoder-tp", f"encoder '{name}'")
     if par.num_ranks % (par.tp * par.pp):
@@ -106,9 +106,9 @@ def _check_module(name: str, par: ModuleParallelism, shape: ModuleShape) -> None
             raise UsageError(f"{tp_opt} {par.tp} does not divide the {who}'s {count} {what}: use one of {_divisors(count)}")
     if par.pp > 1 and shape.num_layers % par.pp:
         raise UsageError(f"--llm-pp {par.pp} does not divide the LLM's {shape.num_layers} layers: use one of {_divisors(shape.num_layers)}")
-    if is_llm and shape.num_experts and par.tp > 1:
-        raise UsageError(f"--llm-tp {par.tp} with a mixture-of-experts LLM needs sequence parallelism, which mimo "
-                         f"does not enable yet: keep --llm-tp 1 and split the experts with --llm-ep")
+    if is_llm and shape.num_experts and par.tp > 1 and not sequence_parallel:
+        raise UsageError(f"--llm-tp {par.tp} with a mixture-of-experts LLM needs --sequence-parallel "
+                         f"(megatron-core's MoE layers under TP), or keep --llm-tp 1 and split the experts with --llm-ep")
     if par.ep > 1 and not shape.num_experts:
         raise UsageError(f"--llm-ep {par.ep} needs a mixture-of-experts LLM; this provider's LLM has no experts")
     if shape.num_experts and shape.num_experts % par.ep:

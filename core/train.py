@@ -56,7 +56,12 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     t = config.training
     if world_size is None:
         world_size = launch.world_size(config.launch)  # a launcher's world (torchrun, srun), or the options
-    parallelism = topology.plan(config.layout, world_size, shapes, t.micro_batch_size)
+    parallelism = topology.plan(config.layout, world_size, shapes, t.micro_batch_size,
+                                config.performance.sequence_parallel)
+    unknown = sorted(set(config.performance.recompute_modes()) - set(shapes) - {"*"})
+    if unknown:
+        raise UsageError(f"--recompute names module '{unknown[0]}', which provider '{config.provider}' does not "
+                         f"have: use {', '.join(sorted(shapes))}")
     lanes = parallelism[topology.LANGUAGE].dp
     per_microbatch = t.micro_batch_size * lanes
     global_batch = t.global_batch_size or per_microbatch * (t.num_microbatches or 1)
@@ -93,6 +98,13 @@ class Session:
     signal_watch: signals.SignalWatch | None = None  # --exit-signal and SIGINT: stop at an iteration boundary
 
 
+def build_context(plan: Plan, params_dtype: torch.dtype, topo: topology.Topology) -> BuildContext:
+    perf = plan.config.performance
+    return BuildContext(params_dtype=params_dtype, parallelism=plan.parallelism, pg_collections=topo.pg_collections,
+                        recompute={name: perf.recompute_for(name) for name in plan.parallelism},
+                        sequence_parallel=perf.sequence_parallel, fp8=perf.fp8, cuda_graphs=perf.cuda_graphs)
+
+
 def start(plan: Plan) -> Session:
     """Join the world, build the groups, model, optimizer and schedule, restore a checkpoint, open the data."""
     config, t, c = plan.config, plan.config.training, plan.config.checkpoint
@@ -100,13 +112,16 @@ def start(plan: Plan) -> Session:
     device = launch.init_process(t.device, config.launch.distributed_timeout_minutes)
     if dist.get_world_size() != plan.world_size:
         raise UsageError(f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} joined")
+    perf = config.performance
+    if device.type != "cuda" and (perf.fp8 != "none" or perf.cuda_graphs):
+        raise UsageError(f"--{'fp8' if perf.fp8 != 'none' else 'cuda-graphs'} needs a GPU; this run is on the CPU")
     topo = topology.build(plan.parallelism, backend="nccl" if device.type == "cuda" else "gloo")
     seed_pgs = topo.pg_collections.get(topology.LANGUAGE) or next(iter(topo.pg_collections.values()))
     launch.seed_everything(t.seed, seed_pgs.tp.rank(), seed_pgs.ep.rank(), seed_pgs.expt_tp.rank())
 
-    ctx = BuildContext(params_dtype=params_dtype, parallelism=plan.parallelism, pg_collections=topo.pg_collections)
+    ctx = build_context(plan, params_dtype, topo)
     model = build_model(plan.hooks, plan.settings, config.provider, topo, ctx, device, t.seed,
-                        config.optimizer.use_distributed_optimizer)
+                        config.optimizer.use_distributed_optimizer, config.performance)
     optimizer = build_optimizer(model, config.optimizer, params_dtype)
     scheduler = build_scheduler(optimizer, config.scheduler, config.optimizer, plan.global_batch_size,
                                 plan.train_iters * plan.global_batch_size)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -11,11 +12,15 @@ if TYPE_CHECKING:  # megatron-core imports in seconds; `mimo --help` and `provid
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+LANGUAGE = "language"  # megatron-core's MIMO_LANGUAGE_MODULE_KEY
+
 # TransformerConfig fields the loop decides; a provider sets only its model's shape and numerics.
 LOOP_OWNED_FIELDS = (
     "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
     "expert_tensor_parallel_size", "context_parallel_size", "params_dtype", "bf16", "pipeline_dtype",
-    "calculate_per_token_loss", "variable_seq_lengths", "use_cpu_initialization",
+    "calculate_per_token_loss", "variable_seq_lengths", "use_cpu_initialization", "sequence_parallel",
+    "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules", "fp8", "fp8_recipe",
+    "cuda_graph_impl",
 )
 
 
@@ -53,6 +58,11 @@ class BuildContext:
     pg_collections: dict[str, ProcessGroupCollection | None]
     # Initialize weights on the CPU (then move them): identical weights on every device and any TP size.
     init_on_cpu: bool = True
+    # The loop's performance options (`mimo run --recompute` etc.), applied by `transformer_config`.
+    recompute: dict[str, str] = field(default_factory=dict)  # module -> none | selective | full
+    sequence_parallel: bool = False  # applies to the language model, when its TP > 1
+    fp8: str = "none"  # transformer-engine recipe name for the language model, or none
+    cuda_graphs: bool = False
 
     def transformer_config(self, module: str, **shape) -> TransformerConfig:
         """A TransformerConfig for `module` with the model's `shape` and the loop's layout and precision."""
@@ -75,8 +85,30 @@ class BuildContext:
             calculate_per_token_loss=True,
             variable_seq_lengths=True,
             use_cpu_initialization=self.init_on_cpu,
+            **self._performance_fields(module, par, shape),
             **shape,
         )
+
+    def _performance_fields(self, module: str, par: ModuleParallelism, shape: dict) -> dict:
+        fields = {"sequence_parallel": self.sequence_parallel and par.tp > 1 and module == LANGUAGE}
+        mode = self.recompute.get(module, "none")
+        if mode == "full":  # keep each layer's input only; recompute the layer in backward
+            fields.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        elif mode == "selective":  # megatron-core's memory-heavy, compute-light parts
+            parts = ["core_attn"]
+            # norms and MoE activations: megatron-core's output-discarding recompute, which needs
+            # transformer-engine and does not work with delayed FP8 scaling
+            if importlib.util.find_spec("transformer_engine") is not None and self.fp8 != "delayed":
+                parts.append("layernorm")
+                if shape.get("num_moe_experts") and shape.get("moe_grouped_gemm"):
+                    parts.append("moe_act")
+            fields.update(recompute_granularity="selective", recompute_modules=parts)
+        if self.fp8 != "none" and module == LANGUAGE:  # encoders' token counts vary (images), FP8 GEMMs need
+            fields.update(fp8="hybrid", fp8_recipe=self.fp8)  # multiples of 16
+
+        if self.cuda_graphs:
+            fields.update(cuda_graph_impl="local")
+        return fields
 
     def pg_collection(self, module: str) -> ProcessGroupCollection | None:
         """The module's process groups, or None on a rank that does not hold the module."""

@@ -40,8 +40,13 @@ class MockVLMSettings:
                                    minimum=0)
     chat_template: Literal["plain", "nemotron"] = setting(
         "plain", "--data: prompt format (plain: no turn markers; nemotron: ChatML turns, needs vocab_size >= 264)")
+    backend: Literal["auto", "te", "local"] = setting(
+        "auto", "te: megatron-core's transformer-engine layer specs (fused norm+linear, flash attention, fused "
+                "RoPE; FP8-capable); local: megatron-core's local modules (any device); auto: te when "
+                "transformer-engine is installed and a GPU is visible")
     attention: Literal["sdpa", "local"] = setting(
-        "sdpa", "core attention: torch's fused SDPA (flash on GPUs) or megatron-core's unfused DotProductAttention")
+        "sdpa", "backend local: core attention by torch's fused SDPA (flash on GPUs) or megatron-core's unfused "
+                "DotProductAttention")
     dropout: float = setting(0.0, "hidden and attention dropout of both models", minimum=0.0, maximum=1.0)
     freeze_vision: bool = setting(False, "do not train the ViT (the projection still trains)")
     freeze_language: bool = setting(False, "do not train the language model")

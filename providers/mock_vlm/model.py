@@ -1,15 +1,26 @@
-"""mock-vlm's modules, as megatron-core specs: a SigLIP-style CLIPViTModel, an MLP projection, a GPTModel."""
+"""mock-vlm's modules, as megatron-core specs: a SigLIP-style CLIPViTModel, an MLP projection, a GPTModel.
+
+Backend `local` uses megatron-core's local layer specs, `te` its transformer-engine ones. Both draw the initial
+weights in the same order from the same seed (norms start at one), so the two backends start from equal weights;
+the parameter names differ (te fuses each norm into the following linear layer)."""
 
 from __future__ import annotations
 
 import copy
 
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+import importlib.util
+
+import torch
+from megatron.core.models.gpt.gpt_layer_specs import (
+    get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec,
+)
 from megatron.core.models.mimo.submodules.vision import VisionModalitySubmodules
 from megatron.core.models.vision.clip_vit_model import CLIPViTModel
 from megatron.core.models.vision.multimodal_projector import MultimodalProjector
-from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+from megatron.core.models.vision.vit_layer_specs import (
+    get_vit_layer_with_local_spec, get_vit_layer_with_transformer_engine_spec,
+)
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -24,8 +35,38 @@ def _ffn(settings, hidden: int) -> int:
     return settings.ffn_hidden_size or 4 * hidden
 
 
-def _layer_spec(local_spec: ModuleSpec, settings) -> ModuleSpec:
-    """megatron-core's local layer spec, with SDPA as its core attention unless `attention=local`."""
+def resolve_backend(requested: str) -> str:
+    te_installed = importlib.util.find_spec("transformer_engine") is not None
+    if requested == "auto":
+        return "te" if te_installed and torch.cuda.is_available() else "local"
+    if requested == "te" and not (te_installed and torch.cuda.is_available()):
+        missing = "transformer-engine" if not te_installed else "a visible GPU"
+        raise ValueError(f"backend 'te' needs {missing}; use backend=local (or auto)")
+    return requested
+
+
+def _kernels(backend: str, ctx) -> dict:
+    """te: fused bias-dropout-add and RoPE. FP8 runs only through transformer-engine's layers."""
+    if backend == "te":
+        return {"bias_dropout_fusion": True, "apply_rope_fusion": True}
+    if ctx.fp8 != "none":
+        raise ValueError(f"--fp8 {ctx.fp8} needs backend te: --set backend=te (transformer-engine and a GPU)")
+    return {}
+
+
+def _norm(backend: str):
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TENorm
+    return WrappedTorchNorm
+
+
+def _layer_spec(local_spec: ModuleSpec, settings, te_spec=None) -> ModuleSpec:
+    """megatron-core's TE layer spec (backend te), or its local one with SDPA as the core attention unless
+    `attention=local`."""
+    if te_spec is not None:
+        return te_spec
     if settings.attention == "local":
         return local_spec
     spec = copy.deepcopy(local_spec)
@@ -34,11 +75,12 @@ def _layer_spec(local_spec: ModuleSpec, settings) -> ModuleSpec:
 
 
 def vision_spec(settings, ctx) -> Encoder:
+    backend = resolve_backend(settings.backend)
     pgc = ctx.pg_collection(IMAGES)
     vit_config = ctx.transformer_config(
         IMAGES, num_layers=settings.vision_layers, hidden_size=settings.vision_hidden_size,
         num_attention_heads=settings.vision_heads, ffn_hidden_size=_ffn(settings, settings.vision_hidden_size),
-        hidden_dropout=settings.dropout, attention_dropout=settings.dropout,
+        hidden_dropout=settings.dropout, attention_dropout=settings.dropout, **_kernels(backend, ctx),
     )
     projection_config = ctx.transformer_config(
         # The projection has no attention; its head count only has to suit the encoder's TP, like the ViT's.
@@ -48,8 +90,10 @@ def vision_spec(settings, ctx) -> Encoder:
     vit = ModuleSpec(
         module=CLIPViTModel,
         params=dict(
-            transformer_config=vit_config, transformer_layer_spec=_layer_spec(get_vit_layer_with_local_spec(), settings),
-            ln_pre_impl=WrappedTorchNorm, ln_post_impl=WrappedTorchNorm,
+            transformer_config=vit_config,
+            transformer_layer_spec=_layer_spec(get_vit_layer_with_local_spec(), settings,
+                                               get_vit_layer_with_transformer_engine_spec() if backend == "te" else None),
+            ln_pre_impl=_norm(backend), ln_post_impl=_norm(backend),
             model_subtype="siglip", add_class_token=False, class_token_len=0, patch_dim=settings.patch_size,
             img_h=settings.image_size, img_w=settings.image_size, pg_collection=pgc,
         ),
@@ -71,16 +115,22 @@ def vision_spec(settings, ctx) -> Encoder:
 
 
 def language_spec(settings, ctx) -> ModuleSpec:
+    backend = resolve_backend(settings.backend)
     config = ctx.transformer_config(
         "language", num_layers=settings.num_layers, hidden_size=settings.hidden_size,
         num_attention_heads=settings.num_attention_heads, ffn_hidden_size=_ffn(settings, settings.hidden_size),
-        hidden_dropout=settings.dropout, attention_dropout=settings.dropout,
+        hidden_dropout=settings.dropout, attention_dropout=settings.dropout, **_kernels(backend, ctx),
     )
+    if ctx.sequence_parallel and ctx.parallelism["language"].tp > 1 and backend != "te":
+        raise ValueError("--sequence-parallel needs backend te (megatron-core's torch norms do not split the "
+                         "sequence): --set backend=te, or leave sequence parallelism off")
+    te_spec = get_gpt_layer_with_transformer_engine_spec() if backend == "te" else None
     return ModuleSpec(
         module=GPTModel,
         params=dict(
-            config=config, transformer_layer_spec=_layer_spec(get_gpt_layer_local_spec(), settings), vocab_size=settings.vocab_size,
-            max_sequence_length=settings.seq_length, position_embedding_type="rope",
+            config=config, transformer_layer_spec=_layer_spec(get_gpt_layer_local_spec(), settings, te_spec),
+            vocab_size=settings.vocab_size, max_sequence_length=settings.seq_length, position_embedding_type="rope",
+            scatter_embedding_sequence_parallel=False,  # MimoModel scatters the combined embeddings itself
             pre_process=ctx.is_first_stage("language"), post_process=ctx.is_last_stage("language"),
             pg_collection=ctx.pg_collection("language"),
         ),

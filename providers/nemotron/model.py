@@ -99,7 +99,7 @@ def vision_spec(s: NemotronVLMSettings, ctx) -> Encoder:
         normalization="LayerNorm", layernorm_epsilon=s.vision_layernorm_epsilon, add_bias_linear=True,
         add_qkv_bias=True, activation_func=VISION_ACTIVATIONS[s.vision_activation], gated_linear_unit=False,
         hidden_dropout=s.dropout, attention_dropout=s.dropout,
-        init_method_std=s.init_method_std,
+        init_method_std=s.init_method_std, **_fused_kernels(backend),
     )
     projection_config = ctx.transformer_config(
         # No attention: the head count only has to suit the encoder grid's TP, like the ViT's.
@@ -131,10 +131,15 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
     backend = resolve_backend(s.backend)
     # A pattern without E layers is a dense LLM: no experts in its config, so TP needs no sequence parallelism.
     num_experts = s.num_experts if "E" in s.hybrid_pattern else None
-    if num_experts and ctx.parallelism["language"].tp > 1:  # megatron-core's TransformerConfig refuses it, less clearly
+    if num_experts and ctx.parallelism["language"].tp > 1 and not ctx.sequence_parallel:
         raise ValueError("--llm-tp > 1: megatron-core trains MoE layers under tensor parallelism only with "
-                         "sequence parallelism, which mimo does not enable; use --llm-tp 1 (and --llm-ep to "
-                         "split the experts)")
+                         "sequence parallelism: add --sequence-parallel, or use --llm-tp 1 (and --llm-ep to split "
+                         "the experts)")
+    if ctx.fp8 != "none" and backend != "te":
+        raise ValueError(f"--fp8 {ctx.fp8} needs backend te: --set backend=te (transformer-engine, mamba-ssm, a GPU)")
+    if ctx.sequence_parallel and ctx.parallelism["language"].tp > 1 and backend != "te":
+        raise ValueError("--sequence-parallel needs backend te (megatron-core's torch norms do not split the "
+                         "sequence): --set backend=te, or leave sequence parallelism off")
     config = ctx.transformer_config(
         "language", num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
         num_query_groups=s.num_query_groups, kv_channels=s.kv_channels, ffn_hidden_size=s.ffn_hidden_size,
@@ -143,15 +148,24 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         init_method_std=s.init_method_std, mamba_num_heads=s.mamba_num_heads, mamba_head_dim=s.mamba_head_dim,
         mamba_num_groups=s.mamba_num_groups, mamba_state_dim=s.mamba_state_dim,
         **(_moe_config(s, backend) if num_experts else {}),
+        # FP8 GEMMs need token counts in multiples of 16: pad each expert's routed tokens
+        **({"moe_router_padding_for_fp8": True} if num_experts and ctx.fp8 != "none" else {}),
+        **_fused_kernels(backend),
     )
     return ModuleSpec(module=HybridModel, params=dict(
         config=config,
         hybrid_stack_spec=hybrid_stack_spec(backend, s.mamba_conv_kernel, s.num_experts, s.mamba_dt_clamp_min),
         vocab_size=s.vocab_size, max_sequence_length=s.seq_length, hybrid_layer_pattern=s.hybrid_pattern,
         share_embeddings_and_output_weights=False, position_embedding_type="none",
+        scatter_embedding_sequence_parallel=False,  # MimoModel scatters the combined embeddings itself
         pre_process=ctx.is_first_stage("language"), post_process=ctx.is_last_stage("language"),
         pg_collection=ctx.pg_collection("language"),
     ))
+
+
+def _fused_kernels(backend: str) -> dict:
+    """te: megatron-core's fused bias-dropout-add (a jit kernel; the local backend runs on any device)."""
+    return {"bias_dropout_fusion": True} if backend == "te" else {}
 
 
 def _moe_config(s: NemotronVLMSettings, backend: str) -> dict:
@@ -161,5 +175,6 @@ def _moe_config(s: NemotronVLMSettings, backend: str) -> dict:
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
         moe_router_topk_scaling_factor=s.moe_router_topk_scaling_factor,
         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=s.moe_aux_loss_coeff,
-        moe_grouped_gemm=backend == "te",
+        # te: one grouped GEMM for the experts; transformer-engine's fused token permutation and router top-k
+        moe_grouped_gemm=backend == "te", moe_permute_fusion=backend == "te", moe_router_fusion=backend == "te",
     )
