@@ -135,6 +135,15 @@ def enable() -> None:
 
     mcore_random._get_cuda_rng_state = _cpu_rng_state
     mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    # Recomputation (--recompute) runs forward code again inside autograd's backward, where this thread's
+    # redirection mode is not active: enter it there too.
+    backward = mcore_random.CheckpointFunction.backward
+
+    def redirected_backward(ctx, *grads):
+        with _CudaToCpu():
+            return backward(ctx, *grads)
+
+    mcore_random.CheckpointFunction.backward = staticmethod(redirected_backward)
 
 
 def is_enabled() -> bool:
