@@ -38,8 +38,11 @@ def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: Bu
     from megatron.core.models.mimo import MimoModelConfig
     from megatron.core.transformer.spec_utils import ModuleSpec
 
-    encoders = hooks.build_encoders(settings=settings, ctx=ctx)
-    language = hooks.build_language_model(settings=settings, ctx=ctx)
+    try:
+        encoders = hooks.build_encoders(settings=settings, ctx=ctx)
+        language = hooks.build_language_model(settings=settings, ctx=ctx)
+    except ValueError as err:  # the provider refuses these settings with these options: its message, one line
+        raise UsageError(f"provider '{provider_name}': {err}") from None
     if not isinstance(encoders, dict) or not all(isinstance(e, Encoder) for e in encoders.values()):
         raise UsageError(f"provider '{provider_name}': build_encoders must return {{name: mimo.Encoder}}, "
                          f"got {type(encoders).__name__}")
