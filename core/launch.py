@@ -118,12 +118,13 @@ def init_process(requested_device: str, timeout_minutes: float = 10.0) -> torch.
     return device
 
 
-def seed_everything(seed: int, tp_rank: int, ep_rank: int, etp_rank: int) -> None:
+def seed_everything(seed: int, tp_rank: int, ep_rank: int, etp_rank: int, te_rng_tracker: bool = False) -> None:
     """Seed torch and megatron-core's model-parallel RNG tracker (explicit ranks: no parallel_state)."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
-    model_parallel_cuda_manual_seed(seed, tp_rank=tp_rank, ep_rank=ep_rank, etp_rank=etp_rank)
+    model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_rng_tracker, tp_rank=tp_rank, ep_rank=ep_rank,
+                                    etp_rank=etp_rank)
 
 
 def _free_port() -> int:

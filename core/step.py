@@ -45,7 +45,7 @@ class Trainer:
 
     def __init__(self, model, optimizer, scheduler, hooks, settings, topology: Topology, device: torch.device,
                  params_dtype: torch.dtype, num_microbatches: int, global_batch_size: int, micro_batch_size: int,
-                 seq_length: int, skipped_samples=lambda: 0, timers=None):
+                 seq_length: int, skipped_samples=lambda: 0, timers=None, layer_graphs=None):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.hooks, self.settings, self.topology = hooks, settings, topology
         self.device, self.params_dtype = device, params_dtype
@@ -62,6 +62,7 @@ class Trainer:
         if communicator is not None:
             timers.watch_bridge(communicator)
         self._shape = {"seq_length": seq_length, "micro_batch_size": micro_batch_size}
+        self.layer_graphs = layer_graphs  # --cuda-graphs
 
     def forward_step(self, data_iterator, model):
         with self.timers.phase("data"):
@@ -98,6 +99,8 @@ class Trainer:
 
     @record_function("mimo/step")
     def step(self, data_iterator) -> StepResult:
+        if self.layer_graphs is not None:
+            self.layer_graphs.before_step()
         self.model.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._totals.zero_()

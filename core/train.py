@@ -14,6 +14,7 @@ from mimo.plugins.settings import build_settings
 from . import evaluation, launch, signals, topology
 from .checkpoint import Checkpointer, run_info
 from .config import DEFAULT_TRAIN_ITERS, RunConfig
+from .cuda_graphs import LayerGraphs
 from .metrics import MetricsLogger
 from .model import build_model, count_parameters
 from .optim import build_optimizer, build_scheduler
@@ -117,7 +118,8 @@ def start(plan: Plan) -> Session:
         raise UsageError(f"--{'fp8' if perf.fp8 != 'none' else 'cuda-graphs'} needs a GPU; this run is on the CPU")
     topo = topology.build(plan.parallelism, backend="nccl" if device.type == "cuda" else "gloo")
     seed_pgs = topo.pg_collections.get(topology.LANGUAGE) or next(iter(topo.pg_collections.values()))
-    launch.seed_everything(t.seed, seed_pgs.tp.rank(), seed_pgs.ep.rank(), seed_pgs.expt_tp.rank())
+    launch.seed_everything(t.seed, seed_pgs.tp.rank(), seed_pgs.ep.rank(), seed_pgs.expt_tp.rank(),
+                           te_rng_tracker=perf.cuda_graphs)  # graph capture needs transformer-engine's tracker
 
     ctx = build_context(plan, params_dtype, topo)
     model = build_model(plan.hooks, plan.settings, config.provider, topo, ctx, device, t.seed,
@@ -150,9 +152,11 @@ def start(plan: Plan) -> Session:
                          f"data_provider opened no ctx.energon_loader): drop --data, or use a provider that reads it")
     seq_length = first_batch["input_ids"].numel() // data_ctx.rows  # packed rows arrive laid end to end
     timers = StepTimers(list(plan.parallelism), list(topo.pg_collections), device, config.logging.log_timers)
+    graphs = LayerGraphs(model, optimizer, topo, seq_length, t.micro_batch_size) if perf.cuda_graphs else None
     trainer = Trainer(model, optimizer, scheduler, plan.hooks, plan.settings, topo, device, params_dtype,
                       plan.num_microbatches, plan.global_batch_size, t.micro_batch_size, seq_length,
-                      skipped_samples=lambda: getattr(source, "skipped_samples", 0), timers=timers)
+                      skipped_samples=lambda: getattr(source, "skipped_samples", 0), timers=timers,
+                      layer_graphs=graphs)
 
     logging_rank = is_token_source(topo) and data_ctx.first_position == 0  # lane 0 logs
     flops = plan.hooks.model_flops(settings=plan.settings)

@@ -20,7 +20,7 @@ LOOP_OWNED_FIELDS = (
     "expert_tensor_parallel_size", "context_parallel_size", "params_dtype", "bf16", "pipeline_dtype",
     "calculate_per_token_loss", "variable_seq_lengths", "use_cpu_initialization", "sequence_parallel",
     "recompute_granularity", "recompute_method", "recompute_num_layers", "recompute_modules", "fp8", "fp8_recipe",
-    "cuda_graph_impl",
+    "cuda_graph_impl", "use_te_rng_tracker",
 )
 
 
@@ -62,7 +62,7 @@ class BuildContext:
     recompute: dict[str, str] = field(default_factory=dict)  # module -> none | selective | full
     sequence_parallel: bool = False  # applies to the language model, when its TP > 1
     fp8: str = "none"  # transformer-engine recipe name for the language model, or none
-    cuda_graphs: bool = False
+    cuda_graphs: bool = False  # the language model's layers are captured as CUDA graphs after warm-up
 
     def transformer_config(self, module: str, **shape) -> TransformerConfig:
         """A TransformerConfig for `module` with the model's `shape` and the loop's layout and precision."""
@@ -106,8 +106,10 @@ class BuildContext:
         if self.fp8 != "none" and module == LANGUAGE:  # encoders' token counts vary (images), FP8 GEMMs need
             fields.update(fp8="hybrid", fp8_recipe=self.fp8)  # multiples of 16
 
-        if self.cuda_graphs:
-            fields.update(cuda_graph_impl="local")
+        if self.cuda_graphs:  # the loop captures the language model's layers (mimo.core.cuda_graphs)
+            fields.update(use_te_rng_tracker=True)
+            if module == LANGUAGE:
+                fields.update(cuda_graph_impl="transformer_engine")
         return fields
 
     def pg_collection(self, module: str) -> ProcessGroupCollection | None:

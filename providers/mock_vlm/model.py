@@ -49,8 +49,9 @@ def _kernels(backend: str, ctx) -> dict:
     """te: fused bias-dropout-add and RoPE. FP8 runs only through transformer-engine's layers."""
     if backend == "te":
         return {"bias_dropout_fusion": True, "apply_rope_fusion": True}
-    if ctx.fp8 != "none":
-        raise ValueError(f"--fp8 {ctx.fp8} needs backend te: --set backend=te (transformer-engine and a GPU)")
+    for wanted, option in ((ctx.fp8 != "none", f"--fp8 {ctx.fp8}"), (ctx.cuda_graphs, "--cuda-graphs")):
+        if wanted:
+            raise ValueError(f"{option} needs backend te: --set backend=te (transformer-engine and a GPU)")
     return {}
 
 

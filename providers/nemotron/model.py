@@ -135,6 +135,9 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         raise ValueError("--llm-tp > 1: megatron-core trains MoE layers under tensor parallelism only with "
                          "sequence parallelism: add --sequence-parallel, or use --llm-tp 1 (and --llm-ep to split "
                          "the experts)")
+    if ctx.cuda_graphs:
+        raise ValueError("--cuda-graphs: this LLM's packed variable-length sequences and MoE routing change shape "
+                         "every micro-batch, which captured graphs cannot replay; leave --cuda-graphs off")
     if ctx.fp8 != "none" and backend != "te":
         raise ValueError(f"--fp8 {ctx.fp8} needs backend te: --set backend=te (transformer-engine, mamba-ssm, a GPU)")
     if ctx.sequence_parallel and ctx.parallelism["language"].tp > 1 and backend != "te":

@@ -1,0 +1,29 @@
+"""`--cuda-graphs`: the language model's layers captured as transformer-engine CUDA graphs by megatron-core's
+TECudaGraphHelper, then replayed, so each layer's forward and backward launch as one graph instead of dozens of
+kernels from Python. The loop drives it as Megatron-LM's does: eager iterations first, capture once, replay."""
+
+from __future__ import annotations
+
+from .topology import LANGUAGE, Topology
+
+EAGER_ITERATIONS = 1  # the first iteration runs eagerly (allocator, TE's first-use setup), then capture
+
+
+class LayerGraphs:
+    def __init__(self, model, optimizer, topology: Topology, seq_length: int, micro_batch_size: int):
+        from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
+
+        self.helper = None
+        self.steps = 0
+        if topology.holds(LANGUAGE):  # an encoder-only rank has no language layers to capture
+            language = model.language_model
+            self.helper = TECudaGraphHelper(model=[language], config=language.config, seq_length=seq_length,
+                                            micro_batch_size=micro_batch_size, optimizers=[optimizer],
+                                            pg_collection=topology.pg_collections[LANGUAGE])
+
+    def before_step(self) -> None:
+        """Capture before the first step after the eager ones; afterwards the layers replay their graphs."""
+        self.steps += 1
+        if self.helper is not None and self.steps == EAGER_ITERATIONS + 1:
+            self.helper.create_cudagraphs()
+            self.helper.cuda_graph_set_manual_hooks()
