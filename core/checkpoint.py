@@ -433,12 +433,14 @@ def _unshare_adam_steps(mimo_optimizer) -> None:
 
 def _skip_adam_step_on_load(opt) -> None:
     """megatron-core 0.19.2 copies every state tensor of a parameter when it loads distributed-optimizer
-    state, torch Adam's per-parameter `step` included, but hands over no `step` (it restores steps from the
-    common state): a KeyError without Apex or TE. Mark `step` as nothing to copy."""
+    state, torch Adam's per-parameter `step` included, though it restores steps from the common state (the
+    parameter groups) just before. The fully_reshardable loader hands over no `step` (a KeyError without Apex
+    or TE); the dp_reshardable one hands over the running optimizer's own `step`, here the dummy step's 1, which
+    would overwrite the restored count. Never copy `step`, whatever the loader hands over."""
     if getattr(opt, "_mimo_skips_step", False):
         return
     original = opt._set_main_param_and_optimizer_states
-    opt._set_main_param_and_optimizer_states = lambda param, tensors: original(param, {"step": None, **tensors})
+    opt._set_main_param_and_optimizer_states = lambda param, tensors: original(param, {**tensors, "step": None})
     opt._mimo_skips_step = True
 
 

@@ -45,6 +45,16 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(tmp_path, layout):
     assert resumed[-1]["consumed_samples"] == full[-1]["consumed_samples"]
 
 
+def test_distributed_optimizer_resume_matches_an_uninterrupted_run_bit_for_bit(tmp_path):
+    # The default (dp_reshardable) state: its loader once copied the fresh optimizer's Adam step (1) over the
+    # saved one, so iteration 4, the first update after the resume, differed.
+    save, common = tmp_path / "save", ("--train-iters", "4", "--nproc-per-node", "2", "--use-distributed-optimizer")
+    full, _ = train(tmp_path, "full", *common, "--save", str(save), "--save-interval", "2")
+    resumed, _ = train(tmp_path, "resumed", *common, "--load", str(only_checkpoint(save, 2, tmp_path / "from2")))
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert losses(resumed) == {i: loss for i, loss in losses(full).items() if i > 2}  # exact equality
+
+
 @pytest.mark.parametrize("stage", ["before-shards", "after-shards", "before-tracker"])
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, stage):
     save = tmp_path / "save"
