@@ -136,6 +136,18 @@ def test_finetune_and_pretrained_start_from_the_weights_at_iteration_zero(tmp_pa
     assert pretrained[0]["lm_loss"] == tuned[0]["lm_loss"]
 
 
+def test_bf16_weights_loaded_without_optimizer_state_survive_the_first_step(tmp_path):
+    # bf16 optimizers step fp32 main copies of the weights; taken before the load, they once put the initial
+    # weights back at the first step (the second loss rose above the fresh run's).
+    save = tmp_path / "save"
+    train(tmp_path, "a", "--train-iters", "8", "--precision", "bf16", "--save", str(save))
+    fresh, _ = train(tmp_path, "fresh", "--train-iters", "2", "--precision", "bf16")
+    for optimizer in ((), ("--use-distributed-optimizer",)):
+        tuned, _ = train(tmp_path, f"ft{len(optimizer)}", "--train-iters", "2", "--precision", "bf16",
+                         "--load", str(save), "--finetune", *optimizer)
+        assert tuned[1]["lm_loss"] < fresh[1]["lm_loss"] - 0.3, optimizer
+
+
 @pytest.mark.smoke
 def test_broken_checkpoints_are_one_clear_line(tmp_path):
     save = tmp_path / "save"
