@@ -242,6 +242,8 @@ class Checkpointer:
             with torch.no_grad():  # megatron-core's dp_reshardable loader copies into parameters without it
                 self.optimizer.load_state_dict({n: _merge_common(sub) for n, sub in loaded["optimizer"].items()})
             _unshare_adam_steps(self.optimizer)
+        else:
+            self._refresh_main_params()
         if opts.load_scheduler and common["opt_param_scheduler"] is not None:
             self._load_scheduler(common["opt_param_scheduler"])
         if load_rng:
@@ -277,6 +279,7 @@ class Checkpointer:
             raise UsageError(f"--pretrained {path} is not a mimo checkpoint")
         else:
             self.load_foreign(path, directory)
+            self._refresh_main_params()
 
     def _load_weights_only(self, root: Path, what: str, common: dict | None = None) -> None:
         iteration = read_tracker(root)
@@ -286,6 +289,7 @@ class Checkpointer:
         self._check_compatible(common or read_common(directory), directory)
         model_state = self.model.sharded_state_dict()
         self._load_model(self._dist_load({"model": model_state}, directory)["model"])
+        self._refresh_main_params()
 
     def _load_model(self, state: dict) -> None:
         """Strict, but for `_extra_state` entries the checkpoint did not have (see _dist_load)."""
@@ -293,6 +297,13 @@ class Checkpointer:
         missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
         if missing or result.unexpected_keys:  # cannot happen when the request came from this model
             raise RuntimeError(f"model state mismatch: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+
+    def _refresh_main_params(self) -> None:
+        """bf16 optimizers keep fp32 main copies of the weights, taken when they were built: after loading weights
+        without optimizer state, give them the weights loaded, or the first step would go on from the initial
+        ones. Never when the optimizer state loads: it holds the saved main copies (read in place by the load)."""
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
 
     def _dist_load(self, state: dict, directory: Path) -> dict:
         from torch.distributed.checkpoint.api import CheckpointException
@@ -433,12 +444,14 @@ def _unshare_adam_steps(mimo_optimizer) -> None:
 
 def _skip_adam_step_on_load(opt) -> None:
     """megatron-core 0.19.2 copies every state tensor of a parameter when it loads distributed-optimizer
-    state, torch Adam's per-parameter `step` included, but hands over no `step` (it restores steps from the
-    common state): a KeyError without Apex or TE. Mark `step` as nothing to copy."""
+    state, torch Adam's per-parameter `step` included, though it restores steps from the common state (the
+    parameter groups) just before. The fully_reshardable loader hands over no `step` (a KeyError without Apex
+    or TE); the dp_reshardable one hands over the running optimizer's own `step`, here the dummy step's 1, which
+    would overwrite the restored count. Never copy `step`, whatever the loader hands over."""
     if getattr(opt, "_mimo_skips_step", False):
         return
     original = opt._set_main_param_and_optimizer_states
-    opt._set_main_param_and_optimizer_states = lambda param, tensors: original(param, {"step": None, **tensors})
+    opt._set_main_param_and_optimizer_states = lambda param, tensors: original(param, {**tensors, "step": None})
     opt._mimo_skips_step = True
 
 

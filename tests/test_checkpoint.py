@@ -45,6 +45,16 @@ def test_resume_matches_an_uninterrupted_run_bit_for_bit(tmp_path, layout):
     assert resumed[-1]["consumed_samples"] == full[-1]["consumed_samples"]
 
 
+def test_distributed_optimizer_resume_matches_an_uninterrupted_run_bit_for_bit(tmp_path):
+    # The default (dp_reshardable) state: its loader once copied the fresh optimizer's Adam step (1) over the
+    # saved one, so iteration 4, the first update after the resume, differed.
+    save, common = tmp_path / "save", ("--train-iters", "4", "--nproc-per-node", "2", "--use-distributed-optimizer")
+    full, _ = train(tmp_path, "full", *common, "--save", str(save), "--save-interval", "2")
+    resumed, _ = train(tmp_path, "resumed", *common, "--load", str(only_checkpoint(save, 2, tmp_path / "from2")))
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    assert losses(resumed) == {i: loss for i, loss in losses(full).items() if i > 2}  # exact equality
+
+
 @pytest.mark.parametrize("stage", ["before-shards", "after-shards", "before-tracker"])
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, stage):
     save = tmp_path / "save"
@@ -124,6 +134,18 @@ def test_finetune_and_pretrained_start_from_the_weights_at_iteration_zero(tmp_pa
     # Same first batch as the fresh run, but the trained weights: a lower loss, the same for both ways in.
     assert tuned[0]["lm_loss"] < fresh[0]["lm_loss"] - 0.3
     assert pretrained[0]["lm_loss"] == tuned[0]["lm_loss"]
+
+
+def test_bf16_weights_loaded_without_optimizer_state_survive_the_first_step(tmp_path):
+    # bf16 optimizers step fp32 main copies of the weights; taken before the load, they once put the initial
+    # weights back at the first step (the second loss rose above the fresh run's).
+    save = tmp_path / "save"
+    train(tmp_path, "a", "--train-iters", "8", "--precision", "bf16", "--save", str(save))
+    fresh, _ = train(tmp_path, "fresh", "--train-iters", "2", "--precision", "bf16")
+    for optimizer in ((), ("--use-distributed-optimizer",)):
+        tuned, _ = train(tmp_path, f"ft{len(optimizer)}", "--train-iters", "2", "--precision", "bf16",
+                         "--load", str(save), "--finetune", *optimizer)
+        assert tuned[1]["lm_loss"] < fresh[1]["lm_loss"] - 0.3, optimizer
 
 
 @pytest.mark.smoke
