@@ -10,12 +10,20 @@ EAGER_ITERATIONS = 1  # the first iteration runs eagerly (allocator, TE's first-
 
 
 class LayerGraphs:
-    def __init__(self, model, optimizer, topology: Topology, seq_length: int, micro_batch_size: int):
+    def __init__(self, model, optimizer, topology: Topology, seq_length: int, micro_batch_size: int,
+                 num_microbatches: int):
+        from megatron.core import num_microbatches_calculator as calculator
         from megatron.core.transformer.cuda_graphs import TECudaGraphHelper
 
         self.helper = None
         self.steps = 0
         if topology.holds(LANGUAGE):  # an encoder-only rank has no language layers to capture
+            # The helper reads the micro-batches per step from megatron-core's global calculator (its warm-up count
+            # and, with PP, the schedule it captures); mimo's schedule has these per step, no ramp-up.
+            calculator.unset_num_microbatches_calculator()
+            calculator.init_num_microbatches_calculator(
+                rank=0, global_batch_size=micro_batch_size * num_microbatches, micro_batch_size=micro_batch_size,
+                data_parallel_size=1)
             language = model.language_model
             self.helper = TECudaGraphHelper(model=[language], config=language.config, seq_length=seq_length,
                                             micro_batch_size=micro_batch_size, optimizers=[optimizer],

@@ -152,7 +152,8 @@ def start(plan: Plan) -> Session:
                          f"data_provider opened no ctx.energon_loader): drop --data, or use a provider that reads it")
     seq_length = first_batch["input_ids"].numel() // data_ctx.rows  # packed rows arrive laid end to end
     timers = StepTimers(list(plan.parallelism), list(topo.pg_collections), device, config.logging.log_timers)
-    graphs = LayerGraphs(model, optimizer, topo, seq_length, t.micro_batch_size) if perf.cuda_graphs else None
+    graphs = (LayerGraphs(model, optimizer, topo, seq_length, t.micro_batch_size, plan.num_microbatches)
+              if perf.cuda_graphs else None)
     trainer = Trainer(model, optimizer, scheduler, plan.hooks, plan.settings, topo, device, params_dtype,
                       plan.num_microbatches, plan.global_batch_size, t.micro_batch_size, seq_length,
                       skipped_samples=lambda: getattr(source, "skipped_samples", 0), timers=timers,
