@@ -9,6 +9,21 @@ from .topology import LANGUAGE, Topology
 EAGER_ITERATIONS = 1  # the first iteration runs eagerly (allocator, TE's first-use setup), then capture
 
 
+def train_on_capture_stream() -> None:
+    """Make the stream torch captures graphs on this process's current stream, before the model is built.
+
+    megatron-core's DDP keeps every parameter's gradient-accumulation node from the moment it wraps the model, and
+    autograd runs that node on the stream that was current then. Built on the default stream, a layer's backward
+    captured on a side stream would make the default stream wait on the capture, which CUDA refuses
+    (cudaErrorStreamCaptureImplicit). On one stream for everything, capture and training never cross streams.
+    """
+    import torch
+
+    stream = torch.cuda.Stream()
+    torch.cuda.graph.default_capture_stream = stream
+    torch.cuda.set_stream(stream)
+
+
 class LayerGraphs:
     def __init__(self, model, optimizer, topology: Topology, seq_length: int, micro_batch_size: int,
                  num_microbatches: int):

@@ -14,7 +14,7 @@ from mimo.plugins.settings import build_settings
 from . import evaluation, launch, signals, topology
 from .checkpoint import Checkpointer, run_info
 from .config import DEFAULT_TRAIN_ITERS, RunConfig
-from .cuda_graphs import LayerGraphs
+from .cuda_graphs import LayerGraphs, train_on_capture_stream
 from .metrics import MetricsLogger
 from .model import build_model, count_parameters
 from .optim import build_optimizer, build_scheduler
@@ -116,6 +116,8 @@ def start(plan: Plan) -> Session:
     perf = config.performance
     if device.type != "cuda" and (perf.fp8 != "none" or perf.cuda_graphs):
         raise UsageError(f"--{'fp8' if perf.fp8 != 'none' else 'cuda-graphs'} needs a GPU; this run is on the CPU")
+    if perf.cuda_graphs:
+        train_on_capture_stream()
     topo = topology.build(plan.parallelism, backend="nccl" if device.type == "cuda" else "gloo")
     seed_pgs = topo.pg_collections.get(topology.LANGUAGE) or next(iter(topo.pg_collections.values()))
     launch.seed_everything(t.seed, seed_pgs.tp.rank(), seed_pgs.ep.rank(), seed_pgs.expt_tp.rank(),
