@@ -27,6 +27,7 @@ CASES = {
     "dense-te-mbs4": ("mock-vlm", {**DENSE, "backend": "te"}, 4, 2, []),
     "dense-te-graphs": ("mock-vlm", {**DENSE, "backend": "te"}, 2, 4, ["--cuda-graphs"]),
     "dense-te-graphs-mbs4": ("mock-vlm", {**DENSE, "backend": "te"}, 4, 2, ["--cuda-graphs"]),
+    "dense-te-graphs-fp8-mbs4": ("mock-vlm", {**DENSE, "backend": "te"}, 4, 2, ["--cuda-graphs", "--fp8", "tensorwise"]),
     "dense-te-mbs8-selective": ("mock-vlm", {**DENSE, "backend": "te"}, 8, 1, ["--recompute", "selective"]),
     "dense-te-fp8": ("mock-vlm", {**DENSE, "backend": "te"}, 2, 4, ["--fp8", "tensorwise"]),
     "dense-te-fp8-mbs4": ("mock-vlm", {**DENSE, "backend": "te"}, 4, 2, ["--fp8", "tensorwise"]),

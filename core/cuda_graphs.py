@@ -40,6 +40,7 @@ class LayerGraphs:
                 rank=0, global_batch_size=micro_batch_size * num_microbatches, micro_batch_size=micro_batch_size,
                 data_parallel_size=1)
             language = model.language_model
+            self.gathers_params_in_forward = language.ddp_config.overlap_param_gather
             self.helper = TECudaGraphHelper(model=[language], config=language.config, seq_length=seq_length,
                                             micro_batch_size=micro_batch_size, optimizers=[optimizer],
                                             pg_collection=topology.pg_collections[LANGUAGE])
@@ -49,4 +50,5 @@ class LayerGraphs:
         self.steps += 1
         if self.helper is not None and self.steps == EAGER_ITERATIONS + 1:
             self.helper.create_cudagraphs()
-            self.helper.cuda_graph_set_manual_hooks()
+            if self.gathers_params_in_forward:  # replayed layers skip the forward pre-hooks that gather them
+                self.helper.cuda_graph_set_manual_hooks()
