@@ -60,10 +60,13 @@ def _run(**kwargs):
     from mimo.core.resume import check_resume
     from mimo.core.save_lock import lock_save_directory
 
+    from mimo.core import memory_check
+
     launch.die_with_launcher()
     config = run_config(kwargs)
     try:
         plan = prepare(config)  # every check that needs no process group, before any worker starts
+        memory_check.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
         check_output_paths(config)  # likewise every path the run writes: created and test-written now
         speaks = launch.speaks_for_run(config.launch)
         if speaks and config.checkpoint.save is not None:
@@ -118,12 +121,23 @@ def _plan(as_json: bool = False, **kwargs):
     """Show which ranks run which module with which TP/DP/PP/EP, parameter counts, and whether the layout is
     valid (exit 2 if not), for the same options as `mimo run`, without starting workers."""
     _quiet_import_notices()
+    from mimo.core import memory_check
     from mimo.core.train import prepare
 
     from .plan import describe, print_plan
 
     try:
-        print_plan(describe(prepare(run_config(kwargs))), as_json)
+        plan = prepare(run_config(kwargs))
+        estimates = memory_check.estimate_plan(plan)
+        limit = memory_check.gpu_limit_gib(plan.config, planning=True)
+        summary = describe(plan, estimates, limit)
+        try:
+            memory_check.check(plan, estimates, planning=True)
+        except UsageError:
+            summary["valid"] = False
+            print_plan(summary, as_json)
+            raise
+        print_plan(summary, as_json)
     except UsageError as err:
         raise fail(str(err)) from None
 

@@ -9,7 +9,9 @@ from rich.console import Console
 from rich.table import Table
 
 
-def describe(plan) -> dict:
+def describe(plan, estimates=None, limit=None) -> dict:
+    """The plan as `mimo plan --json` prints it; `estimates` and `limit` (core.memory_check) add the memory."""
+    from mimo.core.memory_check import summary
     from mimo.core.topology import LANGUAGE
 
     modules = []
@@ -31,7 +33,7 @@ def describe(plan) -> dict:
         "modules": modules, "global_batch_size": plan.global_batch_size,
         "micro_batch_size": plan.config.training.micro_batch_size, "num_microbatches": plan.num_microbatches,
         "llm_data_parallel_lanes": plan.num_lanes, "encoder_data_parallel": encoder_dp[0] if encoder_dp else None,
-        "train_iters": plan.train_iters, "valid": True,
+        "train_iters": plan.train_iters, "valid": True, "memory": summary(estimates, limit),
     }
 
 
@@ -50,6 +52,27 @@ def print_plan(summary: dict, as_json: bool) -> None:
                       f"{m['parameters_per_rank']:,}" if m["parameters_per_rank"] else "?")
     console = Console()
     console.print(table)
+    if summary.get("memory"):
+        console.print(memory_table(summary["memory"]))
+    elif "memory" in summary:
+        console.print("memory: not estimated (the provider has no module_memory hook)")
     console.print(f"global batch {summary['global_batch_size']} = {summary['num_microbatches']} micro-batches x "
                   f"{summary['micro_batch_size']} samples x {summary['llm_data_parallel_lanes']} LLM lanes; "
-                  f"{summary['train_iters']} iterations. Layout valid.")
+                  f"{summary['train_iters']} iterations. " + ("Layout valid." if summary["valid"] else
+                                                              "Layout does not fit."))
+
+
+def memory_table(memory: dict) -> Table:
+    limit = memory["limit"]
+    title = "memory per GPU, GiB" + (f" (limit {limit:.0f}: {memory['limit_source']})" if limit else " (no limit: CPU)")
+    table = Table("ranks", "modules", "params", "grads", "optimizer", "activations", "allowance", "total", "limit",
+                  "headroom", title=title, caption=f"allowance: {memory['allowance_rule']}")
+    for r in memory["ranks"]:
+        modules = ", ".join(f"{m['module']} ({m['recompute']}, {m['micro_batches_in_flight']} in flight)"
+                            for m in r["modules"])
+        headroom = f"{r['headroom']:.1f}" if r["headroom"] is not None else "-"
+        table.add_row(f"{r['kind']} {r['ranks'][0]}-{r['ranks'][1]}", modules,
+                      *(f"{r[k]:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "allowance",
+                                                 "total")),
+                      f"{limit:.0f}" if limit else "-", headroom if r["fits"] else f"[red]{headroom}[/red]")
+    return table

@@ -29,8 +29,8 @@ class Kernels:
     fused_norm: the norm is fused into the next linear layer (TE's LayerNormLinear, mimo's local stand-in): a
         selective `layernorm` recompute has nothing separate to drop.
     te: transformer-engine's modules (selective recompute then also drops separate norms and MoE activations).
-    attention_copy: the attention output is copied before the output projection (mimo's SDPA module reshapes a
-        permuted tensor), so both copies are kept.
+    attention_copy: the attention output is copied before the output projection, so both copies are kept
+        (mimo's SDPA module on packed THD sequences writes each sequence's output into a new buffer).
     """
 
     fp32_norm: bool = False
@@ -64,14 +64,15 @@ def attention(h: int, heads: int, groups: int, head_dim: int, kernels: Kernels, 
                       replicated=h * (2 if norm_bias else 1) + (h if bias else 0))
 
     def kept_none(mode: str, v: int) -> TokenBytes:
-        # q, k and v are views of the qkv projection's output, which therefore stays whole; RoPE makes new q, k
-        tp = (q + 2 * kv) * v + ((q + kv) * v if rope else 0)
-        out = q * v + 4 * heads  # the attention output and its softmax statistic (logsumexp, fp32)
-        if mode == "selective":
-            out = 0  # core attention recomputed: the projection keeps its input, no more
-        if kernels.attention_copy and mode != "selective":
-            out += q * v
-        return TokenBytes(replicated=_norm_linear(h, v, kernels), tp=tp + out + q * v)  # + projection input
+        # q, k and v are views of the qkv projection's output, which therefore stays whole
+        if kernels.te:  # TE's attention takes contiguous copies of q, k and v: the projection's output is freed
+            tp = (q + 2 * kv) * v
+        else:  # grouped-query attention reshapes q out of them (a copy), unless RoPE makes new q and k anyway
+            tp = (q + 2 * kv) * v + ((q + kv) * v if rope else (q * v if groups != heads else 0))
+        # the attention output, kept by the output projection; recomputed under selective, the core attention
+        # keeps neither its softmax statistic (logsumexp, fp32) nor a copy of the output of its own
+        own = 0 if mode == "selective" else 4 * heads + (q * v if kernels.attention_copy else 0)
+        return TokenBytes(replicated=_norm_linear(h, v, kernels), tp=tp + q * v + own)
 
     kept, working = _full(kept_none, h)
     return LayerMemory("attention", weights, kept, working)
@@ -156,10 +157,10 @@ def mamba(h: int, heads: int, head_dim: int, groups: int, state: int, conv_kerne
 
 
 def embedding(vocab: int, h: int, *, positions: int = 0) -> LayerMemory:
-    """Vocab-parallel word embeddings (and a replicated position table): the looked-up rows are the next
-    layer's input, counted there."""
+    """Vocab-parallel word embeddings (and a replicated position table): backward needs the token ids (int64);
+    the looked-up rows are the next layer's input, counted there."""
     return LayerMemory("embedding", Weights(tp=vocab * h, replicated=positions * h),
-                       lambda mode, v: TokenBytes(replicated=h * v))
+                       lambda mode, v: TokenBytes(replicated=8))
 
 
 def output(vocab: int, h: int, *, final_norm_bias: bool = False, kernels: Kernels = Kernels()) -> LayerMemory:

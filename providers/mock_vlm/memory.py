@@ -14,11 +14,11 @@ def _backend(settings) -> str:
 
 
 def kernels(settings) -> ml.Kernels:
-    """te: norms fused into the next linear layer, TE attention. local: torch norms, mimo's SDPA module (which
-    copies its output once more) or megatron-core's unfused attention (attention=local: the scores are kept)."""
+    """te: norms fused into the next linear layer, TE attention. local: torch norms, mimo's SDPA module or
+    megatron-core's unfused attention (attention=local: the scores are kept)."""
     if _backend(settings) == "te":
         return ml.Kernels(fused_norm=True, te=True)
-    return ml.Kernels(fused_norm=False, attention_copy=True)
+    return ml.Kernels(fused_norm=False)
 
 
 def _scores(settings, heads: int, tokens: int) -> LayerMemory:

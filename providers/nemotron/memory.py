@@ -12,11 +12,11 @@ from .specs import resolve_backend
 
 def kernels(s: NemotronVLMSettings) -> ml.Kernels:
     """te: transformer-engine's fused norm + linear and attention, mamba-ssm's fused scan. local: mimo's norm +
-    linear (the norm in fp32 on a copy of its input) and SDPA module (a copy of the attention output)."""
+    linear (the norm in fp32 on a copy of its input) and SDPA module."""
     # an explicit backend is estimated as asked, also where it cannot run (a plan made off the GPU machines)
     if (s.backend if s.backend != "auto" else resolve_backend("auto")) == "te":
         return ml.Kernels(fused_norm=True, te=True)
-    return ml.Kernels(fp32_norm=True, attention_copy=True)
+    return ml.Kernels(fp32_norm=True)
 
 
 def llm_layers(s: NemotronVLMSettings) -> list[LayerMemory]:
@@ -63,6 +63,8 @@ def vision_tokens(s: NemotronVLMSettings) -> int:
 
 def module_memory(s: NemotronVLMSettings) -> dict[str, ModuleMemory]:
     k, vh = kernels(s), s.vision_hidden_size
+    if not k.te and s.dynamic_resolution:  # packed images: mimo's SDPA module writes a new output buffer
+        k = ml.Kernels(fp32_norm=True, attention_copy=True)
     vit = ml.transformer(vh, s.vision_heads, s.vision_heads, vh // s.vision_heads, s.vision_ffn_hidden_size, k,
                          bias=True, kind="vit")
     return {
