@@ -214,3 +214,25 @@ def test_plan_54l_one_rank_refused_32_ranks_fit():
         assert rank["fits"] and 0 < rank["total"] < 80
         assert set(rank) >= {"parameters", "gradients", "optimizer", "activations", "allowance", "total",
                              "headroom", "modules"}
+
+
+def test_contract_kit_checks_module_memory(monkeypatch):
+    """A provider whose module_memory disagrees with its model is caught by mimo.testing."""
+    from mimo.plugins import ModuleMemory
+    from mimo.providers.mock_vlm import memory as mock_memory
+    from mimo.testing import ContractError, check_module_memory, load_subject
+    from mimo.testing.memory_check import built_parameter_mismatch
+    from mimo.testing.model_check import check_model_shape
+
+    subject = load_subject("mock-vlm")
+    shapes = check_model_shape(subject)
+    assert check_module_memory(subject, shapes) is None
+    real = mock_memory.module_memory(subject.settings)
+    short = {**real, "language": ModuleMemory(real["language"].layers[1:], real["language"].tokens_per_sample,
+                                              real["language"].first, real["language"].last)}
+    monkeypatch.setattr(mock_memory, "module_memory", lambda settings: short)
+    with pytest.raises(ContractError) as err:
+        check_module_memory(subject, shapes)
+    assert str(err.value).startswith("module_memory: 'language': its layers hold")
+    built = {name: shape.num_parameters for name, shape in shapes.items()}
+    assert built_parameter_mismatch(real, built) is None and "'language'" in built_parameter_mismatch(short, built)
