@@ -15,19 +15,23 @@ from typing import Callable
 RECOMPUTE = ("none", "selective", "full")
 
 
+class _Additive:
+    """Field-wise + and scaling, for the records below."""
+
+    def __add__(self, other):
+        return type(self)(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def __mul__(self, k):
+        return type(self)(*(getattr(self, f.name) * k for f in fields(self)))
+
+
 @dataclass(frozen=True)
-class Weights:
+class Weights(_Additive):
     """Parameter elements, unsharded, by how megatron-core splits them."""
 
     tp: int = 0  # split over tensor parallelism: column/row-parallel weights, vocab-parallel embeddings
     replicated: int = 0  # whole on every TP rank: norms, biases of row-parallel layers, routers, Mamba's per-head
     expert: int = 0  # routed experts: split over expert parallelism x expert tensor parallelism
-
-    def __add__(self, other: "Weights") -> "Weights":
-        return Weights(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
-
-    def __mul__(self, n: int) -> "Weights":
-        return Weights(*(getattr(self, f.name) * n for f in fields(self)))
 
     @property
     def total(self) -> int:
@@ -35,19 +39,14 @@ class Weights:
 
 
 @dataclass(frozen=True)
-class TokenBytes:
+class TokenBytes(_Additive):
     """Activation bytes per token, by how they split over a module's ranks."""
 
     replicated: float = 0.0  # [tokens, hidden] tensors (norm inputs, residuals): split over TP only with
     #                          sequence parallelism
     tp: float = 0.0  # split over TP: attention heads, MLP columns, vocabulary shards
-    expert: float = 0.0  # routed tokens (top-k copies of each token) inside the experts: split over expert TP
-
-    def __add__(self, other: "TokenBytes") -> "TokenBytes":
-        return TokenBytes(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
-
-    def __mul__(self, k: float) -> "TokenBytes":
-        return TokenBytes(*(getattr(self, f.name) * k for f in fields(self)))
+    expert: float = 0.0  # routed tokens (top-k copies of each token) inside the experts; with sequence
+    #                      parallelism split over TP like the tokens they copy
 
     @property
     def total(self) -> float:
