@@ -60,10 +60,13 @@ def _run(**kwargs):
     from mimo.core.resume import check_resume
     from mimo.core.save_lock import lock_save_directory
 
+    from mimo.core import memory_check
+
     launch.die_with_launcher()
     config = run_config(kwargs)
     try:
         plan = prepare(config)  # every check that needs no process group, before any worker starts
+        memory_check.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
         check_output_paths(config)  # likewise every path the run writes: created and test-written now
         speaks = launch.speaks_for_run(config.launch)
         if speaks and config.checkpoint.save is not None:
@@ -114,16 +117,33 @@ app.command("eval", context_settings={"max_content_width": 120})(with_options(_e
 ] + provider_parameters() + loop_parameters()))
 
 
-def _plan(as_json: bool = False, **kwargs):
-    """Show which ranks run which module with which TP/DP/PP/EP, parameter counts, and whether the layout is
-    valid (exit 2 if not), for the same options as `mimo run`, without starting workers."""
+def _plan(as_json: bool = False, suggest: bool = False, gpus: typing.Optional[int] = None, **kwargs):
+    """Show which ranks run which module with which TP/DP/PP/EP, parameter counts, the memory estimate per GPU,
+    and whether the layout is valid and fits (exit 2 if not), for the same options as `mimo run`, without
+    starting workers. With --suggest --gpus N: the layouts of N GPUs that fit, best first."""
     _quiet_import_notices()
+    from mimo.core import memory_check
     from mimo.core.train import prepare
 
-    from .plan import describe, print_plan
+    from .plan import describe, print_plan, print_suggestions
 
     try:
-        print_plan(describe(prepare(run_config(kwargs))), as_json)
+        if suggest or gpus is not None:
+            if not (suggest and gpus):
+                raise UsageError("--suggest and --gpus N go together (N >= 1): list the layouts of N GPUs that fit")
+            print_suggestions(run_config(kwargs), gpus, as_json)
+            return
+        plan = prepare(run_config(kwargs))
+        estimates = memory_check.estimate_plan(plan)
+        limit = memory_check.gpu_limit_gib(plan.config, planning=True)
+        summary = describe(plan, estimates, limit)
+        try:
+            memory_check.check(plan, estimates, planning=True)
+        except UsageError:
+            summary["valid"] = False
+            print_plan(summary, as_json)
+            raise
+        print_plan(summary, as_json)
     except UsageError as err:
         raise fail(str(err)) from None
 
@@ -131,6 +151,11 @@ def _plan(as_json: bool = False, **kwargs):
 app.command("plan", context_settings={"max_content_width": 120})(with_options(_plan, [
     inspect.Parameter("as_json", inspect.Parameter.KEYWORD_ONLY, default=False,
                       annotation=Annotated[bool, typer.Option("--json", help="machine-readable output")]),
+    inspect.Parameter("suggest", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
+        bool, typer.Option("--suggest", help="list the valid layouts of --gpus N GPUs that fit --gpu-memory, "
+                                             "best first")]),
+    inspect.Parameter("gpus", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
+        typing.Optional[int], typer.Option("--gpus", help="with --suggest: the number of GPUs to lay out")]),
 ] + provider_parameters() + loop_parameters()))
 
 

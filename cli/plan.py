@@ -9,7 +9,9 @@ from rich.console import Console
 from rich.table import Table
 
 
-def describe(plan) -> dict:
+def describe(plan, estimates=None, limit=None) -> dict:
+    """The plan as `mimo plan --json` prints it; `estimates` and `limit` (core.memory_check) add the memory."""
+    from mimo.core.memory_check import summary
     from mimo.core.topology import LANGUAGE
 
     modules = []
@@ -31,7 +33,7 @@ def describe(plan) -> dict:
         "modules": modules, "global_batch_size": plan.global_batch_size,
         "micro_batch_size": plan.config.training.micro_batch_size, "num_microbatches": plan.num_microbatches,
         "llm_data_parallel_lanes": plan.num_lanes, "encoder_data_parallel": encoder_dp[0] if encoder_dp else None,
-        "train_iters": plan.train_iters, "valid": True,
+        "train_iters": plan.train_iters, "valid": True, "memory": summary(estimates, limit),
     }
 
 
@@ -48,8 +50,63 @@ def print_plan(summary: dict, as_json: bool) -> None:
         table.add_row(m["module"], f"{m['ranks'][0]}-{m['ranks'][1]}", str(m["tp"]), str(m["dp"]), str(m["pp"]),
                       str(m["ep"]), str(m["layers"]), total,
                       f"{m['parameters_per_rank']:,}" if m["parameters_per_rank"] else "?")
-    console = Console()
+    console = Console(width=120)
     console.print(table)
+    if summary.get("memory"):
+        console.print(memory_table(summary["memory"]))
+    elif "memory" in summary:
+        console.print("memory: not estimated (the provider has no module_memory hook)")
     console.print(f"global batch {summary['global_batch_size']} = {summary['num_microbatches']} micro-batches x "
                   f"{summary['micro_batch_size']} samples x {summary['llm_data_parallel_lanes']} LLM lanes; "
-                  f"{summary['train_iters']} iterations. Layout valid.")
+                  f"{summary['train_iters']} iterations. " + ("Layout valid." if summary["valid"] else
+                                                              "Layout does not fit."))
+
+
+def memory_table(memory: dict) -> Table:
+    limit = memory["limit"]
+    title = "memory per GPU, GiB" + (f" (limit {limit:.0f}: {memory['limit_source']})" if limit else " (no limit: CPU)")
+    table = Table("ranks", "modules", "params", "grads", "optimizer", "activations", "allowance", "total", "limit",
+                  "headroom", title=title, caption=f"allowance: {memory['allowance_rule']}")
+    for r in memory["ranks"]:
+        modules = ", ".join(f"{m['module']} ({m['recompute']}, {m['micro_batches_in_flight']} in flight)"
+                            if m["recompute"] != "none" or m["micro_batches_in_flight"] > 1 else m["module"]
+                            for m in r["modules"])
+        headroom = f"{r['headroom']:.1f}" if r["headroom"] is not None else "-"
+        table.add_row(f"{r['kind']} {r['ranks'][0]}-{r['ranks'][1]}", modules,
+                      *(f"{r[k]:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "allowance",
+                                                 "total")),
+                      f"{limit:.0f}" if limit else "-", headroom if r["fits"] else f"[red]{headroom}[/red]")
+    return table
+
+
+def print_suggestions(config, gpus: int, as_json: bool) -> None:
+    """`mimo plan --suggest --gpus N`: the layouts that fit, best first, as a table or JSON."""
+    import dataclasses
+
+    from mimo.core import memory_check
+    from mimo.core.config import LayoutOptions
+    from mimo.core.layout_search import suggest
+    from mimo.core.train import prepare
+    from mimo.errors import UsageError
+
+    # the search lays the modules out itself: the run's own layout options need not suit N GPUs
+    plan = prepare(dataclasses.replace(config, layout=LayoutOptions()), world_size=gpus)
+    limit, source = memory_check.gpu_limit_gib(plan.config, planning=True) or (memory_check.DEFAULT_GIB, "default")
+    found = suggest(plan, gpus, limit)
+    if not found:
+        raise UsageError(f"no layout of {gpus} GPUs fits {limit:.0f} GiB ({source}) with these options, even with "
+                         f"the distributed optimizer and full recomputation: use more GPUs or a smaller "
+                         f"--micro-batch-size")
+    rows = [{"flags": s.flags(), "layout": dataclasses.asdict(s.layout), "sequence_parallel": s.sequence_parallel,
+             "use_distributed_optimizer": s.distributed_optimizer, "recompute": s.recompute,
+             "num_microbatches": s.num_microbatches, "largest_rank_gib": s.largest_gib,
+             "headroom_gib": s.headroom_gib, "communication_cost": s.cost} for s in found]
+    if as_json:
+        typer.echo(json.dumps({"provider": config.provider, "gpus": gpus, "limit_gib": limit,
+                               "limit_source": source, "layouts": rows}, indent=2))
+        return
+    table = Table("#", "mimo run options", "largest rank GiB", "headroom GiB",
+                  title=f"{config.provider}: layouts of {gpus} GPUs that fit {limit:.0f} GiB ({source}), best first")
+    for i, row in enumerate(rows, 1):
+        table.add_row(str(i), row["flags"], f"{row['largest_rank_gib']:.1f}", f"{row['headroom_gib']:.1f}")
+    Console(width=120).print(table)

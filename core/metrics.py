@@ -102,6 +102,7 @@ class MetricsLogger:
             "nan_iterations": self.nan_total,
             "skipped_samples": result.skipped_samples,
             "peak_memory_gib": _peak_memory_gib(self.device),
+            **_peaks_per_rank(self.device),
             **{f"grad_norm_{name}": norm for name, norm in result.module_grad_norms.items()},
         }
         if self.flops_per_iteration:
@@ -173,6 +174,23 @@ def _peak_memory_gib(device: torch.device) -> float | None:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # CPU: the process's peak RSS (KiB)
+
+
+def _peaks_per_rank(device: torch.device) -> dict:
+    """Every rank's peak allocated and reserved GiB (a gather over the world), to compare with `mimo plan`'s
+    estimate per rank; nothing on the CPU. Collective: every rank records the same interval."""
+    if device.type != "cuda":
+        return {}
+    import torch.distributed as dist
+
+    mine = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+                        dtype=torch.float64, device=device) / 2**30
+    if not (dist.is_available() and dist.is_initialized()):
+        return {"peak_memory_gib_ranks": [mine[0].item()], "peak_reserved_gib_ranks": [mine[1].item()]}
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return {"peak_memory_gib_ranks": [t[0].item() for t in every],
+            "peak_reserved_gib_ranks": [t[1].item() for t in every]}
 
 
 def _tensorboard(directory):

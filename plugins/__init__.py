@@ -4,11 +4,14 @@ from .constraints import setting
 from .context import BuildContext, DataContext, ModuleParallelism
 from .hookspecs import hookimpl
 from .manager import ENTRY_POINT_GROUP, Registry
+from . import memory_layers  # per-layer formulas for module_memory hooks
+from .memory import LayerMemory, ModuleMemory, TokenBytes, Weights
 from .types import Encoder, ModuleShape, Provider
 
 __all__ = [
-    "BuildContext", "DataContext", "ENTRY_POINT_GROUP", "Encoder", "ModuleParallelism", "ModuleShape",
-    "Provider", "Registry", "SDPAttention", "hookimpl", "setting",
+    "BuildContext", "DataContext", "ENTRY_POINT_GROUP", "Encoder", "LayerMemory", "ModuleMemory",
+    "ModuleParallelism", "ModuleShape", "Provider", "Registry", "SDPAttention", "TokenBytes", "Weights", "hookimpl",
+    "memory_layers", "setting",
 ]
 
 

@@ -77,6 +77,16 @@ def model_flops(settings):
 
 
 @hookspec(firstresult=True)
+def module_memory(settings):
+    """Return `{module name: mimo.plugins.ModuleMemory}` for every module of model_shape: each layer's parameters
+    by how they split over the ranks and the activation bytes it keeps per token by recompute mode
+    (`mimo.plugins.memory_layers` has formulas for megatron-core's layer kinds). `mimo plan` and `mimo run` turn
+    it into a per-rank estimate for the layout and refuse one that does not fit the GPU's memory. Optional:
+    without it nothing is estimated.
+    """
+
+
+@hookspec(firstresult=True)
 def hf_settings(hf_config):
     """Return this provider's settings (a dict of setting names to values) for a Hugging Face model's config.json
     (`hf_config`, a dict), or None for a model type it does not read. A config it reads but cannot express raises

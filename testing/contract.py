@@ -10,6 +10,7 @@ from mimo.plugins import Registry
 from .data_check import check_data
 from .data_path_check import check_data_path
 from .flops_check import check_flops
+from .memory_check import check_module_memory
 from .model_check import check_model_shape, check_specs, module_reports, vocab_size
 from .report import ContractReport
 from .settings_check import check_registration, check_settings_round_trip
@@ -39,6 +40,8 @@ def check_provider(name: str, settings=(), *, registry: Registry | None = None, 
     note = check_data_path(subject, encoders, vocab_size(language))
     report.notes += [note] if note else []
     report.flops, note = check_flops(subject, shapes, report.seq_length)
+    report.notes += [note] if note else []
+    note = check_module_memory(subject, shapes)
     report.notes += [note] if note else []
     report.hooks_called |= subject.called
     skip = "not built: build=False" if not build else too_large(shapes, max_parameters)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from .data_check import check_data
 from .data_path_check import check_data_path
 from .flops_check import check_flops
+from .memory_check import check_module_memory
 from .model_check import check_model_shape, check_specs, module_reports, vocab_size
 from .report import ContractReport
 from .settings_check import check_registration, check_settings_round_trip
@@ -86,6 +87,14 @@ class ProviderContract:
         if note:
             pytest.skip(note)
         print(f"{self.provider}: model_flops = {flops}")
+
+    def test_module_memory(self):
+        import pytest
+
+        shapes, _, _ = self._static()
+        note = check_module_memory(self._subject(), shapes)
+        if note:
+            pytest.skip(note)
 
     def test_builds_trains_and_checkpoints(self):
         import pytest

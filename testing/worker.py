@@ -42,6 +42,7 @@ def run(name: str, assignments: list[str], workdir: Path) -> dict:
     from mimo.errors import UsageError
     from mimo.plugins import BuildContext, DataContext, Registry
 
+    from .memory_check import built_parameter_mismatch
     from .report import ContractError
 
     called: set[str] = set()
@@ -73,6 +74,9 @@ def run(name: str, assignments: list[str], workdir: Path) -> dict:
 
     model = build(SEED)
     built = count_parameters(model)
+    mismatch = built_parameter_mismatch(plan.hooks.module_memory(settings=plan.settings), built)
+    if mismatch:
+        raise ContractError("module_memory", mismatch)
     for module, shape in plan.shapes.items():
         if shape.num_parameters is not None and shape.num_parameters != built[module]:
             raise ContractError("model_shape", f"declared {shape.num_parameters:,} parameters for '{module}' but the "

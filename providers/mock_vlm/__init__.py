@@ -110,6 +110,13 @@ def frozen_parameters(settings: MockVLMSettings):
 
 
 @hookimpl
+def module_memory(settings: MockVLMSettings):
+    from .memory import module_memory as memory_of
+
+    return memory_of(settings)
+
+
+@hookimpl
 def model_flops(settings: MockVLMSettings):
     from .model import forward_flops
 

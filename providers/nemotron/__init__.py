@@ -104,6 +104,13 @@ def frozen_parameters(settings: NemotronVLMSettings):
 
 
 @hookimpl
+def module_memory(settings: NemotronVLMSettings):
+    from .memory import module_memory as memory_of
+
+    return memory_of(settings)
+
+
+@hookimpl
 def model_flops(settings: NemotronVLMSettings):
     from .flops import forward_flops
 

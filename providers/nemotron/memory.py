@@ -1,0 +1,77 @@
+"""The Nemotron VLM family's `module_memory`: RADIO + projection and the hybrid LLM, layer by layer as
+`hybrid_pattern` lays them out, for either backend."""
+
+from __future__ import annotations
+
+from mimo.plugins import LayerMemory, ModuleMemory, TokenBytes, Weights
+from mimo.plugins import memory_layers as ml
+
+from .settings import IMAGES, NemotronVLMSettings
+from .specs import resolve_backend
+
+
+def kernels(s: NemotronVLMSettings) -> ml.Kernels:
+    """te: transformer-engine's fused norm + linear and attention, mamba-ssm's fused scan. local: mimo's norm +
+    linear (the norm in fp32 on a copy of its input) and SDPA module."""
+    # an explicit backend is estimated as asked, also where it cannot run (a plan made off the GPU machines)
+    if (s.backend if s.backend != "auto" else resolve_backend("auto")) == "te":
+        return ml.Kernels(fused_norm=True, te=True)
+    return ml.Kernels(fp32_norm=True)
+
+
+def llm_layers(s: NemotronVLMSettings) -> list[LayerMemory]:
+    k = kernels(s)
+    fused = k.te
+    kinds = {
+        "M": lambda: ml.mamba(s.hidden_size, s.mamba_num_heads, s.mamba_head_dim, s.mamba_num_groups,
+                              s.mamba_state_dim, s.mamba_conv_kernel, k, fused_scan=fused),
+        "E": lambda: ml.moe(s.hidden_size, s.num_experts, s.moe_router_topk, s.moe_ffn_hidden_size,
+                            s.moe_shared_expert_intermediate_size, k),
+        "*": lambda: ml.attention(s.hidden_size, s.num_attention_heads, s.num_query_groups, s.kv_channels, k),
+        "-": lambda: ml.mlp(s.hidden_size, s.ffn_hidden_size, k),
+    }
+    made = {symbol: make() for symbol, make in kinds.items() if symbol in s.hybrid_pattern}
+    return [made[symbol] for symbol in s.hybrid_pattern]
+
+
+def _patch_embedder(s: NemotronVLMSettings) -> LayerMemory:
+    """RADIO's patch embedder(s), position grid and class tokens; keeps the patches' pixels and embeddings."""
+    h, pixels = s.vision_hidden_size, 3 * s.patch_size ** 2
+    frames = s.video_temporal_patch_size
+    weights = Weights(replicated=pixels * h * (1 + (frames if frames > 1 else 0)) + s.max_grid ** 2 * h
+                      + s.class_tokens * h)
+    return LayerMemory("patch embedding", weights, lambda mode, v: TokenBytes(replicated=pixels * v + 2 * h * v))
+
+
+def _projection(s: NemotronVLMSettings) -> LayerMemory:
+    """Per encoder token (before pixel shuffle): the shuffled features, and the MLP's hidden activations."""
+    out, h, shuffle = s.vision_output_size, s.hidden_size, s.shuffle_factor
+    if s.projection == "affine":
+        return LayerMemory("projection", Weights(tp=out * h), lambda mode, v: TokenBytes(replicated=out * v / shuffle))
+    ph = s.projection_hidden_size
+    norm = out if s.projection_norm else 0
+    return LayerMemory("projection", Weights(tp=out * ph + ph * h, replicated=norm),
+                       lambda mode, v: TokenBytes(replicated=(out + norm) * v / shuffle, tp=2 * ph * v / shuffle))
+
+
+def vision_tokens(s: NemotronVLMSettings) -> int:
+    """Encoder tokens of the largest image a sample carries: max_patches (dynamic resolution) or a tile's patches,
+    plus the class tokens."""
+    patches = s.max_patches if s.dynamic_resolution else (s.image_size // s.patch_size) ** 2
+    return patches + s.class_tokens
+
+
+def module_memory(s: NemotronVLMSettings) -> dict[str, ModuleMemory]:
+    k, vh = kernels(s), s.vision_hidden_size
+    if not k.te and s.dynamic_resolution:  # packed images: mimo's SDPA module writes a new output buffer
+        k = ml.Kernels(fp32_norm=True, attention_copy=True)
+    vit = ml.transformer(vh, s.vision_heads, s.vision_heads, vh // s.vision_heads, s.vision_ffn_hidden_size, k,
+                         bias=True, kind="vit")
+    return {
+        IMAGES: ModuleMemory(layers=(vit,) * s.vision_layers,
+                             tokens_per_sample=vision_tokens(s) if s.image_probability > 0 else 0,
+                             first=_patch_embedder(s), last=_projection(s)),
+        "language": ModuleMemory(layers=tuple(llm_layers(s)), tokens_per_sample=s.seq_length,
+                                 first=ml.embedding(s.vocab_size, s.hidden_size),
+                                 last=ml.output(s.vocab_size, s.hidden_size)),
+    }
