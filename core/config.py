@@ -208,6 +208,9 @@ class PerformanceOptions:
             raise UsageError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
         if self.fp8 != "none" and precision != "bf16":
             raise UsageError(f"--fp8 {self.fp8} needs --precision bf16 (FP8 keeps bf16 weights and activations)")
+        if self.cuda_graphs and precision != "bf16":
+            raise UsageError("--cuda-graphs needs --precision bf16 (megatron-core captures the layers with bf16 "
+                             "inputs)")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from mimo.plugins import BuildContext, ModuleParallelism
     ({"overlap_param_gather": True}, "--overlap-param-gather needs --use-distributed-optimizer and "
                                      "--overlap-grad-reduce"),
     ({"fp8": "tensorwise"}, "--fp8 tensorwise needs --precision bf16"),
+    ({"cuda_graphs": True}, "--cuda-graphs needs --precision bf16"),
 ])
 def test_bad_options_are_one_line(options, message):
     config = RunConfig(provider="mock-vlm", performance=PerformanceOptions(**options))
@@ -59,7 +60,7 @@ def test_options_reach_each_modules_transformer_config():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--cuda-graphs"], "error: --cuda-graphs needs a GPU; this run is on the CPU"),
+    (["--cuda-graphs", "--precision", "bf16"], "error: --cuda-graphs needs a GPU; this run is on the CPU"),
     (["--provider", "nemotron-moe-vlm-tiny", "--nproc-per-node", "2", "--llm-tp", "2", "--encoder-tp", "2"],
      "error: --llm-tp 2 with a mixture-of-experts LLM needs --sequence-parallel"),
     (["--set", "backend=te"], "error: provider 'mock-vlm': backend 'te' needs transformer-engine"),

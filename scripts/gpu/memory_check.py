@@ -8,8 +8,9 @@ estimate (the same code `mimo plan --json` runs) next to torch's `max_memory_all
 The estimate compared is the sum of the named terms (parameters, gradients, optimizer state, activations), what
 the allocator is asked for; the allowance (CUDA context and allocator) is left out of the ratio and covers the
 reserved memory. Target: each ratio estimate / measured within 0.85-1.15. The vision encoder is estimated at its
-largest images (max_patches), the synthetic data draws smaller ones, so Nemotron's ratios lean above 1. Writes
-memory_check.json (every record) and prints a table.
+largest images (max_patches, what a plan must allow for); the Nemotron cases draw every image at that size
+(min_patches = max_patches) so the measured peak is of the batch the estimate describes. Writes memory_check.json
+(every record) and prints a table.
 """
 
 from __future__ import annotations
@@ -32,19 +33,21 @@ QUICK = dict(image_size=32, patch_size=8, vision_hidden_size=64, vision_layers=2
              num_layers=2, num_attention_heads=4, seq_length=128, vocab_size=512)
 
 MID = "nemotron-moe-vlm-mid"
+LARGEST_IMAGES = {"min_patches": 2048}  # the mid model's max_patches: every synthetic image at the largest size
 # name -> (provider, settings, micro-batch size, micro-batches, extra options, processes)
 CASES = {
     "dense-local": ("mock-vlm", {**DENSE, "backend": "local"}, 2, 4, [], 1),
     "dense-te": ("mock-vlm", {**DENSE, "backend": "te"}, 2, 4, [], 1),
     "dense-te-mbs4-full": ("mock-vlm", {**DENSE, "backend": "te"}, 4, 2, ["--recompute", "full"], 1),
     "dense-te-distopt": ("mock-vlm", {**DENSE, "backend": "te"}, 2, 4, ["--use-distributed-optimizer"], 1),
-    "mid-local": (MID, {"backend": "local"}, 4, 2, [], 1),
-    "mid-te": (MID, {"backend": "te"}, 4, 2, [], 1),
-    "mid-te-mbs8-selective": (MID, {"backend": "te"}, 8, 1, ["--recompute", "selective"], 1),
+    "mid-local": (MID, {**LARGEST_IMAGES, "backend": "local"}, 4, 2, [], 1),
+    "mid-te": (MID, {**LARGEST_IMAGES, "backend": "te"}, 4, 2, [], 1),
+    "mid-te-mbs8-full": (MID, {**LARGEST_IMAGES, "backend": "te"}, 8, 1, ["--recompute", "full"], 1),
 }
 HETEROGENEOUS = {
     "hetero-dense": ("mock-vlm", {**HEAVY, "backend": "te"}, 2, 8, ["--encoder-ranks", "1"], 2),
-    "hetero-mid-te": (MID, {"backend": "te"}, 4, 4, ["--encoder-ranks", "1", "--use-distributed-optimizer"], 2),
+    "hetero-mid-te": (MID, {**LARGEST_IMAGES, "backend": "te"}, 4, 4,
+                      ["--encoder-ranks", "1", "--use-distributed-optimizer"], 2),
 }
 QUICK_CASES = {
     "dense-local": ("mock-vlm", {**QUICK, "backend": "local"}, 2, 2, [], 1),
