@@ -18,7 +18,7 @@ from .topology import LANGUAGE
 
 GIB = 2 ** 30
 CONTEXT_BYTES = 2 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers
-ALLOCATOR_SHARE = 0.08  # the caching allocator's fragmentation and rounding, on top of the rest
+ALLOCATOR_SHARE = 0.12  # the caching allocator's fragmentation (variable shapes: up to 11% on an H100), rounding
 TERMS = ("parameters", "gradients", "optimizer", "activations")
 
 

@@ -165,13 +165,15 @@ def embedding(vocab: int, h: int, *, positions: int = 0) -> LayerMemory:
 
 def output(vocab: int, h: int, *, final_norm_bias: bool = False, kernels: Kernels = Kernels()) -> LayerMemory:
     """Final norm, vocab-parallel output layer and cross-entropy: the loss keeps the exponentiated logits in
-    fp32; while it runs, the logits in the activations' dtype (and in backward their gradient) exist besides."""
+    fp32 (backward turns them into the gradient in place); while it runs, the logits in the activations' dtype
+    (in backward, their gradient) exist besides. The H100 peaks in docs/verification.md check this term: it
+    dominates a 131k-vocabulary run under full recomputation."""
     weights = Weights(tp=vocab * h, replicated=h * (2 if final_norm_bias else 1))
 
     def kept(mode: str, v: int) -> TokenBytes:
         return TokenBytes(replicated=_norm_linear(h, v, kernels), tp=4 * vocab)
 
     def working(mode: str, v: int) -> TokenBytes:
-        return TokenBytes(tp=vocab * v + 4 * vocab)  # the logits and the loss's fp32 copy, or their gradients
+        return TokenBytes(tp=vocab * v)  # the logits, or in backward their gradient
 
     return LayerMemory("output", weights, kept, working)

@@ -136,7 +136,7 @@ def test_recompute_and_micro_batch_shrink_activations():
         return memory_check.estimate_plan(prepare(cfg, world_size=1))[0].term("activations")
 
     none, full = activations(), activations(recompute="full")
-    assert full < none / 2 and activations(mbs=4) == pytest.approx(2 * none, rel=0.05)
+    assert full < 0.6 * none and activations(mbs=4) == pytest.approx(2 * none, rel=0.05)
 
 
 def test_saved_activations_on_cpu():
