@@ -52,3 +52,20 @@ def test_data_loader_benchmark_packs_what_training_reads(tmp_path):
     assert packed["samples_per_row"] > 1 and unpacked["samples_per_row"] == 1
     assert packed["fill"] > unpacked["fill"] and packed["skipped"] == unpacked["skipped"] == 0
     assert train["status"] == "ok" and packed["ratio_vs_train"] > 0
+
+
+def test_te_path_benchmark_writes_the_record_fields(tmp_path):
+    """bench/te_path.py at toy size: each run's record carries the fields docs/benchmarks/ keeps, with figures."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "te_path.py"), "--quick", "--cases",
+                             "dense-local-selective", "--iterations", "4", "--warmup", "1", "--out", str(tmp_path)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads((tmp_path / "records" / "dense-local-selective.json").read_text())
+    assert record["status"] == "ok" and record["options"] == "--recompute selective", record
+    for field in ("device", "provider", "backend", "precision", "layout", "ms_per_iter", "tokens_per_s_per_gpu",
+                  "tflops_per_gpu", "peak_mem_gib"):
+        assert record[field] is not None, field
+    assert "mfu" in record and record["mfu"] is None  # a CPU has no peak FLOP/s to divide by
+    assert (record["backend"], record["precision"], record["provider"]) == ("local", "bf16", "mock-vlm")
+    assert "--recompute selective" in record["command"] and record["ms_per_iter"] > 0
