@@ -181,6 +181,18 @@ def bar_plot(path: Path, labels: list[str], series: dict[str, list[float | None]
     print(f"plot: {path}")
 
 
+def profile_notes(rows: list[dict]) -> list[str]:
+    """One line per profiled row: the GPU's busy time per iteration against wall time, by kind of kernel."""
+    notes = []
+    for row in rows:
+        profile = row.get("profile")
+        if profile and profile.get("idle_fraction") is not None:
+            kinds = ", ".join(f"{kind} {ms:.0f} ms" for kind, ms in profile["ms_per_iteration_by_kind"].items())
+            notes.append(f"{row['case']}: GPU busy {profile['busy_ms_per_iteration']:.0f} of "
+                         f"{profile['wall_ms_per_iteration']:.0f} ms per iteration ({kinds})")
+    return notes
+
+
 def settings_args(settings: dict) -> list[str]:
     """Provider settings as `--set key=value` options."""
     return [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]

@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from common import Results, device_description, mimo_run, settings_args, steady
+from common import Results, device_description, mimo_run, profile_notes, settings_args, steady
 from throughput import DENSE, QUICK
 
 # name -> (provider, settings, micro-batch size, micro-batches, extra `mimo run` options)
@@ -107,12 +107,7 @@ def main() -> None:
         row = run_case(name, cases[name], args.out, device, args.iterations, args.warmup, name in args.profile)
         results.rows.append(row)
         (args.out / "records" / f"{name}.json").write_text(json.dumps(record(row, info), indent=1))
-    for row in results.rows:
-        profile = row.get("profile")
-        if profile and profile.get("idle_fraction") is not None:
-            kinds = ", ".join(f"{kind} {ms:.0f} ms" for kind, ms in profile["ms_per_iteration_by_kind"].items())
-            results.notes.append(f"{row['case']}: GPU busy {profile['busy_ms_per_iteration']:.0f} of "
-                                 f"{profile['wall_ms_per_iteration']:.0f} ms ({kinds})")
+    results.notes += profile_notes(results.rows)
     results.write(args.out)
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from common import Results, bar_plot, mimo_run, settings_args, steady
+from common import Results, bar_plot, mimo_run, profile_notes, settings_args, steady
 
 DENSE = dict(image_size=448, patch_size=14, vision_hidden_size=1024, vision_layers=24, vision_heads=16,
              hidden_size=2048, num_layers=24, num_attention_heads=16, seq_length=4096, vocab_size=32000)
@@ -97,12 +97,7 @@ def main() -> None:
     ])
     for name in args.cases:
         results.rows.append(measure(name, cases[name], args.out, device))
-    for row in results.rows:
-        profile = row.get("profile")
-        if profile and profile.get("idle_fraction") is not None:
-            kinds = ", ".join(f"{kind} {ms:.0f} ms" for kind, ms in profile["ms_per_iteration_by_kind"].items())
-            results.notes.append(f"{row['case']}: GPU time per iteration {profile['busy_ms_per_iteration']:.0f} of "
-                                 f"{profile['wall_ms_per_iteration']:.0f} ms ({kinds})")
+    results.notes += profile_notes(results.rows)
     results.write(args.out)
     ok = [r for r in results.rows if r["status"] == "ok"]
     bar_plot(args.out / "throughput.png", [r["case"] for r in ok],
