@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import sys
 import typing
 import warnings
@@ -66,7 +67,8 @@ def _run(**kwargs):
     config = run_config(kwargs)
     try:
         plan = prepare(config)  # every check that needs no process group, before any worker starts
-        memory_check.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
+        if not os.environ.get(launch.LAUNCHED_BY_MIMO):  # mimo's launcher checked this plan for its workers
+            memory_check.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
         check_output_paths(config)  # likewise every path the run writes: created and test-written now
         speaks = launch.speaks_for_run(config.launch)
         if speaks and config.checkpoint.save is not None:

@@ -16,6 +16,7 @@ from mimo.errors import UsageError
 from . import memory, topology
 from .config import LayoutOptions
 from .memory import GIB
+from .memory_check import encoder_rows
 
 # (distributed optimizer, LLM recompute) in the order tried; "as given" keeps the run's own options
 VARIANTS = ((None, None), (True, None), (True, "selective"), (True, "full"))
@@ -95,8 +96,7 @@ def suggest(plan, world: int, limit_gib: float, top: int = 10) -> list[Suggestio
             microbatches = t.global_batch_size // (t.micro_batch_size * lanes)
         else:
             microbatches = t.num_microbatches or 1
-        rows = {n: topology.data_positions(parallelism, p.first_rank, t.micro_batch_size)[1]
-                for n, p in parallelism.items() if n != topology.LANGUAGE}
+        rows = encoder_rows(parallelism, t.micro_batch_size)
         for distopt, recompute in VARIANTS:
             modes = dict(base.recompute)
             if recompute:

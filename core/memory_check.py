@@ -7,6 +7,8 @@ or `auto` without a visible GPU) is checked only against an explicit `--gpu-memo
 
 from __future__ import annotations
 
+import functools
+import os
 import shutil
 import subprocess
 
@@ -26,31 +28,38 @@ def estimate_plan(plan) -> list[RankEstimate] | None:
     missing = sorted(set(plan.parallelism) - set(described))
     if missing:
         raise UsageError(f"provider '{plan.config.provider}': module_memory describes no module '{missing[0]}'")
-    mbs = plan.config.training.micro_batch_size
-    rows = {}
-    for name, par in plan.parallelism.items():
-        if name != topology.LANGUAGE:
-            rows[name] = topology.data_positions(plan.parallelism, par.first_rank, mbs)[1]
+    rows = encoder_rows(plan.parallelism, plan.config.training.micro_batch_size)
     return memory.estimate(described, plan.parallelism, memory.options_of(plan), rows)
 
 
+def encoder_rows(parallelism, micro_batch_size: int) -> dict[str, int]:
+    """Samples per micro-batch each encoder's ranks read (their lanes, or their share of one)."""
+    return {name: topology.data_positions(parallelism, par.first_rank, micro_batch_size)[1]
+            for name, par in parallelism.items() if name != topology.LANGUAGE}
+
+
+@functools.lru_cache(maxsize=1)
 def visible_gpu_gib() -> float | None:
-    """Total memory of the first visible GPU: torch's view, else nvidia-smi's; None without either."""
+    """Total memory of the first GPU this process may use: nvidia-smi's (it leaves CUDA untouched in the launcher
+    and in workers that have not picked their device yet), else torch's; None without either. Asked once."""
+    if shutil.which("nvidia-smi"):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        select = ["-i", visible] if visible else []
+        try:
+            out = subprocess.run(["nvidia-smi", *select, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10)
+            first = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+            if first:
+                return float(first) / 1024  # MiB
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
     try:
         import torch
 
         if torch.cuda.is_available():
             return torch.cuda.get_device_properties(0).total_memory / GIB
-    except Exception:  # noqa: BLE001 - a broken CUDA install: ask nvidia-smi
+    except Exception:  # noqa: BLE001 - a broken CUDA install: no GPU to plan for
         pass
-    if shutil.which("nvidia-smi"):
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                                 capture_output=True, text=True, timeout=10)
-            first = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
-            return float(first) / 1024 if first else None  # MiB
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            return None
     return None
 
 
