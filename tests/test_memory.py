@@ -236,3 +236,20 @@ def test_contract_kit_checks_module_memory(monkeypatch):
     assert str(err.value).startswith("module_memory: 'language': its layers hold")
     built = {name: shape.num_parameters for name, shape in shapes.items()}
     assert built_parameter_mismatch(real, built) is None and "'language'" in built_parameter_mismatch(short, built)
+
+
+def test_visible_gpu_memory_comes_from_nvidia_smi_for_this_process(tmp_path, monkeypatch):
+    """nvidia-smi is asked about the first GPU CUDA_VISIBLE_DEVICES gives this process, once."""
+    calls = tmp_path / "calls"
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {calls}\necho 81559\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    memory_check.visible_gpu_gib.cache_clear()
+    try:
+        assert memory_check.visible_gpu_gib() == pytest.approx(81559 / 1024)
+        assert memory_check.visible_gpu_gib() == pytest.approx(81559 / 1024)
+        assert calls.read_text().splitlines() == ["-i 3 --query-gpu=memory.total --format=csv,noheader,nounits"]
+    finally:
+        memory_check.visible_gpu_gib.cache_clear()
