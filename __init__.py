@@ -1,9 +1,5 @@
 """mimo: multimodal training on megatron-core, with model families as plugins."""
 
-from mimo.plugins import (
-    BuildContext, DataContext, Encoder, ModuleParallelism, ModuleShape, Provider, hookimpl, setting,
-)
-
 __version__ = "0.1.0"
 __all__ = [
     "BuildContext", "DataContext", "Encoder", "ModuleParallelism", "ModuleShape", "Provider", "SDPAttention",
@@ -12,8 +8,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "SDPAttention":  # imports megatron-core: only when a provider's model code asks for it
+    # The public API lives in mimo.plugins, which imports torch (seconds): loaded on first use, so `mimo --help`
+    # and the CLI's set-up (which must run before torch and its libraries load) do not wait for it.
+    if name in __all__:
         import mimo.plugins
 
-        return mimo.plugins.SDPAttention
+        return getattr(mimo.plugins, name)
     raise AttributeError(f"module 'mimo' has no attribute '{name}'")

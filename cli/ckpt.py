@@ -72,9 +72,8 @@ def import_hf(hf_dir: Path, out: Path,
     OUT/provider.yaml --pretrained OUT`. One process on the CPU, the whole model in memory."""
     from mimo.core import hf
 
-    from .main import _quiet_import_notices, fail
+    from .main import fail
 
-    _quiet_import_notices()
     try:
         name = hf.import_hf(hf_dir, out, provider)
     except UsageError as err:
@@ -91,9 +90,8 @@ def export_hf(checkpoint: Path, out: Path,
     model folder OUT that transformers' from_pretrained loads. One process on the CPU, the whole model in memory."""
     from mimo.core import hf
 
-    from .main import _quiet_import_notices, fail
+    from .main import fail
 
-    _quiet_import_notices()
     try:
         name = hf.export_hf(checkpoint, out, assignments or [])
     except UsageError as err:

@@ -30,6 +30,7 @@ def sample(directory: Path,
     from mimo.core.data import write_sample_dataset
     from mimo.errors import UsageError
 
+    from .console import prints_to_debug_log
     from .main import fail
 
     try:
@@ -49,8 +50,9 @@ def sample(directory: Path,
         raise fail(str(err)) from None
     # Which samples are corrupt follows the seed too, so a dataset can be written again exactly.
     corrupt_indices = sorted(random.Random(seed).sample(range(num_samples), corrupt))
-    info = write_sample_dataset(directory, num_samples=num_samples, seed=seed, shard_size=shard_size,
-                                corrupt_indices=corrupt_indices, val_shards=val_shards)
+    with prints_to_debug_log("energon prepare"):
+        info = write_sample_dataset(directory, num_samples=num_samples, seed=seed, shard_size=shard_size,
+                                    corrupt_indices=corrupt_indices, val_shards=val_shards)
     typer.echo(f"wrote {info.num_samples} samples in {len(info.shards)} shards to {info.path}"
                + (f" ({len(info.corrupt_keys)} corrupt: {', '.join(info.corrupt_keys)})" if corrupt else "")
                + (f"; val split: {', '.join(info.splits['val'])}" if val_shards else ""))

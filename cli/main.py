@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 import sys
 import typing
-import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -15,6 +13,8 @@ import typer
 
 from mimo.errors import TrainingStopped, UsageError
 
+from . import console
+from .help import WholeNamesCommand
 from .options import loop_parameters, provider_parameters, run_config, with_options
 from .ckpt import ckpt_app
 from .data import data_app
@@ -33,47 +33,59 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
-def _quiet_import_notices() -> None:
-    """megatron-core announces missing optional kernels and experimental APIs on every import and build; on a
-    run they would bury the log. Real warnings still show."""
-    for message in (".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*", ".*is experimental.*",
-                    ".*full scope is deprecated.*", ".*an autograd kernel was not registered.*",
-                    ".*deprecating ShardedTensor.*", ".*argument order of load has been changed.*",
-                    ".*torch.distributed is disabled, unavailable or uninitialized.*",
-                    # mimo sets each rank's GPU (torch.cuda.set_device) before its first collective
-                    ".*barrier\\(\\): using the device under current context.*"):
-        warnings.filterwarnings("ignore", message=message)
-    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    # mimo writes common.pt for Megatron's tools; megatron-core then notes it reads the "legacy" file.
-    logging.getLogger("megatron.core.dist_checkpointing.strategies.common").setLevel(logging.ERROR)
-    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").setLevel(logging.ERROR)
+def _print_version(value: bool) -> None:
+    if value:
+        from .version import report
+
+        console.configure()
+
+        typer.echo("\n".join(report()))
+        raise typer.Exit()
 
 
-def _run(**kwargs):
-    """Train a provider's model. Loop options only; the model's own settings go through --set/--provider-config."""
-    _quiet_import_notices()
-    from mimo.core import launch
-    from mimo.core.train import prepare, train
+@app.callback()
+def _main(
+    version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_print_version, help="print the versions of mimo, torch, megatron-core "
+        "and energon, and whether transformer-engine and mamba-ssm are usable, then exit")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="also show the libraries' notices (megatron-core, "
+                                          "energon, torch) on stderr; by default only mimo's lines show")] = False,
+    log_file: Annotated[typing.Optional[Path], typer.Option(
+        "--log-file", help="write the libraries' notices and debug messages to this file (every rank appends)")] = None,
+):
+    """Train multimodal models on megatron-core; model families come as provider plugins."""
+    console.configure(verbose, log_file)
 
+
+def _run(print_config: bool = False, **kwargs):
+    """Train a provider's model. Loop options only; the model's own settings go through --set/--provider-config
+    (or a whole run in one --config file)."""
+    from mimo.core import launch, memory_check, run_file
     from mimo.core.hf import pretrained_from_hf
     from mimo.core.output_paths import check_output_paths
     from mimo.core.resume import check_resume
     from mimo.core.save_lock import lock_save_directory
-
-    from mimo.core import memory_check
+    from mimo.core.train import prepare, train
 
     launch.die_with_launcher()
-    config = run_config(kwargs)
     try:
+        config = run_config(kwargs)
         plan = prepare(config)  # every check that needs no process group, before any worker starts
+        if print_config:
+            typer.echo(run_file.dump(plan.config, plan.settings), nl=False)
+            return
         if not os.environ.get(launch.LAUNCHED_BY_MIMO):  # mimo's launcher checked this plan for its workers
             memory_check.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
         check_output_paths(config)  # likewise every path the run writes: created and test-written now
         speaks = launch.speaks_for_run(config.launch)
         if speaks and config.checkpoint.save is not None:
             lock_save_directory(config.checkpoint.save)  # held until this process exits
-        check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
+        resumed = check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
+        if resumed is not None and resumed >= plan.train_iters and not config.checkpoint.finetune:
+            if speaks:
+                typer.echo(f"nothing to train: the checkpoint in {config.checkpoint.load} is at iteration {resumed} "
+                           f"and this run ends at iteration {plan.train_iters}; raise --train-iters to train further")
+            return
         with pretrained_from_hf(plan) as plan:  # --pretrained HF_DIR: converted before the workers start
             if launch.needs_launcher(config.launch):
                 raise typer.Exit(code=launch.start_workers(config.launch, sys.argv[1:]))
@@ -86,15 +98,17 @@ def _run(**kwargs):
         raise typer.Exit(code=1) from None
 
 
-app.command("run", context_settings={"max_content_width": 120})(
-    with_options(_run, provider_parameters() + loop_parameters())
-)
+app.command("run", cls=WholeNamesCommand)(with_options(_run, provider_parameters() + [
+    inspect.Parameter("print_config", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
+        bool, typer.Option("--print-config", rich_help_panel="Provider",
+                           help="print the run's effective configuration as a --config file (every option and "
+                                "setting) and exit without training")]),
+] + loop_parameters()))
 
 
 def _eval(split: str = "val", json_path=None, **kwargs):
     """Evaluate a checkpoint without training: its held-out loss on --data's val (or test) split, or the
     provider's synthetic eval data, over --eval-iters global batches (default 10), in any layout that fits."""
-    _quiet_import_notices()
     from mimo.core.eval_run import eval_config, evaluate_checkpoint
     from mimo.core.hf import pretrained_from_hf
     from mimo.core import launch
@@ -111,7 +125,7 @@ def _eval(split: str = "val", json_path=None, **kwargs):
         raise fail(str(err)) from None
 
 
-app.command("eval", context_settings={"max_content_width": 120})(with_options(_eval, [
+app.command("eval", cls=WholeNamesCommand)(with_options(_eval, [
     inspect.Parameter("split", inspect.Parameter.KEYWORD_ONLY, default="val", annotation=Annotated[
         str, typer.Option("--split", help="which split of --data to evaluate: val or test")]),
     inspect.Parameter("json_path", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
@@ -123,7 +137,6 @@ def _plan(as_json: bool = False, suggest: bool = False, gpus: typing.Optional[in
     """Show which ranks run which module with which TP/DP/PP/EP, parameter counts, the memory estimate per GPU,
     and whether the layout is valid and fits (exit 2 if not), for the same options as `mimo run`, without
     starting workers. With --suggest --gpus N: the layouts of N GPUs that fit, best first."""
-    _quiet_import_notices()
     from mimo.core import memory_check
     from mimo.core.train import prepare
 
@@ -150,7 +163,7 @@ def _plan(as_json: bool = False, suggest: bool = False, gpus: typing.Optional[in
         raise fail(str(err)) from None
 
 
-app.command("plan", context_settings={"max_content_width": 120})(with_options(_plan, [
+app.command("plan", cls=WholeNamesCommand)(with_options(_plan, [
     inspect.Parameter("as_json", inspect.Parameter.KEYWORD_ONLY, default=False,
                       annotation=Annotated[bool, typer.Option("--json", help="machine-readable output")]),
     inspect.Parameter("suggest", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[

@@ -12,10 +12,9 @@ from typing import Annotated, Literal
 
 import typer
 
-from mimo.core.config import (
-    COMPONENTS, CheckpointOptions, DataOptions, EvalOptions, LaunchOptions, LayoutOptions, LoggingOptions, OptimizerOptions, RunConfig, SchedulerOptions, TrainingOptions,
-    MemoryOptions, PerformanceOptions,
-)
+from mimo.core import run_file
+from mimo.core.config import COMPONENTS, RunConfig
+from mimo.errors import UsageError
 
 
 def loop_parameters() -> list[inspect.Parameter]:
@@ -39,10 +38,14 @@ def provider_parameters() -> list[inspect.Parameter]:
                                  annotation=Annotated[kind, typer.Option(rich_help_panel="Provider", **option)])
 
     return [
-        param("provider", str, ..., help="the model family to train (see: mimo providers list)"),
+        param("provider", typing.Optional[str], None,
+              help="the model family to train (see: mimo providers list); required unless --config names it"),
         param("set", typing.Optional[list[str]], None, help="a provider setting, key=value; repeatable"),
         param("provider_config", typing.Optional[Path], None,
               help="a YAML or TOML file of provider settings (--set wins over it)"),
+        param("config", typing.Optional[Path], None,
+              help="a YAML or TOML file holding a whole run: provider, settings and loop options in sections "
+                   "(docs/configuration.md); options on the command line win over it"),
     ]
 
 
@@ -52,15 +55,42 @@ def with_options(function, params: list[inspect.Parameter]):
     return function
 
 
+def _given_on_command_line() -> set[str]:
+    """The parameters the user typed (not defaults), from click's context of the running command."""
+    import click
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return set()
+    return {name for name in ctx.params
+            if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None)}
+
+
 def run_config(kwargs: dict) -> RunConfig:
+    """The RunConfig of the command line, over --config's file where one is given."""
     values = {k: v.value if isinstance(v, enum.Enum) else v for k, v in kwargs.items()}
-    part = {cls: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)}) for cls in COMPONENTS.values()}
-    return RunConfig(
-        provider=kwargs["provider"], provider_settings=list(kwargs.get("set") or []),
-        provider_config=kwargs.get("provider_config"), launch=part[LaunchOptions], training=part[TrainingOptions],
-        optimizer=part[OptimizerOptions], scheduler=part[SchedulerOptions], data=part[DataOptions],
-        evaluation=part[EvalOptions],
-        logging=part[LoggingOptions],
-        checkpoint=part[CheckpointOptions], layout=part[LayoutOptions],
-        performance=part[PerformanceOptions], memory=part[MemoryOptions],
-    )
+    file_values = run_file.read(values["config"]) if values.get("config") else None
+    typed = _given_on_command_line() if file_values else set()
+    parts = {}
+    for section, cls in run_file.sections().items():
+        chosen = {}
+        for f in dataclasses.fields(cls):
+            if file_values and f.name not in typed and f.name in file_values.get(section, {}):
+                chosen[f.name] = run_file.option_value(section, f.name, file_values[section][f.name],
+                                                       values["config"])
+            else:
+                chosen[f.name] = values[f.name]
+        parts[section] = cls(**chosen)
+    provider = values.get("provider") or (file_values or {}).get(run_file.PROVIDER)
+    if not provider:
+        raise UsageError("--provider NAME is needed (or 'provider: NAME' in the --config file); see: mimo "
+                         "providers list")
+    named = (file_values or {}).get(run_file.PROVIDER)
+    if named not in (None, provider):
+        raise UsageError(f"--config {values['config']} is a run of provider '{named}', --provider says '{provider}': "
+                         f"its settings are '{named}''s; drop one of the two")
+    file_settings = (file_values or {}).get(run_file.SETTINGS, {})
+    return RunConfig(provider=provider, provider_settings=list(values.get("set") or []),
+                     provider_config=values.get("provider_config"), provider_values=dict(file_settings),
+                     config_file=values.get("config"), **parts)

@@ -6,9 +6,13 @@ import json
 
 import typer
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
+from rich.text import Text
 
 from mimo.errors import UsageError
+
+WIDE_TABLE = 140  # columns from which `providers show` is one table
 
 providers_app = typer.Typer(no_args_is_help=True, help="Installed model providers and their settings.")
 
@@ -33,7 +37,10 @@ def list_providers(as_json: bool = typer.Option(False, "--json", help="machine-r
         typer.echo(json.dumps({"providers": rows, "broken": broken}, indent=2))
         return
     console = Console()
-    table = Table("provider", "description", "distribution", title="Providers")
+    table = Table(title="Providers")
+    table.add_column("provider", no_wrap=True)  # typed back as --provider NAME: never cut
+    table.add_column("description", overflow="fold", ratio=1)
+    table.add_column("distribution", no_wrap=True)
     for row in rows:
         note = " [red](name conflict)[/red]" if row["conflict"] else ""
         table.add_row(row["name"] + note, row["description"], row["distribution"])
@@ -65,10 +72,27 @@ def show_provider(name: str, as_json: bool = typer.Option(False, "--json", help=
         typer.echo(json.dumps({"name": provider.name, "description": provider.description,
                                "distribution": plugin.distribution, "settings": fields}, indent=2, default=str))
         return
-    table = Table("setting", "type", "default", "rules", "help", title=f"{provider.name}: {provider.description}")
+    console = Console(highlight=False)
+    if console.width >= WIDE_TABLE:
+        # Names are never cut (they are typed back as --set NAME=...): the other columns wrap around them.
+        table = Table(title=f"{provider.name}: {provider.description}")
+        table.add_column("setting", no_wrap=True)
+        for column in ("type", "default", "rules"):
+            table.add_column(column, overflow="fold")
+        table.add_column("help", overflow="fold", ratio=1)
+        for f in fields:
+            table.add_row(f["name"], f["type"], repr(f["default"]), describe(f["rules"]), f["help"])
+        console.print(table)
+        return
+    # A narrow terminal: each setting's name, type and default on a line, its rules and help wrapped under it.
+    console.print(Text(f"{provider.name}: {provider.description}", style="bold"))
     for f in fields:
-        table.add_row(f["name"], f["type"], repr(f["default"]), describe(f["rules"]), f["help"])
-    Console().print(table)
+        head = Text(f["name"], style="bold cyan")
+        head.append(f"  {f['type']}, default {f['default']!r}", style="yellow")
+        console.print(Padding(head, (1, 0, 0, 2)), crop=False, overflow="ignore")
+        notes = "; ".join(filter(None, [f["help"], describe(f["rules"])]))
+        if notes:
+            console.print(Padding(Text(notes), (0, 0, 0, 6)))
 
 
 def _register_new() -> None:

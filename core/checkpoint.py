@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from mimo.errors import UsageError
 
-from . import checksums
+from . import checksums, run_file
 from .checkpoint_match import check_kept_options, check_model_fits
 from .config import CheckpointOptions
 from .model import parameters_gathered
@@ -33,6 +33,9 @@ from .topology import LANGUAGE, Topology
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
+# Set for `mimo run --pretrained HF_DIR`'s workers: the Hugging Face folder their converted checkpoint came from.
+PRETRAINED_SOURCE_ENV = "MIMO_PRETRAINED_SOURCE"
+RUN_FILE = "run.yaml"  # the effective configuration of the run that saved it (core/run_file.py)
 EXTRA_STATE = "_extra_state"
 VERSION = 1
 
@@ -82,6 +85,7 @@ class Checkpointer:
         self.load_foreign = load_foreign  # (path, directory): a --pretrained format the provider reads itself
         # One strategy for the whole run: with cached_metadata it reuses the first save's plan.
         self.strategy = TorchDistSaveShardedStrategy(cached_metadata=options.ckpt_assume_constant_structure)
+        self.last_saved: Path | None = None  # the newest checkpoint this run committed
         self.async_queue = None
         if options.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -135,6 +139,9 @@ class Checkpointer:
             # What megatron-core's own (legacy) readers load from common.pt: every non-sharded entry.
             common = extract_sharded_base(extract_nonpersistent(state)[1])[1]
             _atomic_write(iteration_dir(root, iteration) / COMMON, lambda f: torch.save(common, f))
+            if self.run_info.get("run_file"):  # the run as `mimo run --config` reads it
+                text = self.run_info["run_file"].encode()
+                _atomic_write(iteration_dir(root, iteration) / RUN_FILE, lambda f: f.write(text))
             _fault_point("before-tracker", iteration)
             _atomic_write(root / TRACKER, lambda f: f.write(f"{iteration}\n".encode()))
             if self.options.keep_last:
@@ -142,6 +149,7 @@ class Checkpointer:
             _report("saved", iteration_dir(root, iteration), time.perf_counter() - self._save_started,
                     blocked=self._save_blocked if self.async_queue is not None else None)
         dist.barrier()
+        self.last_saved = iteration_dir(self.options.save, iteration)
 
     def _common(self, iteration: int, consumed_samples: int) -> dict:
         scheduler_state = None  # a weights-only checkpointer (no optimizer, no schedule: mimo ckpt import-hf)
@@ -177,8 +185,10 @@ class Checkpointer:
             sharding = sharding or self._optimizer_sharding()
             optimizer_state = self.optimizer.sharded_state_dict(
                 model_state, is_loading=loading, metadata={"distrib_optim_sharding_type": sharding})
-            state["optimizer"] = {name: _own_common(sub, f"optimizer.{name}", held.get(name))
-                                  for name, sub in optimizer_state.items()}
+            # Only the modules this rank holds: MimoOptimizer gives the others an empty dict, which would enter the
+            # common state of some ranks and not others (megatron-core then warns that it differs across ranks).
+            state["optimizer"] = {name: _own_common(sub, f"optimizer.{name}", held[name])
+                                  for name, sub in optimizer_state.items() if name in held}
         if rng:
             payload = _rng_state()
             state["rng_state"] = {
@@ -280,16 +290,27 @@ class Checkpointer:
         else:
             self.load_foreign(path, directory)
             self._refresh_main_params()
+            if dist.get_rank() == 0:
+                print(f"loaded weights from {directory} (a dist checkpoint the provider's load_pretrained read); "
+                      f"optimizer, schedule and data start anew", flush=True)
 
     def _load_weights_only(self, root: Path, what: str, common: dict | None = None) -> None:
         iteration = read_tracker(root)
         if iteration is None:
             raise UsageError(f"{what} {root}: no checkpoint there ({TRACKER} is missing)")
         directory = iteration_dir(root, iteration)
-        self._check_compatible(common or read_common(directory), directory)
+        common = common or read_common(directory)
+        self._check_compatible(common, directory)
         model_state = self.model.sharded_state_dict()
+        started = time.perf_counter()
         self._load_model(self._dist_load({"model": model_state}, directory)["model"])
         self._refresh_main_params()
+        if dist.get_rank() == 0:
+            source = os.environ.get(PRETRAINED_SOURCE_ENV) if what == "--pretrained" else None
+            origin = (f"{source} (a Hugging Face folder, converted)" if source else
+                      f"{directory} (saved at iteration {iteration} by provider {common['run']['provider']})")
+            fresh = "; optimizer, schedule and data start anew" if self.optimizer is not None else ""
+            print(f"loaded weights from {origin} in {time.perf_counter() - started:.2f} s{fresh}", flush=True)
 
     def _load_model(self, state: dict) -> None:
         """Strict, but for `_extra_state` entries the checkpoint did not have (see _dist_load)."""
@@ -527,4 +548,5 @@ def run_info(plan, settings, lane_data_state: bool) -> dict:
         "parameters": {name: s.num_parameters for name, s in plan.shapes.items()},
         # Whether each lane's data iterator has a state of its own (then it cannot move to another layout).
         "lane_data_state": lane_data_state,
+        "run_file": run_file.dump(plan.config, settings),
     }

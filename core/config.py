@@ -232,6 +232,8 @@ class RunConfig:
     provider: str
     provider_settings: list[str] = field(default_factory=list)  # `--set key=value` assignments
     provider_config: Path | None = None
+    provider_values: dict = field(default_factory=dict)  # the `settings:` section of a --config file
+    config_file: Path | None = None  # that --config file
     launch: LaunchOptions = field(default_factory=LaunchOptions)
     training: TrainingOptions = field(default_factory=TrainingOptions)
     optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)

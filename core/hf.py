@@ -185,6 +185,7 @@ def import_hf(hf_dir: Path, out: Path, provider: str | None = None, registry: Re
               device: str = "cpu") -> str:
     """Convert a Hugging Face folder into a weights-only mimo checkpoint in `out` and `out/provider.yaml`.
     Returns the provider's name."""
+    safetensors_io.library()  # the hf extra, before any work
     registry = registry or Registry()
     hf_config = safetensors_io.read_config(hf_dir)
     provider, fields = find_provider(registry, hf_config, provider)
@@ -215,6 +216,7 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), registry
     provider's name."""
     from .checkpoint import TRACKER, iteration_dir, read_common, read_tracker
 
+    safetensors_io.library()
     registry = registry or Registry()
     checkpoint = Path(checkpoint)
     iteration = read_tracker(checkpoint)
@@ -245,7 +247,7 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), registry
 def pretrained_from_hf(plan, registry: Registry | None = None):
     """Yield the plan, its `--pretrained` pointing at a mimo checkpoint: a Hugging Face folder is converted first
     (in this process, before any worker starts; the workers find it through CONVERTED_ENV) and removed after."""
-    from .checkpoint import read_tracker
+    from .checkpoint import PRETRAINED_SOURCE_ENV, read_tracker
 
     c = plan.config.checkpoint
     if not is_hf_folder(c.pretrained) or (c.load and read_tracker(c.load) is not None):
@@ -263,6 +265,7 @@ def pretrained_from_hf(plan, registry: Registry | None = None):
     if external_world(plan.config.launch) is not None:  # torchrun's ranks, or an srun step's
         raise UsageError(f"--pretrained {c.pretrained} is a Hugging Face folder, which mimo converts before it "
                          f"starts workers: under torchrun/srun convert it first (mimo ckpt import-hf)")
+    safetensors_io.library()
     registry = registry or Registry()
     hf_config = safetensors_io.read_config(c.pretrained)
     fields = registry.hooks(plan.config.provider).hf_settings(hf_config=hf_config)
@@ -285,9 +288,11 @@ def pretrained_from_hf(plan, registry: Registry | None = None):
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         os.environ[CONVERTED_ENV] = str(converted)
+        os.environ[PRETRAINED_SOURCE_ENV] = str(c.pretrained)
         yield _with_pretrained(plan, converted)
     finally:
         os.environ.pop(CONVERTED_ENV, None)
+        os.environ.pop(PRETRAINED_SOURCE_ENV, None)
         shutil.rmtree(converted, ignore_errors=True)
 
 

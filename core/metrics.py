@@ -45,6 +45,7 @@ class MetricsLogger:
         self.progress = _progress(total_iters) if enabled and sys.stdout.isatty() else None
         self.records: list[dict] = []
         self.skipped_total = self.nan_total = self.nan_in_a_row = 0
+        self.trained_tokens, self.trained_seconds = 0, 0.0  # the whole run's, for its closing summary
         self._reset()
 
     def _reset(self):
@@ -86,6 +87,8 @@ class MetricsLogger:
     def _record(self, iteration, result, consumed_samples, timers) -> dict:
         elapsed_ms = (time.perf_counter() - self._start) * 1000 / self._iters
         seconds = elapsed_ms / 1000
+        self.trained_tokens += self.tokens_per_iteration * self._iters
+        self.trained_seconds += seconds * self._iters
         record = {
             "split": "train",
             "iteration": iteration,
@@ -114,7 +117,7 @@ class MetricsLogger:
         return record
 
     def _emit(self, record: dict, timers) -> None:
-        line = format_line(record, self.total_iters)
+        line = format_line(record, self.total_iters, "GPU" if self.device.type == "cuda" else "rank")
         (self.progress.console.print if self.progress else print)(line)
         if timers:
             (self.progress.console.print if self.progress else print)(format_timers(timers))
@@ -151,15 +154,17 @@ class MetricsLogger:
             self.tensorboard.close()
 
 
-def format_line(r: dict, total_iters: int) -> str:
+def format_line(r: dict, total_iters: int, per: str = "GPU") -> str:
+    """One log line; `per` names what the per-device figures divide by: "GPU", or "rank" for CPU processes (whose
+    TFLOP/s would only mislead, so they are left to the metrics file)."""
     def number(value, spec):
         return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
     parts = [
         f"iteration {r['iteration']:>6}/{total_iters}", f"consumed samples {r['consumed_samples']:>8}",
-        f"elapsed ms/iter {r['elapsed_ms']:8.1f}", f"tokens/s/GPU {r['tokens_per_sec_per_gpu']:9.0f}",
+        f"elapsed ms/iter {r['elapsed_ms']:8.1f}", f"tokens/s/{per} {r['tokens_per_sec_per_gpu']:9.0f}",
     ]
-    if "tflops_per_gpu" in r:
+    if "tflops_per_gpu" in r and per == "GPU":
         parts.append(f"TFLOP/s/GPU {r['tflops_per_gpu']:.3g}" + (f" (MFU {r['mfu']:.1%})" if "mfu" in r else ""))
     parts += [f"lr {r['lr']:.3E}", f"lm loss {number(r['lm_loss'], '.6E')}", f"grad norm {number(r['grad_norm'], '.3f')}",
               f"loss scale {r['loss_scale']:g}", f"skipped {r['skipped_iterations']}", f"nan {r['nan_iterations']}"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -11,18 +12,19 @@ from mimo.errors import UsageError
 from mimo.plugins import BuildContext, DataContext, ModuleParallelism, Provider, Registry
 from mimo.plugins.settings import build_settings
 
-from . import evaluation, launch, signals, topology
+from . import evaluation, launch, run_file, signals, topology
 from .checkpoint import Checkpointer, run_info
 from .config import DEFAULT_TRAIN_ITERS, RunConfig
 from .cuda_graphs import LayerGraphs, train_on_capture_stream
 from .metrics import MetricsLogger
-from .model import build_model, count_parameters
+from .model import build_model
 from .optim import build_optimizer, build_scheduler
 from .prefetch import read_ahead
 from .pretrained import load_foreign
 from .profile import StepProfiler
 from .skip_report import SkipReporter, check_skip_fraction
 from .step import Trainer, is_token_source
+from .summary import summary_lines
 from .timers import StepTimers
 
 
@@ -52,7 +54,10 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     registry = registry or Registry()
     provider, _ = registry.get(config.provider)
     hooks = registry.hooks(config.provider)
-    settings = build_settings(provider, config.provider_settings, config.provider_config)
+    if config.provider_config is not None:
+        run_file.refuse_loop_options(config.provider_config, provider.settings)
+    settings = build_settings(provider, config.provider_settings, config.provider_config, config.provider_values,
+                              config.config_file)
     shapes = hooks.model_shape(settings=settings)
     t = config.training
     if world_size is None:
@@ -168,7 +173,7 @@ def start(plan: Plan) -> Session:
                            3 * sum(flops.values()) * plan.global_batch_size if flops else None,  # fwd + 2x bwd
                            plan.world_size, device, timers)
     if logging_rank:
-        print(describe_run(plan, count_parameters(model), device, t.precision), flush=True)
+        print(describe_run(plan, device, t.precision), flush=True)
         if start_iteration:
             print(f"resumed from {c.load} at iteration {start_iteration} ({consumed} samples consumed)", flush=True)
     lg = config.logging
@@ -248,9 +253,11 @@ def finish(session: Session) -> list[dict]:
 
 def train(plan: Plan) -> list[dict]:
     """Run the plan in this process (one rank of the world). Returns the logged records on the logging rank."""
+    started = time.perf_counter()
     with signals.SignalWatch(plan.config.launch.exit_signal) as watch:
         session = start(plan)
         session.signal_watch = watch
+        first_iteration = session.iteration
         try:
             if session.evaluations:
                 session.evaluations.at_start(session.iteration, session.consumed)
@@ -259,7 +266,10 @@ def train(plan: Plan) -> list[dict]:
             session.logger.close()
             session.skips.close()
             raise
-        return finish(session)
+        records = finish(session)
+        if session.logger.enabled:
+            print("\n".join(summary_lines(session, first_iteration, time.perf_counter() - started)), flush=True)
+        return records
 
 
 def _counted_step(trainer, data, logger, device):
@@ -288,11 +298,12 @@ def run(config: RunConfig, registry: Registry | None = None) -> list[dict]:
     return train(prepare(config, registry))
 
 
-def describe_run(plan: Plan, parameters: dict[str, int], device: torch.device, precision: str) -> str:
-    """The run's opening line: what runs where, with how many parameters (this rank's shard), at which batch."""
+def describe_run(plan: Plan, device: torch.device, precision: str) -> str:
+    """The run's opening line: what runs where, with how many parameters (each module's whole count, whatever
+    the layout), at which batch."""
     modules = " | ".join(
         f"{name}: ranks {p.first_rank}-{p.first_rank + p.num_ranks - 1} TP{p.tp} PP{p.pp} DP{p.dp}"
-        + (f" EP{p.ep}" if p.ep > 1 else "") + (f", {parameters[name]:,} params" if name in parameters else "")
+        + (f" EP{p.ep}" if p.ep > 1 else "") + f", {plan.shapes[name].num_parameters:,} params"
         for name, p in plan.parallelism.items()
     )
     return (f"mimo run: provider {plan.config.provider} | {modules} | global batch {plan.global_batch_size} = "

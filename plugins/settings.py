@@ -41,9 +41,13 @@ def describe_fields(settings_cls: type, defaults: dict | None = None) -> list[di
     ]
 
 
-def build_settings(provider: Provider, assignments: list[str] = (), config_file: Path | None = None):
-    """The provider's settings object: its defaults, then the file's values, then each `key=value`."""
+def build_settings(provider: Provider, assignments: list[str] = (), config_file: Path | None = None,
+                   run_file_values: dict | None = None, run_file: Path | None = None):
+    """The provider's settings object: its defaults, then a run file's `settings:` section, then the settings
+    file's values, then each `key=value`."""
     values: dict[str, Any] = dict(provider.defaults)
+    if run_file_values:
+        values.update(_check_all(provider, run_file_values, source=f"--config {run_file}"))
     if config_file is not None:
         values.update(_check_all(provider, _without_provider(provider, _read_config_file(config_file), config_file),
                                  source=str(config_file)))

@@ -12,8 +12,6 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from mimo.errors import UsageError
 
@@ -21,6 +19,16 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
 DEFAULT_SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
+
+
+def library():
+    """The safetensors library (the `hf` extra), or one line saying how to install it."""
+    try:
+        import safetensors
+        import safetensors.torch
+    except ImportError:
+        raise UsageError("Hugging Face folders need the safetensors library: pip install 'mimo[hf]'") from None
+    return safetensors
 
 
 class SafetensorsFolder(Mapping[str, torch.Tensor]):
@@ -34,7 +42,7 @@ class SafetensorsFolder(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         file = self._files[name]
         if file not in self._open:
-            self._open[file] = safe_open(self.folder / file, framework="pt")
+            self._open[file] = library().safe_open(self.folder / file, framework="pt")
         return self._open[file].get_tensor(name)
 
     def __iter__(self) -> Iterator[str]:
@@ -61,6 +69,7 @@ def save(folder: str | Path, tensors: Mapping[str, torch.Tensor], config: dict,
     stale = sorted(p.name for p in folder.glob("*.safetensors")) + [n for n in (INDEX_FILE,) if (folder / n).exists()]
     if stale:
         raise UsageError(f"{folder} already holds a checkpoint ({', '.join(stale)}); write to an empty folder")
+    save_file = library().torch.save_file
     shards = _shards({name: _standalone(t) for name, t in _unshared(tensors).items()}, max_shard_bytes)
     names = [SINGLE_FILE] if len(shards) == 1 else \
         [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
@@ -77,7 +86,7 @@ def _weight_map(folder: Path) -> dict[str, str]:
     if (folder / INDEX_FILE).is_file():
         return json.loads((folder / INDEX_FILE).read_text())["weight_map"]
     if (folder / SINGLE_FILE).is_file():
-        with safe_open(folder / SINGLE_FILE, framework="pt") as f:
+        with library().safe_open(folder / SINGLE_FILE, framework="pt") as f:
             return {name: SINGLE_FILE for name in f.keys()}
     raise UsageError(f"{folder} holds neither {SINGLE_FILE} nor {INDEX_FILE}")
 
