@@ -15,7 +15,7 @@ from mimo.errors import TrainingStopped, UsageError
 
 from . import console
 from .help import WholeNamesCommand
-from .options import loop_parameters, provider_parameters, run_config, with_options
+from .options import CONTEXT, loop_parameters, provider_parameters, run_config, with_options
 from .ckpt import ckpt_app
 from .data import data_app
 from .providers import providers_app
@@ -57,7 +57,7 @@ def _main(
     console.configure(verbose, log_file)
 
 
-def _run(print_config: bool = False, **kwargs):
+def _run(ctx: typer.Context, print_config: bool = False, **kwargs):
     """Train a provider's model. Loop options only; the model's own settings go through --set/--provider-config
     (or a whole run in one --config file)."""
     from mimo.core import launch, memory_check, run_file
@@ -69,7 +69,7 @@ def _run(print_config: bool = False, **kwargs):
 
     launch.die_with_launcher()
     try:
-        config = run_config(kwargs)
+        config = run_config(kwargs, ctx)
         plan = prepare(config)  # every check that needs no process group, before any worker starts
         if print_config:
             typer.echo(run_file.dump(plan.config, plan.settings), nl=False)
@@ -98,7 +98,7 @@ def _run(print_config: bool = False, **kwargs):
         raise typer.Exit(code=1) from None
 
 
-app.command("run", cls=WholeNamesCommand)(with_options(_run, provider_parameters() + [
+app.command("run", cls=WholeNamesCommand)(with_options(_run, [CONTEXT] + provider_parameters() + [
     inspect.Parameter("print_config", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
         bool, typer.Option("--print-config", rich_help_panel="Provider",
                            help="print the run's effective configuration as a --config file (every option and "
@@ -106,7 +106,7 @@ app.command("run", cls=WholeNamesCommand)(with_options(_run, provider_parameters
 ] + loop_parameters()))
 
 
-def _eval(split: str = "val", json_path=None, **kwargs):
+def _eval(ctx: typer.Context, split: str = "val", json_path=None, **kwargs):
     """Evaluate a checkpoint without training: its held-out loss on --data's val (or test) split, or the
     provider's synthetic eval data, over --eval-iters global batches (default 10), in any layout that fits."""
     from mimo.core.eval_run import eval_config, evaluate_checkpoint
@@ -116,7 +116,7 @@ def _eval(split: str = "val", json_path=None, **kwargs):
 
     launch.die_with_launcher()
     try:
-        plan = prepare(eval_config(run_config(kwargs), split))
+        plan = prepare(eval_config(run_config(kwargs, ctx), split))
         with pretrained_from_hf(plan) as plan:
             if launch.needs_launcher(plan.config.launch):
                 raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
@@ -126,6 +126,7 @@ def _eval(split: str = "val", json_path=None, **kwargs):
 
 
 app.command("eval", cls=WholeNamesCommand)(with_options(_eval, [
+    CONTEXT,
     inspect.Parameter("split", inspect.Parameter.KEYWORD_ONLY, default="val", annotation=Annotated[
         str, typer.Option("--split", help="which split of --data to evaluate: val or test")]),
     inspect.Parameter("json_path", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
@@ -133,7 +134,8 @@ app.command("eval", cls=WholeNamesCommand)(with_options(_eval, [
 ] + provider_parameters() + loop_parameters()))
 
 
-def _plan(as_json: bool = False, suggest: bool = False, gpus: typing.Optional[int] = None, **kwargs):
+def _plan(ctx: typer.Context, as_json: bool = False, suggest: bool = False, gpus: typing.Optional[int] = None,
+          **kwargs):
     """Show which ranks run which module with which TP/DP/PP/EP, parameter counts, the memory estimate per GPU,
     and whether the layout is valid and fits (exit 2 if not), for the same options as `mimo run`, without
     starting workers. With --suggest --gpus N: the layouts of N GPUs that fit, best first."""
@@ -146,9 +148,9 @@ def _plan(as_json: bool = False, suggest: bool = False, gpus: typing.Optional[in
         if suggest or gpus is not None:
             if not (suggest and gpus):
                 raise UsageError("--suggest and --gpus N go together (N >= 1): list the layouts of N GPUs that fit")
-            print_suggestions(run_config(kwargs), gpus, as_json)
+            print_suggestions(run_config(kwargs, ctx), gpus, as_json)
             return
-        plan = prepare(run_config(kwargs))
+        plan = prepare(run_config(kwargs, ctx))
         estimates = memory_check.estimate_plan(plan)
         limit = memory_check.gpu_limit_gib(plan.config, planning=True)
         summary = describe(plan, estimates, limit)
@@ -164,6 +166,7 @@ def _plan(as_json: bool = False, suggest: bool = False, gpus: typing.Optional[in
 
 
 app.command("plan", cls=WholeNamesCommand)(with_options(_plan, [
+    CONTEXT,
     inspect.Parameter("as_json", inspect.Parameter.KEYWORD_ONLY, default=False,
                       annotation=Annotated[bool, typer.Option("--json", help="machine-readable output")]),
     inspect.Parameter("suggest", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[

@@ -55,23 +55,24 @@ def with_options(function, params: list[inspect.Parameter]):
     return function
 
 
-def _given_on_command_line() -> set[str]:
-    """The parameters the user typed (not defaults), from click's context of the running command."""
-    import click
-    from click.core import ParameterSource
+CONTEXT = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
 
-    ctx = click.get_current_context(silent=True)
+
+def _given_on_command_line(ctx) -> set[str]:
+    """The parameters the user typed (not defaults), from typer's context of the running command."""
     if ctx is None:
         return set()
     return {name for name in ctx.params
-            if ctx.get_parameter_source(name) not in (ParameterSource.DEFAULT, ParameterSource.DEFAULT_MAP, None)}
+            if (source := ctx.get_parameter_source(name)) is not None
+            and source.name not in ("DEFAULT", "DEFAULT_MAP")}
 
 
-def run_config(kwargs: dict) -> RunConfig:
-    """The RunConfig of the command line, over --config's file where one is given."""
+def run_config(kwargs: dict, ctx=None) -> RunConfig:
+    """The RunConfig of the command line (`ctx`: typer's context, which says what was typed), over --config's
+    file where one is given."""
     values = {k: v.value if isinstance(v, enum.Enum) else v for k, v in kwargs.items()}
     file_values = run_file.read(values["config"]) if values.get("config") else None
-    typed = _given_on_command_line() if file_values else set()
+    typed = _given_on_command_line(ctx) if file_values else set()
     parts = {}
     for section, cls in run_file.sections().items():
         chosen = {}

@@ -99,6 +99,11 @@ def init_process(requested_device: str, timeout_minutes: float = 10.0) -> torch.
         torch.cuda.set_device(device)
     else:
         cpu_redirect.enable()
+        # megatron-core torch.compile's its fused functions (jit_fuser): on the CPU inductor spends 30-70 s
+        # compiling them into C++ at the first iterations and gains nothing, so they run eager.
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(minutes=timeout_minutes)

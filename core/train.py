@@ -17,7 +17,7 @@ from .checkpoint import Checkpointer, run_info
 from .config import DEFAULT_TRAIN_ITERS, RunConfig
 from .cuda_graphs import LayerGraphs, train_on_capture_stream
 from .metrics import MetricsLogger
-from .model import build_model
+from .model import build_model, count_parameters
 from .optim import build_optimizer, build_scheduler
 from .prefetch import read_ahead
 from .pretrained import load_foreign
@@ -173,7 +173,7 @@ def start(plan: Plan) -> Session:
                            3 * sum(flops.values()) * plan.global_batch_size if flops else None,  # fwd + 2x bwd
                            plan.world_size, device, timers)
     if logging_rank:
-        print(describe_run(plan, device, t.precision), flush=True)
+        print(describe_run(plan, count_parameters(model), device, t.precision), flush=True)
         if start_iteration:
             print(f"resumed from {c.load} at iteration {start_iteration} ({consumed} samples consumed)", flush=True)
     lg = config.logging
@@ -298,12 +298,19 @@ def run(config: RunConfig, registry: Registry | None = None) -> list[dict]:
     return train(prepare(config, registry))
 
 
-def describe_run(plan: Plan, device: torch.device, precision: str) -> str:
-    """The run's opening line: what runs where, with how many parameters (each module's whole count, whatever
-    the layout), at which batch."""
+def describe_run(plan: Plan, held: dict[str, int], device: torch.device, precision: str) -> str:
+    """The run's opening line: what runs where, with how many parameters (each module's whole count as the
+    provider's model_shape gives it, whatever the layout; else this rank's shard of the modules it holds), at
+    which batch."""
+    def count(name: str) -> str:
+        total = plan.shapes[name].num_parameters
+        if total is not None:
+            return f", {total:,} params"
+        return f", {held[name]:,} params on this rank" if name in held else ""
+
     modules = " | ".join(
         f"{name}: ranks {p.first_rank}-{p.first_rank + p.num_ranks - 1} TP{p.tp} PP{p.pp} DP{p.dp}"
-        + (f" EP{p.ep}" if p.ep > 1 else "") + f", {plan.shapes[name].num_parameters:,} params"
+        + (f" EP{p.ep}" if p.ep > 1 else "") + count(name)
         for name, p in plan.parallelism.items()
     )
     return (f"mimo run: provider {plan.config.provider} | {modules} | global batch {plan.global_batch_size} = "
