@@ -86,6 +86,7 @@ class Checkpointer:
         # One strategy for the whole run: with cached_metadata it reuses the first save's plan.
         self.strategy = TorchDistSaveShardedStrategy(cached_metadata=options.ckpt_assume_constant_structure)
         self.last_saved: Path | None = None  # the newest checkpoint this run committed
+        self.report_saves = True  # a "saved checkpoint" line per save (not for a conversion's scratch copy)
         self.async_queue = None
         if options.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
@@ -146,8 +147,9 @@ class Checkpointer:
             _atomic_write(root / TRACKER, lambda f: f.write(f"{iteration}\n".encode()))
             if self.options.keep_last:
                 _prune(root, self.options.keep_last, keep=iteration)
-            _report("saved", iteration_dir(root, iteration), time.perf_counter() - self._save_started,
-                    blocked=self._save_blocked if self.async_queue is not None else None)
+            if self.report_saves:
+                _report("saved", iteration_dir(root, iteration), time.perf_counter() - self._save_started,
+                        blocked=self._save_blocked if self.async_queue is not None else None)
         dist.barrier()
         self.last_saved = iteration_dir(self.options.save, iteration)
 

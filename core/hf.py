@@ -206,7 +206,9 @@ def _convert_into(registry, provider, settings_file, assignments, hf_dir, hf_con
         raise UsageError(f"provider '{provider}' converts no Hugging Face model_type {hf_config.get('model_type')!r}")
     _load_whole_state(built.model, state, Path(hf_dir))
     del state
-    _checkpointer(built, CheckpointOptions(save=Path(out), save_optim=False, save_rng=False)).save(0, 0)
+    checkpointer = _checkpointer(built, CheckpointOptions(save=Path(out), save_optim=False, save_rng=False))
+    checkpointer.report_saves = False  # the caller says what it converted, and where
+    checkpointer.save(0, 0)
     _finish_world()
 
 
