@@ -80,12 +80,7 @@ def _run(ctx: typer.Context, print_config: bool = False, **kwargs):
         speaks = launch.speaks_for_run(config.launch)
         if speaks and config.checkpoint.save is not None:
             lock_save_directory(config.checkpoint.save)  # held until this process exits
-        resumed = check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
-        if resumed is not None and resumed >= plan.train_iters and not config.checkpoint.finetune:
-            if speaks:
-                typer.echo(f"nothing to train: the checkpoint in {config.checkpoint.load} is at iteration {resumed} "
-                           f"and this run ends at iteration {plan.train_iters}; raise --train-iters to train further")
-            return
+        check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
         with pretrained_from_hf(plan) as plan:  # --pretrained HF_DIR: converted before the workers start
             if launch.needs_launcher(config.launch):
                 raise typer.Exit(code=launch.start_workers(config.launch, sys.argv[1:]))

@@ -28,6 +28,9 @@ def summary_lines(session, first_iteration: int, seconds: float) -> list[str]:
         losses.append(f"validation {_loss(last.lm_loss)} (iteration {last.iteration})")
     if losses:
         lines.append("  last lm loss: " + ", ".join(losses))
+    skipped = logger.records[-1].get("skipped_samples", 0) if logger.records else 0
+    if skipped:
+        lines.append(f"  data: {skipped} sample{'s' if skipped != 1 else ''} skipped as unreadable")
     outputs = {"checkpoint": session.checkpointer.last_saved if session.checkpointer else None}
     lg = plan.config.logging
     outputs.update({"metrics": lg.metrics_file, "tensorboard": lg.tensorboard_dir, "profile": lg.profile_dir,

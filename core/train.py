@@ -258,6 +258,12 @@ def train(plan: Plan) -> list[dict]:
         session = start(plan)
         session.signal_watch = watch
         first_iteration = session.iteration
+        if first_iteration >= plan.train_iters:  # loaded (so checked) and at its end already
+            if session.logger.enabled:
+                print(f"nothing to train: the checkpoint in {plan.config.checkpoint.load} is at iteration "
+                      f"{first_iteration} and this run ends at iteration {plan.train_iters}; raise --train-iters "
+                      f"to train further", flush=True)
+            return finish(session)
         try:
             if session.evaluations:
                 session.evaluations.at_start(session.iteration, session.consumed)

@@ -346,7 +346,9 @@ def test_a_corrupt_image_is_skipped_and_reported(tmp_path):
                             "--set", "shuffle_buffer=0", "--num-workers", "2", "--no-pack-sequences")
     assert [r["iteration"] for r in records] == list(range(1, 11))
     assert records[-1]["skipped_samples"] == 1
-    assert "unreadable samples skipped 1" in result.stdout.splitlines()[-1]
+    last_interval = [line for line in result.stdout.splitlines() if line.startswith("iteration")][-1]
+    assert "unreadable samples skipped 1" in last_interval
+    assert "  data: 1 sample skipped as unreadable" in result.stdout.splitlines()  # the closing summary
 
 
 @pytest.mark.smoke
