@@ -27,7 +27,7 @@ def sample(directory: Path,
     prepared with energon's own tooling. Train on it: mimo run --provider mock-vlm --data DIR"""
     import random
 
-    from mimo.core.data import write_sample_dataset
+    from mimo.data import write_sample_dataset
     from mimo.errors import UsageError
 
     from .main import fail

@@ -53,15 +53,15 @@ def _quiet_import_notices() -> None:
 def _run(**kwargs):
     """Train a provider's model. Loop options only; the model's own settings go through --set/--provider-config."""
     _quiet_import_notices()
-    from mimo.core import launch
-    from mimo.core.train import prepare, train
+    from mimo.core.run import launch
+    from mimo.core.run.loop import prepare, train
 
-    from mimo.core.hf import pretrained_from_hf
-    from mimo.core.output_paths import check_output_paths
-    from mimo.core.resume import check_resume
-    from mimo.core.save_lock import lock_save_directory
+    from mimo.core.checkpoint.hf import pretrained_from_hf
+    from mimo.core.run.output_paths import check_output_paths
+    from mimo.core.checkpoint.resume import check_resume
+    from mimo.core.checkpoint.save_lock import lock_save_directory
 
-    from mimo.core import memory_check
+    from mimo.core.memory import fit as memory_check
 
     launch.die_with_launcher()
     config = run_config(kwargs)
@@ -95,10 +95,10 @@ def _eval(split: str = "val", json_path=None, **kwargs):
     """Evaluate a checkpoint without training: its held-out loss on --data's val (or test) split, or the
     provider's synthetic eval data, over --eval-iters global batches (default 10), in any layout that fits."""
     _quiet_import_notices()
-    from mimo.core.eval_run import eval_config, evaluate_checkpoint
-    from mimo.core.hf import pretrained_from_hf
-    from mimo.core import launch
-    from mimo.core.train import prepare
+    from mimo.core.evaluation.standalone import eval_config, evaluate_checkpoint
+    from mimo.core.checkpoint.hf import pretrained_from_hf
+    from mimo.core.run import launch
+    from mimo.core.run.loop import prepare
 
     launch.die_with_launcher()
     try:
@@ -124,8 +124,8 @@ def _plan(as_json: bool = False, suggest: bool = False, gpus: typing.Optional[in
     and whether the layout is valid and fits (exit 2 if not), for the same options as `mimo run`, without
     starting workers. With --suggest --gpus N: the layouts of N GPUs that fit, best first."""
     _quiet_import_notices()
-    from mimo.core import memory_check
-    from mimo.core.train import prepare
+    from mimo.core.memory import fit as memory_check
+    from mimo.core.run.loop import prepare
 
     from .plan import describe, print_plan, print_suggestions
 

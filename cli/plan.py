@@ -11,8 +11,8 @@ from rich.table import Table
 
 def describe(plan, estimates=None, limit=None) -> dict:
     """The plan as `mimo plan --json` prints it; `estimates` and `limit` (core.memory_check) add the memory."""
-    from mimo.core.memory_check import summary
-    from mimo.core.topology import LANGUAGE
+    from mimo.core.memory.fit import summary
+    from mimo.core.parallel.topology import LANGUAGE
 
     modules = []
     for name, par in plan.parallelism.items():
@@ -83,10 +83,10 @@ def print_suggestions(config, gpus: int, as_json: bool) -> None:
     """`mimo plan --suggest --gpus N`: the layouts that fit, best first, as a table or JSON."""
     import dataclasses
 
-    from mimo.core import memory_check
+    from mimo.core.memory import fit as memory_check
     from mimo.core.config import LayoutOptions
-    from mimo.core.layout_search import suggest
-    from mimo.core.train import prepare
+    from mimo.core.memory.layout_search import suggest
+    from mimo.core.run.loop import prepare
     from mimo.errors import UsageError
 
     # the search lays the modules out itself: the run's own layout options need not suit N GPUs

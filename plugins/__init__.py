@@ -4,7 +4,7 @@ from .constraints import setting
 from .context import BuildContext, DataContext, ModuleParallelism
 from .hookspecs import hookimpl
 from .manager import ENTRY_POINT_GROUP, Registry
-from . import memory_layers  # per-layer formulas for module_memory hooks
+from .kit import memory_layers  # per-layer formulas for module_memory hooks
 from .memory import LayerMemory, ModuleMemory, TokenBytes, Weights
 from .types import Encoder, ModuleShape, Provider
 
@@ -18,7 +18,7 @@ __all__ = [
 def __getattr__(name: str):
     # Layers import megatron-core (seconds): loaded when a provider asks for one, not with the hooks.
     if name == "SDPAttention":
-        from .attention import SDPAttention
+        from .kit.attention import SDPAttention
 
         return SDPAttention
     raise AttributeError(f"module 'mimo.plugins' has no attribute '{name}'")

@@ -33,12 +33,13 @@ class Stage:
 def run(name: str, assignments: list[str], workdir: Path) -> dict:
     import torch
 
-    from mimo.core import launch, topology
+    from mimo.core.run import launch
+    from mimo.core.parallel import topology
     from mimo.core.config import RunConfig, TrainingOptions
-    from mimo.core.model import build_model, count_parameters, held_modules
-    from mimo.core.optim import build_optimizer, build_scheduler
-    from mimo.core.step import Trainer
-    from mimo.core.train import prepare
+    from mimo.core.parallel.model import build_model, count_parameters, held_modules
+    from mimo.core.parallel.optim import build_optimizer, build_scheduler
+    from mimo.core.run.step import Trainer
+    from mimo.core.run.loop import prepare
     from mimo.errors import UsageError
     from mimo.plugins import BuildContext, DataContext, Registry
 
@@ -205,7 +206,7 @@ def check_hf_conversion(hooks, settings, model, notes: set[str]) -> None:
     bits. Settings the provider cannot export are refused with one line (noted, not checked further)."""
     import torch
 
-    from mimo.core.hf import plain_value, whole_state
+    from mimo.core.checkpoint.hf import plain_value, whole_state
     from mimo.errors import UsageError
 
     from .report import ContractError

@@ -26,7 +26,7 @@ def test_checkpoint_benchmark_reads_the_log_lines(tmp_path, capsys):
         from checkpoint import parse
     finally:
         sys.path.remove(str(REPO / "bench"))
-    from mimo.core.checkpoint import _report
+    from mimo.core.checkpoint.checkpointer import _report
 
     directory = tmp_path / "iter_0000012"
     directory.mkdir()

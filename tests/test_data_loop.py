@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from helpers import read_metrics, run_mimo
 from mimo.cli.data import data_app
-from mimo.core import topology
-from mimo.core.data import (
+from mimo.core.parallel import topology
+from mimo.data import (
     ByteTokenizer, FixedTiles, LaneLoader, MultimodalTaskEncoder, merge_lane_batches, prepare_energon_dataset,
     write_sample_dataset,
 )

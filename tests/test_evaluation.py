@@ -116,13 +116,14 @@ def plain_forward_loss(save, eval_iters: int) -> float:
     """The checkpoint's per-token loss over the eval samples, by calling the model directly in one process."""
     if save in _plain:
         return _plain[save]
-    from mimo.core import topology
-    from mimo.core.checkpoint import iteration_dir, read_tracker
+    from mimo.core.parallel import topology
+    from mimo.core.checkpoint.checkpointer import iteration_dir, read_tracker
     from mimo.core.config import LayoutOptions
-    from mimo.core.evaluation import EVAL_SEED
-    from mimo.core.launch import seed_everything
-    from mimo.core.model import build_model
-    from mimo.plugins import BuildContext, DataContext, Registry, dist_checkpoint
+    from mimo.core.evaluation.evaluator import EVAL_SEED
+    from mimo.core.run.launch import seed_everything
+    from mimo.core.parallel.model import build_model
+    from mimo.plugins import BuildContext, DataContext, Registry
+    from mimo.plugins.kit import dist_checkpoint
     from mimo.providers import mock_vlm
     from mimo.providers.mock_vlm import MockVLMSettings
     from mimo.providers.mock_vlm.data import synthetic_batches

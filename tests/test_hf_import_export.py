@@ -14,7 +14,7 @@ from helpers import read_metrics, run_mimo
 from hf_models import TEXT, save_omni
 from safetensors.torch import load_file
 
-from mimo.core import hf
+from mimo.core.checkpoint import hf
 from mimo.errors import UsageError
 from mimo.plugins import Registry
 from mimo.plugins.settings import build_settings

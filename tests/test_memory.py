@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from helpers import run_mimo
-from mimo.core import memory_check
+from mimo.core.memory import fit as memory_check
 from mimo.core.config import (
     LaunchOptions, LayoutOptions, MemoryOptions, OptimizerOptions, PerformanceOptions, RunConfig, TrainingOptions,
 )
-from mimo.core.train import prepare
+from mimo.core.run.loop import prepare
 from mimo.errors import UsageError
 
 TINY_NEMOTRON = "nemotron-moe-vlm-tiny"
@@ -35,10 +35,11 @@ def config(provider, world=1, precision="fp32", distopt=False, settings=(), gpu_
 def _allocated(cfg: RunConfig, rank: int) -> dict:
     """On this rank: build the model and optimizer as a run does, take one step, and count megatron-core's
     buffers and states per module next to the estimate for this rank."""
-    from mimo.core import launch, topology
-    from mimo.core.model import build_model, held_modules
-    from mimo.core.optim import build_optimizer
-    from mimo.core.train import build_context
+    from mimo.core.run import launch
+    from mimo.core.parallel import topology
+    from mimo.core.parallel.model import build_model, held_modules
+    from mimo.core.parallel.optim import build_optimizer
+    from mimo.core.run.loop import build_context
 
     plan = prepare(cfg, world_size=cfg.launch.nproc_per_node)
     dtype = torch.bfloat16 if cfg.training.precision == "bf16" else torch.float32
@@ -143,10 +144,11 @@ def test_saved_activations_on_cpu():
     """mock-vlm's estimate against the tensors autograd keeps in one bf16 forward (unique storages, weights left
     out): megatron-core's local layers on the CPU keep what they keep on a GPU, minus nothing."""
     from helpers import world_of_one
-    from mimo.core import launch, topology
-    from mimo.core.model import build_model
-    from mimo.core.step import to_device
-    from mimo.core.train import build_context
+    from mimo.core.run import launch
+    from mimo.core.parallel import topology
+    from mimo.core.parallel.model import build_model
+    from mimo.core.run.step import to_device
+    from mimo.core.run.loop import build_context
     from mimo.plugins import DataContext
 
     settings = ["hidden_size=128", "num_attention_heads=4", "num_layers=3", "seq_length=256", "vocab_size=64",

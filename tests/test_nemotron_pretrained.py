@@ -79,7 +79,7 @@ def _main(root: Path) -> None:
     """One random model of nemotron-moe-vlm-tiny (moved away from the initialization a run would make), saved as a
     mimo checkpoint (root/mimo) and as a Nemotron-format checkpoint (root/nemotron)."""
     import torch
-    from mimo.core import hf
+    from mimo.core.checkpoint import hf
     from mimo.core.config import CheckpointOptions
     from mimo.plugins import Registry
     from mimo.providers.nemotron.checkpoint import save_nemotron_checkpoint

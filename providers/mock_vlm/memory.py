@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mimo.plugins import LayerMemory, ModuleMemory, TokenBytes, Weights
-from mimo.plugins import memory_layers as ml
+from mimo.plugins.kit import memory_layers as ml
 
 from .model import IMAGES, _ffn, resolve_backend
 

@@ -119,21 +119,21 @@ def model_flops(settings: NemotronVLMSettings):
 
 @hookimpl
 def hf_settings(hf_config: dict):
-    from .hf import hf_settings as settings_of
+    from .hf.vlm import hf_settings as settings_of
 
     return settings_of(hf_config)
 
 
 @hookimpl
 def hf_to_mimo(settings: NemotronVLMSettings, hf_config: dict, hf_tensors):
-    from .hf import hf_to_mimo as convert
+    from .hf.vlm import hf_to_mimo as convert
 
     return convert(settings, hf_config, hf_tensors)
 
 
 @hookimpl
 def mimo_to_hf(settings: NemotronVLMSettings, state: dict):
-    from .hf import mimo_to_hf as convert
+    from .hf.vlm import mimo_to_hf as convert
 
     return convert(settings, state)
 

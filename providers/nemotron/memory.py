@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from mimo.plugins import LayerMemory, ModuleMemory, TokenBytes, Weights
-from mimo.plugins import memory_layers as ml
+from mimo.plugins.kit import memory_layers as ml
 
 from .settings import IMAGES, NemotronVLMSettings
 from .specs import resolve_backend

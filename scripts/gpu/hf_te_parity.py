@@ -24,11 +24,12 @@ import torch.distributed as dist
 import transformers
 from megatron.core.transformer.spec_utils import build_module
 
-from mimo.core import topology
+from mimo.core.parallel import topology
 from mimo.core.config import LayoutOptions
-from mimo.core.launch import seed_everything
+from mimo.core.run.launch import seed_everything
 from mimo.plugins import BuildContext
-from mimo.plugins.hf import nemotron_h, radio, safetensors_io
+from mimo.providers.nemotron.hf import nemotron_h, radio
+from mimo.plugins.kit import safetensors_io
 from mimo.providers import nemotron
 from mimo.providers.nemotron import ENCODER, IMAGES, TINY, NemotronVLMSettings
 

@@ -27,8 +27,8 @@ import torch.distributed as dist
 from mimo.errors import UsageError
 from mimo.plugins import DataContext
 
-from .model import parameters_gathered
-from .step import is_token_source, schedule_for, to_device
+from ..parallel.model import parameters_gathered
+from ..run.step import is_token_source, schedule_for, to_device
 
 # Synthetic eval data is drawn from this seed, whatever the training seed: evaluations of runs with different
 # seeds read the same samples, and none of them trains on those (unless a run is seeded with it).

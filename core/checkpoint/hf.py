@@ -24,10 +24,10 @@ import yaml
 
 from mimo.errors import UsageError
 from mimo.plugins import BuildContext, Registry
-from mimo.plugins.hf import safetensors_io
+from mimo.plugins.kit import safetensors_io
 
-from .config import CheckpointOptions, RunConfig, TrainingOptions
-from .topology import LANGUAGE
+from ..config import CheckpointOptions, RunConfig, TrainingOptions
+from ..parallel.topology import LANGUAGE
 
 SETTINGS_FILE = "provider.yaml"
 # Set by `mimo run` for its workers: the temporary mimo checkpoint converted from `--pretrained HF_DIR`.
@@ -111,9 +111,10 @@ class _Built:
 def _build(registry: Registry, provider: str, settings_file: Path | None, assignments: list[str],
            precision: str, device: str) -> _Built:
     """The whole model in a world of one (TP1), built as `mimo run` builds it."""
-    from . import launch, topology
-    from .model import build_model
-    from .train import prepare
+    from ..run import launch
+    from ..parallel import topology
+    from ..parallel.model import build_model
+    from ..run.loop import prepare
 
     config = RunConfig(provider=provider, provider_settings=list(assignments), provider_config=settings_file,
                        training=TrainingOptions(micro_batch_size=1, train_iters=1, precision=precision, device=device))
@@ -129,7 +130,7 @@ def _build(registry: Registry, provider: str, settings_file: Path | None, assign
 
 
 def _checkpointer(built: _Built, options: CheckpointOptions):
-    from .checkpoint import Checkpointer, run_info
+    from .checkpointer import Checkpointer, run_info
 
     info = run_info(built.plan, built.plan.settings, lane_data_state=False)
     return Checkpointer(options, built.model, None, None, built.topology, info, lambda: {"loader": None})
@@ -140,7 +141,7 @@ def _module_prefix(name: str) -> str:
 
 
 def whole_state(model) -> dict[str, torch.Tensor]:
-    from .model import held_modules
+    from ..parallel.model import held_modules
 
     return {_module_prefix(name) + key: t for name, wrapped in held_modules(model)
             for key, t in wrapped.module.state_dict().items()}
@@ -148,7 +149,7 @@ def whole_state(model) -> dict[str, torch.Tensor]:
 
 def _load_whole_state(model, state: dict[str, torch.Tensor], source: Path) -> None:
     """Every weight of the model from `state` (MimoModel names), nothing left over: else one line."""
-    from .model import held_modules
+    from ..parallel.model import held_modules
 
     missing, used = [], set()
     for name, wrapped in held_modules(model):
@@ -213,7 +214,7 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), registry
               device: str = "cpu") -> str:
     """Write the weights of a mimo checkpoint (saved under any layout) as a Hugging Face folder. Returns the
     provider's name."""
-    from .checkpoint import TRACKER, iteration_dir, read_common, read_tracker
+    from .checkpointer import TRACKER, iteration_dir, read_common, read_tracker
 
     registry = registry or Registry()
     checkpoint = Path(checkpoint)
@@ -245,12 +246,12 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), registry
 def pretrained_from_hf(plan, registry: Registry | None = None):
     """Yield the plan, its `--pretrained` pointing at a mimo checkpoint: a Hugging Face folder is converted first
     (in this process, before any worker starts; the workers find it through CONVERTED_ENV) and removed after."""
-    from .checkpoint import read_tracker
+    from .checkpointer import read_tracker
 
     c = plan.config.checkpoint
     if not is_hf_folder(c.pretrained) or (c.load and read_tracker(c.load) is not None):
         if c.pretrained and not is_hf_folder(c.pretrained):
-            from .pretrained import foreign_directory
+            from .foreign import foreign_directory
 
             foreign_directory(c.pretrained)  # a folder holding no checkpoint is one line before workers start
         yield plan  # a mimo checkpoint, or a resumed run (--pretrained unused)
@@ -258,7 +259,7 @@ def pretrained_from_hf(plan, registry: Registry | None = None):
     if os.environ.get(CONVERTED_ENV):
         yield _with_pretrained(plan, Path(os.environ[CONVERTED_ENV]))
         return
-    from .launch import external_world
+    from ..run.launch import external_world
 
     if external_world(plan.config.launch) is not None:  # torchrun's ranks, or an srun step's
         raise UsageError(f"--pretrained {c.pretrained} is a Hugging Face folder, which mimo converts before it "

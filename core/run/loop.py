@@ -11,19 +11,21 @@ from mimo.errors import UsageError
 from mimo.plugins import BuildContext, DataContext, ModuleParallelism, Provider, Registry
 from mimo.plugins.settings import build_settings
 
-from . import evaluation, launch, signals, topology
-from .checkpoint import Checkpointer, run_info
-from .config import DEFAULT_TRAIN_ITERS, RunConfig
+from ..evaluation import evaluator as evaluation
+from . import launch, signals
+from ..parallel import topology
+from ..checkpoint.checkpointer import Checkpointer, run_info
+from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from .cuda_graphs import LayerGraphs, train_on_capture_stream
-from .metrics import MetricsLogger
-from .model import build_model, count_parameters
-from .optim import build_optimizer, build_scheduler
+from ..telemetry.metrics import MetricsLogger
+from ..parallel.model import build_model, count_parameters
+from ..parallel.optim import build_optimizer, build_scheduler
 from .prefetch import read_ahead
-from .pretrained import load_foreign
-from .profile import StepProfiler
-from .skip_report import SkipReporter, check_skip_fraction
+from ..checkpoint.foreign import load_foreign
+from ..telemetry.profiler import StepProfiler
+from ..telemetry.skip_report import SkipReporter, check_skip_fraction
 from .step import Trainer, is_token_source
-from .timers import StepTimers
+from ..telemetry.timers import StepTimers
 
 
 @dataclass

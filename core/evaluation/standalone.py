@@ -19,11 +19,13 @@ import torch.distributed as dist
 from mimo.errors import UsageError
 
 
-from . import evaluation, launch, topology
-from .checkpoint import Checkpointer, read_tracker, run_info
-from .config import RunConfig
-from .model import build_model
-from .step import is_token_source
+from . import evaluator as evaluation
+from ..run import launch
+from ..parallel import topology
+from ..checkpoint.checkpointer import Checkpointer, read_tracker, run_info
+from ..config import RunConfig
+from ..parallel.model import build_model
+from ..run.step import is_token_source
 
 DEFAULT_EVAL_ITERS = 10
 
@@ -52,7 +54,7 @@ def eval_config(config: RunConfig, split: str) -> RunConfig:
 
 def evaluate_checkpoint(plan, split: str, json_path: Path | None = None) -> evaluation.EvalResult:
     """Run in every process of the world: build, load, evaluate once, report on the logging rank."""
-    from .train import build_context, data_context
+    from ..run.loop import build_context, data_context
 
     config, t = plan.config, plan.config.training
     params_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .memory import LayerMemory, TokenBytes, Weights
+from ..memory import LayerMemory, TokenBytes, Weights
 
 STATS = 8  # a norm's fp32 mean and reciprocal std per token (RMSNorm keeps one; counted as two, it is small)
 

@@ -11,9 +11,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from .model import held_modules
-from .timers import StepTimers
-from .topology import LANGUAGE, Topology
+from ..parallel.model import held_modules
+from ..telemetry.timers import StepTimers
+from ..parallel.topology import LANGUAGE, Topology
 
 
 @dataclass

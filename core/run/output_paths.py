@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mimo.errors import UsageError
 
-from .config import RunConfig
+from ..config import RunConfig
 
 
 def check_output_paths(config: RunConfig) -> None:

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from mimo.errors import UsageError
 
-from .checkpoint import TRACKER, read_tracker
-from .config import RunConfig
+from .checkpointer import TRACKER, read_tracker
+from ..config import RunConfig
 
 
 def check_resume(config: RunConfig, speak: bool = True) -> int | None:

@@ -26,10 +26,10 @@ import torch.distributed as dist
 from mimo.errors import UsageError
 
 from . import checksums
-from .checkpoint_match import check_kept_options, check_model_fits
-from .config import CheckpointOptions
-from .model import parameters_gathered
-from .topology import LANGUAGE, Topology
+from .match import check_kept_options, check_model_fits
+from ..config import CheckpointOptions
+from ..parallel.model import parameters_gathered
+from ..parallel.topology import LANGUAGE, Topology
 
 TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
@@ -270,7 +270,7 @@ class Checkpointer:
                                  f"with --dist-ckpt-optim-fully-reshardable to reshard later)")
 
     def _load_pretrained(self, path: Path) -> None:
-        from .pretrained import foreign_directory
+        from .foreign import foreign_directory
 
         directory = foreign_directory(path)
         if directory is None:
@@ -308,7 +308,7 @@ class Checkpointer:
     def _dist_load(self, state: dict, directory: Path) -> dict:
         from torch.distributed.checkpoint.api import CheckpointException
 
-        from mimo.plugins import dist_checkpoint
+        from mimo.plugins.kit import dist_checkpoint
 
         _verify_files(directory)
         checksums.verify(directory)

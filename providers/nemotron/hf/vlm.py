@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from mimo.errors import UsageError
-from mimo.plugins.hf import nemotron_h, nemotron_h_omni, radio
+from . import nemotron_h, nemotron_h_omni, radio
 
-from .settings import ENCODER, IMAGES, NemotronVLMSettings
-from .specs import resolve_backend
+from ..settings import ENCODER, IMAGES, NemotronVLMSettings
+from ..specs import resolve_backend
 
 OMNI = "nemotron_h_omni"
 PARTIAL = {"nemotron_h": "the language model", "radio": "the vision encoder"}
@@ -135,7 +135,7 @@ def omni_config(s: NemotronVLMSettings) -> dict:
         routed_scaling_factor=s.moe_router_topk_scaling_factor, intermediate_size=s.ffn_hidden_size,
         tie_word_embeddings=False, num_nextn_predict_layers=0,
         time_step_min=s.mamba_dt_clamp_min)  # the reference clamps dt at time_step_min, mimo at mamba_dt_clamp_min
-    from .tokens import image_token_id
+    from ..tokens import image_token_id
 
     return dict(model_type=OMNI, architectures=["NemotronH_Omni_Reasoning_V3"], vision_config=vision,
                 text_config=text, audio_config=None, downsample_ratio=0.5,

@@ -4,7 +4,7 @@ kernels from Python. The loop drives it as Megatron-LM's does: eager iterations 
 
 from __future__ import annotations
 
-from .topology import LANGUAGE, Topology
+from ..parallel.topology import LANGUAGE, Topology
 
 EAGER_ITERATIONS = 1  # the first iteration runs eagerly (allocator, TE's first-use setup), then capture
 

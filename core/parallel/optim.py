@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from .config import OptimizerOptions, SchedulerOptions
+from ..config import OptimizerOptions, SchedulerOptions
 
 
 def _recording_optimizer_class():

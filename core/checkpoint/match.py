@@ -27,7 +27,7 @@ def check_model_fits(model, saved_settings: dict, settings: dict, directory: Pat
     """Refuse (UsageError, the same line on every rank) a checkpoint whose tensors differ from the model's.
 
     Reads only the checkpoint's metadata. Collective: every rank compares the modules it holds."""
-    from mimo.plugins.dist_checkpoint import saved_tensor_shapes
+    from mimo.plugins.kit.dist_checkpoint import saved_tensor_shapes
 
     try:
         saved = saved_tensor_shapes(directory)

@@ -14,8 +14,9 @@ import subprocess
 
 from mimo.errors import UsageError
 
-from . import memory, topology
-from .memory import GIB, RankEstimate
+from . import estimate as memory
+from ..parallel import topology
+from .estimate import GIB, RankEstimate
 
 DEFAULT_GIB = 80.0
 

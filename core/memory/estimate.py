@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from mimo.plugins import ModuleMemory, ModuleParallelism, TokenBytes, Weights
 
-from .topology import LANGUAGE
+from ..parallel.topology import LANGUAGE
 
 GIB = 2 ** 30
 CONTEXT_BYTES = 2 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers

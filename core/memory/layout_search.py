@@ -13,10 +13,11 @@ from dataclasses import dataclass
 
 from mimo.errors import UsageError
 
-from . import memory, topology
-from .config import LayoutOptions
-from .memory import GIB
-from .memory_check import encoder_rows
+from . import estimate as memory
+from ..parallel import topology
+from ..config import LayoutOptions
+from .estimate import GIB
+from .fit import encoder_rows
 
 # (distributed optimizer, LLM recompute) in the order tried; "as given" keeps the run's own options
 VARIANTS = ((None, None), (True, None), (True, "selective"), (True, "full"))
