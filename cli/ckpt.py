@@ -22,7 +22,7 @@ def inspect_checkpoint(directory: Path,
     from mimo.core.checkpoint.checkpointer import TRACKER, iteration_dir, read_common, read_tracker
     from mimo.errors import UsageError
 
-    from .main import fail
+    from .common import fail
 
     try:
         target = directory
@@ -72,9 +72,9 @@ def import_hf(hf_dir: Path, out: Path,
     OUT/provider.yaml --pretrained OUT`. One process on the CPU, the whole model in memory."""
     from mimo.core.checkpoint import hf
 
-    from .main import _quiet_import_notices, fail
+    from .common import fail, quiet_import_notices
 
-    _quiet_import_notices()
+    quiet_import_notices()
     try:
         name = hf.import_hf(hf_dir, out, provider)
     except UsageError as err:
@@ -91,9 +91,9 @@ def export_hf(checkpoint: Path, out: Path,
     model folder OUT that transformers' from_pretrained loads. One process on the CPU, the whole model in memory."""
     from mimo.core.checkpoint import hf
 
-    from .main import _quiet_import_notices, fail
+    from .common import fail, quiet_import_notices
 
-    _quiet_import_notices()
+    quiet_import_notices()
     try:
         name = hf.export_hf(checkpoint, out, assignments or [])
     except UsageError as err:

@@ -30,7 +30,7 @@ def sample(directory: Path,
     from mimo.data import write_sample_dataset
     from mimo.errors import UsageError
 
-    from .main import fail
+    from .common import fail
 
     try:
         if num_samples < 1:

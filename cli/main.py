@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import inspect
-import logging
 import os
 import sys
 import typing
-import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -15,6 +13,7 @@ import typer
 
 from mimo.errors import TrainingStopped, UsageError
 
+from .common import fail, quiet_import_notices
 from .options import loop_parameters, provider_parameters, run_config, with_options
 from .ckpt import ckpt_app
 from .data import data_app
@@ -27,32 +26,9 @@ app.add_typer(ckpt_app, name="ckpt")
 app.add_typer(data_app, name="data")
 
 
-def fail(message: str) -> typer.Exit:
-    """Print one line naming the problem and exit 2."""
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    return typer.Exit(code=2)
-
-
-def _quiet_import_notices() -> None:
-    """megatron-core announces missing optional kernels and experimental APIs on every import and build; on a
-    run they would bury the log. Real warnings still show."""
-    for message in (".*(Transformer Engine|Apex) (and Apex )?(is|are) not installed.*", ".*is experimental.*",
-                    ".*full scope is deprecated.*", ".*an autograd kernel was not registered.*",
-                    ".*deprecating ShardedTensor.*", ".*argument order of load has been changed.*",
-                    ".*torch.distributed is disabled, unavailable or uninitialized.*",
-                    # mimo sets each rank's GPU (torch.cuda.set_device) before its first collective
-                    ".*barrier\\(\\): using the device under current context.*"):
-        warnings.filterwarnings("ignore", message=message)
-    logging.getLogger("megatron.core.models.gpt.gpt_model").setLevel(logging.ERROR)
-    logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    # mimo writes common.pt for Megatron's tools; megatron-core then notes it reads the "legacy" file.
-    logging.getLogger("megatron.core.dist_checkpointing.strategies.common").setLevel(logging.ERROR)
-    logging.getLogger("megatron.core.dist_checkpointing.strategies.torch").setLevel(logging.ERROR)
-
-
 def _run(**kwargs):
     """Train a provider's model. Loop options only; the model's own settings go through --set/--provider-config."""
-    _quiet_import_notices()
+    quiet_import_notices()
     from mimo.core.run import launch
     from mimo.core.run.loop import prepare, train
 
@@ -94,7 +70,7 @@ app.command("run", context_settings={"max_content_width": 120})(
 def _eval(split: str = "val", json_path=None, **kwargs):
     """Evaluate a checkpoint without training: its held-out loss on --data's val (or test) split, or the
     provider's synthetic eval data, over --eval-iters global batches (default 10), in any layout that fits."""
-    _quiet_import_notices()
+    quiet_import_notices()
     from mimo.core.evaluation.standalone import eval_config, evaluate_checkpoint
     from mimo.core.checkpoint.hf import pretrained_from_hf
     from mimo.core.run import launch
@@ -123,7 +99,7 @@ def _plan(as_json: bool = False, suggest: bool = False, gpus: typing.Optional[in
     """Show which ranks run which module with which TP/DP/PP/EP, parameter counts, the memory estimate per GPU,
     and whether the layout is valid and fits (exit 2 if not), for the same options as `mimo run`, without
     starting workers. With --suggest --gpus N: the layouts of N GPUs that fit, best first."""
-    _quiet_import_notices()
+    quiet_import_notices()
     from mimo.core.memory import fit as memory_check
     from mimo.core.run.loop import prepare
 
