@@ -28,7 +28,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from mimo import Encoder, SDPAttention
 
-IMAGES = "images"
+from .settings import IMAGES
 
 
 def _ffn(settings, hidden: int) -> int:
