@@ -19,7 +19,7 @@ def inspect_checkpoint(directory: Path,
                        as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Iteration, the options and settings it was saved with, modules, parameter counts, layout and sizes.
     DIR is a save directory (its tracker names the checkpoint) or one iter_NNNNNNN directory."""
-    from mimo.core.checkpoint.checkpointer import TRACKER, iteration_dir, read_common, read_tracker
+    from mimo.core.checkpoint.layout import TRACKER, iteration_dir, read_common, read_tracker
     from mimo.errors import UsageError
 
     from .common import fail

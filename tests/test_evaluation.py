@@ -117,7 +117,7 @@ def plain_forward_loss(save, eval_iters: int) -> float:
     if save in _plain:
         return _plain[save]
     from mimo.core.parallel import topology
-    from mimo.core.checkpoint.checkpointer import iteration_dir, read_tracker
+    from mimo.core.checkpoint.layout import iteration_dir, read_tracker
     from mimo.core.config import LayoutOptions
     from mimo.core.evaluation.evaluator import EVAL_SEED
     from mimo.core.run.launch import seed_everything

@@ -1,73 +1,35 @@
-"""Distributed checkpoints through megatron-core's dist_checkpointing (torch_dist), in Megatron's layout:
+"""Save and load one run's state through megatron-core's dist_checkpointing (torch_dist), collectively.
 
-    <dir>/latest_checkpointed_iteration.txt      the tracker: the newest complete checkpoint
-    <dir>/iter_0000010/                          metadata.json, .metadata, *.distcp shards, common.pt
-
-Every rank writes its shards; only then, after a barrier, rank 0 replaces the tracker atomically. A kill at any
-moment therefore leaves the tracker naming a complete checkpoint. Model, optimizer, per-module RNG and per-lane
-data state are sharded objects, so a checkpoint loads into another layout (another DP size; colocated <->
-heterogeneous) wherever the state allows it.
+Every rank writes its shards; only then, after a barrier, rank 0 writes common.pt and replaces the tracker
+(layout.py). Model, optimizer, per-module RNG and per-lane data state are sharded objects, so a checkpoint loads
+into another layout (another DP size; colocated <-> heterogeneous) wherever the state allows it.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
-import random
 import shutil
-import signal
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from mimo.errors import UsageError
 
 from . import checksums
+from .foreign import foreign_directory
+from .layout import (
+    COMMON, TRACKER, VERSION, atomic_write, fault_point, iteration_dir, prune, read_common, read_tracker, report_io,
+)
 from .match import check_kept_options, check_model_fits
+from .state import (
+    allocate_optimizer_state, merge_common, own_common, rng_state, set_rng_state, unshare_adam_steps,
+)
 from ..config import CheckpointOptions
 from ..parallel.model import parameters_gathered
 from ..parallel.topology import LANGUAGE, Topology
 
-TRACKER = "latest_checkpointed_iteration.txt"
-COMMON = "common.pt"
 EXTRA_STATE = "_extra_state"
-VERSION = 1
-
-
-def _fault_point(stage: str, iteration: int) -> None:
-    """Crash-safety tests kill a saving process at named stages: MIMO_FAULT_KILL_AT=<stage>@<iteration>."""
-    if os.environ.get("MIMO_FAULT_KILL_AT") == f"{stage}@{iteration}":
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def iteration_dir(root: Path, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
-
-
-def read_tracker(root: Path) -> int | None:
-    """The iteration the tracker names; None when `root` holds no checkpoint yet."""
-    tracker = Path(root) / TRACKER
-    if not tracker.exists():
-        return None
-    text = tracker.read_text().strip()
-    if not text.isdigit():
-        raise UsageError(f"checkpoint tracker {tracker} is corrupted (holds {text[:40]!r}, not an iteration)")
-    return int(text)
-
-
-def read_common(directory: Path) -> dict:
-    """The run-level state of one checkpoint (rank 0 wrote it); a clear error when missing or unreadable."""
-    path = Path(directory) / COMMON
-    if not path.is_file():
-        raise UsageError(f"checkpoint {directory} is incomplete: {path} is missing")
-    try:  # plain data only, so reading it runs no code (megatron-core unpickles it: docs/checkpoints.md)
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:  # noqa: BLE001 - any unreadable file is the same problem for the user
-        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
-        raise UsageError(f"checkpoint file {path} cannot be read ({type(err).__name__}: {first})") from None
 
 
 class Checkpointer:
@@ -103,7 +65,7 @@ class Checkpointer:
                 shutil.rmtree(directory)
             directory.mkdir(parents=True)
         dist.barrier()
-        _fault_point("before-shards", iteration)
+        fault_point("before-shards", iteration)
         with parameters_gathered(self.model):
             state = self._sharded_state(loading=False, optimizer=self.options.save_optim,
                                         rng=self.options.save_rng)
@@ -127,19 +89,19 @@ class Checkpointer:
         """After every rank has written: common.pt, then the tracker (atomically), then pruning."""
         from megatron.core.dist_checkpointing.utils import extract_nonpersistent, extract_sharded_base
 
-        _fault_point("after-shards", iteration)
+        fault_point("after-shards", iteration)
         sums = checksums.gather(iteration_dir(self.options.save, iteration))  # collective, after every write
         if dist.get_rank() == 0:
             root = Path(self.options.save)
-            checksums.write(iteration_dir(root, iteration), sums, _atomic_write)
+            checksums.write(iteration_dir(root, iteration), sums, atomic_write)
             # What megatron-core's own (legacy) readers load from common.pt: every non-sharded entry.
             common = extract_sharded_base(extract_nonpersistent(state)[1])[1]
-            _atomic_write(iteration_dir(root, iteration) / COMMON, lambda f: torch.save(common, f))
-            _fault_point("before-tracker", iteration)
-            _atomic_write(root / TRACKER, lambda f: f.write(f"{iteration}\n".encode()))
+            atomic_write(iteration_dir(root, iteration) / COMMON, lambda f: torch.save(common, f))
+            fault_point("before-tracker", iteration)
+            atomic_write(root / TRACKER, lambda f: f.write(f"{iteration}\n".encode()))
             if self.options.keep_last:
-                _prune(root, self.options.keep_last, keep=iteration)
-            _report("saved", iteration_dir(root, iteration), time.perf_counter() - self._save_started,
+                prune(root, self.options.keep_last, keep=iteration)
+            report_io("saved", iteration_dir(root, iteration), time.perf_counter() - self._save_started,
                     blocked=self._save_blocked if self.async_queue is not None else None)
         dist.barrier()
 
@@ -172,15 +134,15 @@ class Checkpointer:
         state = {"model": model_state}
         held = self.topology.pg_collections
         if optimizer and loading:
-            _allocate_optimizer_state(self.optimizer)
+            allocate_optimizer_state(self.optimizer)
         if optimizer:
             sharding = sharding or self._optimizer_sharding()
             optimizer_state = self.optimizer.sharded_state_dict(
                 model_state, is_loading=loading, metadata={"distrib_optim_sharding_type": sharding})
-            state["optimizer"] = {name: _own_common(sub, f"optimizer.{name}", held.get(name))
+            state["optimizer"] = {name: own_common(sub, f"optimizer.{name}", held.get(name))
                                   for name, sub in optimizer_state.items()}
         if rng:
-            payload = _rng_state()
+            payload = rng_state()
             state["rng_state"] = {
                 name: ShardedObject(f"rng_state.{name}", payload, (pgc.pp.size(), pgc.tp.size()),
                                     (pgc.pp.rank(), pgc.tp.rank()), replica_id=pgc.dp.rank())
@@ -200,7 +162,7 @@ class Checkpointer:
         started = time.perf_counter()
         result = self._load()
         if result[0] and dist.get_rank() == 0:
-            _report("loaded", iteration_dir(self.options.load, result[0]), time.perf_counter() - started)
+            report_io("loaded", iteration_dir(self.options.load, result[0]), time.perf_counter() - started)
         return result
 
     def _load(self) -> tuple[int, int, dict | None]:
@@ -240,14 +202,14 @@ class Checkpointer:
         self._load_model(loaded["model"])
         if load_optim:
             with torch.no_grad():  # megatron-core's dp_reshardable loader copies into parameters without it
-                self.optimizer.load_state_dict({n: _merge_common(sub) for n, sub in loaded["optimizer"].items()})
-            _unshare_adam_steps(self.optimizer)
+                self.optimizer.load_state_dict({n: merge_common(sub) for n, sub in loaded["optimizer"].items()})
+            unshare_adam_steps(self.optimizer)
         else:
             self._refresh_main_params()
         if opts.load_scheduler and common["opt_param_scheduler"] is not None:
             self._load_scheduler(common["opt_param_scheduler"])
         if load_rng:
-            _set_rng_state(next(iter(loaded["rng_state"].values())))
+            set_rng_state(next(iter(loaded["rng_state"].values())))
         if saved_lanes != lanes and common["run"]["lane_data_state"]:
             raise UsageError(f"the checkpoint's data state was saved for {saved_lanes} LLM data-parallel lanes, "
                              f"this run has {lanes}: resume with the same layout, or pass --finetune")
@@ -270,8 +232,6 @@ class Checkpointer:
                                  f"with --dist-ckpt-optim-fully-reshardable to reshard later)")
 
     def _load_pretrained(self, path: Path) -> None:
-        from .foreign import foreign_directory
-
         directory = foreign_directory(path)
         if directory is None:
             self._load_weights_only(path, what="--pretrained")
@@ -362,35 +322,6 @@ class Checkpointer:
                              f"--no-load-scheduler to start this run's schedule from the checkpoint's weights") from None
 
 
-_OWN_COMMON = "module_common"
-
-
-def _own_common(sub: dict, key: str, pgc) -> dict:
-    """Move a module's non-sharded optimizer state (param groups, step) into a sharded object of its own.
-
-    megatron-core saves non-sharded state from rank 0 only, which in a heterogeneous layout holds no LLM; its
-    MimoOptimizer extracts param groups only from the mixed-precision format, not from the fp32 one."""
-    from megatron.core.dist_checkpointing.dict_utils import extract_matching_values
-    from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedBase, ShardedObject
-
-    if not sub or pgc is None:
-        return sub
-    # Local objects (param ids) are filled in from the running optimizer at load: leave them to megatron-core.
-    sharded, common = extract_matching_values(sub, lambda v: isinstance(v, (ShardedBase, LocalNonpersistentObject)))
-    sharded[_OWN_COMMON] = ShardedObject(f"{key}.{_OWN_COMMON}", common, (1,), (0,),
-                                         replica_id=(pgc.tp.rank(), pgc.pp.rank(), pgc.dp.rank()))
-    return sharded
-
-
-def _merge_common(sub: dict) -> dict:
-    from megatron.core.dist_checkpointing.dict_utils import merge
-
-    if not sub or _OWN_COMMON not in sub:
-        return sub
-    common = sub.pop(_OWN_COMMON)
-    return merge(sub, common)
-
-
 def _verify_files(directory: Path) -> None:
     """Name a missing or truncated shard before loading: torch's reader would only say EOFError."""
     from torch.distributed.checkpoint import FileSystemReader
@@ -415,116 +346,3 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _allocate_optimizer_state(mimo_optimizer) -> None:
-    """A distributed optimizer describes its checkpoint from its state, which exists only after a step; give a
-    fresh one its state tensors (megatron-core's own helper; the loaded values replace them)."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for info in mimo_optimizer.module_infos.values():
-        inner = getattr(info.optimizer, "chained_optimizers", [info.optimizer])
-        for opt in inner:
-            if isinstance(opt, DistributedOptimizer):
-                if not opt.optimizer.state:
-                    opt._init_optimizer_states_with_dummy_values()
-                _skip_adam_step_on_load(opt)
-
-
-def _unshare_adam_steps(mimo_optimizer) -> None:
-    """megatron-core's distributed optimizer (without Apex or TE) restores torch Adam's `step` as one tensor
-    shared by every parameter's state; Adam increments it in place once per parameter. Give each its own."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for info in mimo_optimizer.module_infos.values():
-        for opt in getattr(info.optimizer, "chained_optimizers", [info.optimizer]):
-            if isinstance(opt, DistributedOptimizer):
-                for state in opt.optimizer.state.values():
-                    if isinstance(state.get("step"), torch.Tensor):
-                        state["step"] = state["step"].clone()
-
-
-def _skip_adam_step_on_load(opt) -> None:
-    """megatron-core 0.19.2 copies every state tensor of a parameter when it loads distributed-optimizer
-    state, torch Adam's per-parameter `step` included, though it restores steps from the common state (the
-    parameter groups) just before. The fully_reshardable loader hands over no `step` (a KeyError without Apex
-    or TE); the dp_reshardable one hands over the running optimizer's own `step`, here the dummy step's 1, which
-    would overwrite the restored count. Never copy `step`, whatever the loader hands over."""
-    if getattr(opt, "_mimo_skips_step", False):
-        return
-    original = opt._set_main_param_and_optimizer_states
-    opt._set_main_param_and_optimizer_states = lambda param, tensors: original(param, {**tensors, "step": None})
-    opt._mimo_skips_step = True
-
-
-def _rng_state() -> dict:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    return {
-        "python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-        "tracker": get_cuda_rng_tracker().get_states(),
-    }
-
-
-def _set_rng_state(state: dict) -> None:
-    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def _report(verb: str, directory: Path, seconds: float, blocked: float | None = None) -> None:
-    """One line per save or load; an async save also says how long training waited for it."""
-    size = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
-    waited = f", training blocked {blocked:.2f} s" if blocked is not None else ""
-    print(f"{verb} checkpoint {directory} in {seconds:.2f} s ({size / 2**30:.3f} GiB, "
-          f"{size / 2**30 / max(seconds, 1e-9):.2f} GiB/s{waited})", flush=True)
-
-
-def _atomic_write(path: Path, write) -> None:
-    """Write to a temporary file, flush it to disk, then rename over `path` (atomic on POSIX)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
-def _prune(root: Path, keep_last: int, keep: int) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints; never `keep` (the tracker's)."""
-    complete = sorted(int(p.name[5:]) for p in root.glob("iter_*") if (p / COMMON).is_file())
-    for iteration in complete[:-keep_last]:
-        if iteration != keep:
-            shutil.rmtree(iteration_dir(root, iteration), ignore_errors=True)
-
-
-def run_info(plan, settings, lane_data_state: bool) -> dict:
-    """What a checkpoint records about the run that saved it (shown by `mimo ckpt inspect`)."""
-    def plain(value):
-        if dataclasses.is_dataclass(value):
-            return {k: plain(v) for k, v in dataclasses.asdict(value).items()}
-        if isinstance(value, dict):
-            return {k: plain(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return [plain(v) for v in value]
-        return str(value) if isinstance(value, Path) else value
-
-    return {
-        "provider": plan.config.provider,
-        "options": plain(plan.config),
-        "settings": plain(settings),
-        "layout": {name: {**plain(p), "dp": p.dp} for name, p in plan.parallelism.items()},
-        "world_size": plan.world_size,
-        "parameters": {name: s.num_parameters for name, s in plan.shapes.items()},
-        # Whether each lane's data iterator has a state of its own (then it cannot move to another layout).
-        "lane_data_state": lane_data_state,
-    }

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from mimo.errors import UsageError
 
-from .checkpointer import COMMON, TRACKER, iteration_dir, read_common, read_tracker
+from .layout import COMMON, TRACKER, iteration_dir, read_common, read_tracker
 
 DIST_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a dist checkpoint
 

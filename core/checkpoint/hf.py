@@ -130,7 +130,8 @@ def _build(registry: Registry, provider: str, settings_file: Path | None, assign
 
 
 def _checkpointer(built: _Built, options: CheckpointOptions):
-    from .checkpointer import Checkpointer, run_info
+    from .checkpointer import Checkpointer
+    from .layout import run_info
 
     info = run_info(built.plan, built.plan.settings, lane_data_state=False)
     return Checkpointer(options, built.model, None, None, built.topology, info, lambda: {"loader": None})
@@ -214,7 +215,7 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), registry
               device: str = "cpu") -> str:
     """Write the weights of a mimo checkpoint (saved under any layout) as a Hugging Face folder. Returns the
     provider's name."""
-    from .checkpointer import TRACKER, iteration_dir, read_common, read_tracker
+    from .layout import TRACKER, iteration_dir, read_common, read_tracker
 
     registry = registry or Registry()
     checkpoint = Path(checkpoint)
@@ -246,7 +247,7 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), registry
 def pretrained_from_hf(plan, registry: Registry | None = None):
     """Yield the plan, its `--pretrained` pointing at a mimo checkpoint: a Hugging Face folder is converted first
     (in this process, before any worker starts; the workers find it through CONVERTED_ENV) and removed after."""
-    from .checkpointer import read_tracker
+    from .layout import read_tracker
 
     c = plan.config.checkpoint
     if not is_hf_folder(c.pretrained) or (c.load and read_tracker(c.load) is not None):

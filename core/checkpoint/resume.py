@@ -8,7 +8,7 @@ from pathlib import Path
 
 from mimo.errors import UsageError
 
-from .checkpointer import TRACKER, read_tracker
+from .layout import TRACKER, read_tracker
 from ..config import RunConfig
 
 

@@ -22,7 +22,8 @@ from mimo.errors import UsageError
 from . import evaluator as evaluation
 from ..run import launch
 from ..parallel import topology
-from ..checkpoint.checkpointer import Checkpointer, read_tracker, run_info
+from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.layout import read_tracker, run_info
 from ..config import RunConfig
 from ..parallel.model import build_model
 from ..run.step import is_token_source

@@ -14,7 +14,8 @@ from mimo.plugins.settings import build_settings
 from ..evaluation import evaluator as evaluation
 from . import launch, signals
 from ..parallel import topology
-from ..checkpoint.checkpointer import Checkpointer, run_info
+from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.layout import run_info
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from .cuda_graphs import LayerGraphs, train_on_capture_stream
 from ..telemetry.metrics import MetricsLogger
