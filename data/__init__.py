@@ -13,10 +13,8 @@ from .loader import get_multimodal_train_loader, make_worker_config
 from .sample_dataset import prepare_energon_dataset, write_sample_dataset
 from .sample_formats import readable_type_names
 from .skips import SkipLedger, SkippedSampleCounter
-from .task_encoder import (
-    DynamicResolution, EncodedSample, FixedTiles, MultimodalTaskEncoder, dynamic_num_tokens, fit_patch_grid,
-    patchify, tile_num_tokens,
-)
+from .images import DynamicResolution, FixedTiles, dynamic_num_tokens, fit_patch_grid, patchify, tile_num_tokens
+from .task_encoder import EncodedSample, MultimodalTaskEncoder
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_hf_tokenizer
 
 __all__ = [

@@ -22,7 +22,8 @@ from megatron.energon import stateless
 from .chat_cooker import CHAT_COOKER
 from .chat_template import PLAIN, ChatTemplate, RenderedConversation
 from .sample_formats import check_readable, conversation_of
-from .task_encoder import EncodedSample, MultimodalTaskEncoder, to_float_image
+from .images import to_float_image
+from .task_encoder import EncodedSample, MultimodalTaskEncoder
 
 __all__ = ["ConversationTaskEncoder"]
 
