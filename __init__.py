@@ -1,13 +1,14 @@
 """mimo: multimodal training on megatron-core, with model families as plugins."""
 
 from mimo.plugins import (
-    BuildContext, DataContext, Encoder, ModuleParallelism, ModuleShape, Provider, hookimpl, setting,
+    LANGUAGE, BuildContext, DataContext, Encoder, ModuleParallelism, ModuleShape, Provider, hookimpl, module_prefix,
+    setting,
 )
 
 __version__ = "0.1.0"
 __all__ = [
-    "BuildContext", "DataContext", "Encoder", "ModuleParallelism", "ModuleShape", "Provider", "SDPAttention",
-    "hookimpl", "setting",
+    "BuildContext", "DataContext", "Encoder", "LANGUAGE", "ModuleParallelism", "ModuleShape", "Provider",
+    "SDPAttention", "hookimpl", "module_prefix", "setting",
 ]
 
 

@@ -6,12 +6,13 @@ from .hookspecs import hookimpl
 from .manager import ENTRY_POINT_GROUP, Registry
 from .kit import memory_layers  # per-layer formulas for module_memory hooks
 from .memory import LayerMemory, ModuleMemory, TokenBytes, Weights
+from .modules import LANGUAGE, module_prefix
 from .types import Encoder, ModuleShape, Provider
 
 __all__ = [
-    "BuildContext", "DataContext", "ENTRY_POINT_GROUP", "Encoder", "LayerMemory", "ModuleMemory",
+    "BuildContext", "DataContext", "ENTRY_POINT_GROUP", "Encoder", "LANGUAGE", "LayerMemory", "ModuleMemory",
     "ModuleParallelism", "ModuleShape", "Provider", "Registry", "SDPAttention", "TokenBytes", "Weights", "hookimpl",
-    "memory_layers", "setting",
+    "memory_layers", "module_prefix", "setting",
 ]
 
 

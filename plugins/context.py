@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .modules import LANGUAGE
+
 if TYPE_CHECKING:  # megatron-core imports in seconds; `mimo --help` and `providers list` don't need it
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-LANGUAGE = "language"  # megatron-core's MIMO_LANGUAGE_MODULE_KEY
 
 # TransformerConfig fields the loop decides; a provider sets only its model's shape and numerics.
 LOOP_OWNED_FIELDS = (

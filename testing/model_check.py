@@ -11,12 +11,11 @@ import inspect
 
 import torch
 
-from mimo.plugins import BuildContext, Encoder, ModuleShape
+from mimo.plugins import LANGUAGE, BuildContext, Encoder, ModuleShape
 
 from .report import ContractError, ModuleReport
 from .subject import Subject
 
-LANGUAGE = "language"
 NO_MODULE_HELD = " (called as on a rank that holds no module: every ctx.pg_collection(...) is None)"
 
 

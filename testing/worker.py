@@ -181,6 +181,8 @@ def _tokens_per_image(module, encoder_inputs: dict) -> list[int] | None:
 
 
 def check_training(results, trainable: dict[str, bool], encoders_fed: set[str]) -> None:
+    from mimo.plugins import LANGUAGE
+
     from .report import ContractError
 
     for i, r in enumerate(results, 1):
@@ -190,9 +192,9 @@ def check_training(results, trainable: dict[str, bool], encoders_fed: set[str]) 
         if r.grad_norm is None or not math.isfinite(r.grad_norm) or r.grad_norm <= 0:
             raise ContractError("loss", f"iteration {i}: gradient norm {r.grad_norm}; backward reached no parameter")
         for module, is_trainable in trainable.items():
-            fed = module == "language" or module in encoders_fed
+            fed = module == LANGUAGE or module in encoders_fed
             if is_trainable and fed and not r.module_grad_norms.get(module, 0.0) > 0:
-                hook = "build_language_model" if module == "language" else "build_encoders"
+                hook = "build_language_model" if module == LANGUAGE else "build_encoders"
                 raise ContractError(hook, f"iteration {i}: module '{module}' got no gradient (its output does not "
                                           f"reach the loss)")
 

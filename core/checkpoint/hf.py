@@ -23,7 +23,7 @@ import torch
 import yaml
 
 from mimo.errors import UsageError
-from mimo.plugins import BuildContext, Registry
+from mimo.plugins import BuildContext, Registry, module_prefix
 from mimo.plugins.kit import safetensors_io
 
 from ..config import CheckpointOptions, RunConfig, TrainingOptions
@@ -137,14 +137,10 @@ def _checkpointer(built: _Built, options: CheckpointOptions):
     return Checkpointer(options, built.model, None, None, built.topology, info, lambda: {"loader": None})
 
 
-def _module_prefix(name: str) -> str:
-    return "language_model." if name == LANGUAGE else f"modality_submodules.{name}."
-
-
 def whole_state(model) -> dict[str, torch.Tensor]:
     from ..parallel.model import held_modules
 
-    return {_module_prefix(name) + key: t for name, wrapped in held_modules(model)
+    return {module_prefix(name) + key: t for name, wrapped in held_modules(model)
             for key, t in wrapped.module.state_dict().items()}
 
 
@@ -154,7 +150,7 @@ def _load_whole_state(model, state: dict[str, torch.Tensor], source: Path) -> No
 
     missing, used = [], set()
     for name, wrapped in held_modules(model):
-        prefix = _module_prefix(name)
+        prefix = module_prefix(name)
         part = {k[len(prefix):]: t for k, t in state.items() if k.startswith(prefix)}
         used |= {prefix + k for k in part}
         result = wrapped.module.load_state_dict(part, strict=False)

@@ -11,11 +11,10 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from mimo.errors import UsageError
-from mimo.plugins import ModuleParallelism, ModuleShape
+from mimo.plugins import LANGUAGE, ModuleParallelism, ModuleShape
 
 from ..config import LayoutOptions
 
-LANGUAGE = "language"  # megatron-core's MIMO_LANGUAGE_MODULE_KEY
 EXPERT_VIEW = "expert"  # the grid view megatron-core's MimoOptimizer reads expert groups from
 
 

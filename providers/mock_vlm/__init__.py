@@ -6,7 +6,7 @@ Small and fast (50 iterations in well under two minutes on two CPU cores): for s
 
 from __future__ import annotations
 
-from mimo import ModuleShape, Provider, hookimpl
+from mimo import LANGUAGE, ModuleShape, Provider, hookimpl, module_prefix
 
 from .settings import IMAGES, MockVLMSettings
 
@@ -24,8 +24,8 @@ def model_shape(settings: MockVLMSettings):
     return {
         IMAGES: ModuleShape(settings.vision_layers, settings.vision_hidden_size, settings.vision_heads,
                             num_parameters=counts[IMAGES]),
-        "language": ModuleShape(settings.num_layers, settings.hidden_size, settings.num_attention_heads,
-                                num_parameters=counts["language"]),
+        LANGUAGE: ModuleShape(settings.num_layers, settings.hidden_size, settings.num_attention_heads,
+                                num_parameters=counts[LANGUAGE]),
     }
 
 
@@ -52,8 +52,8 @@ def data_provider(settings: MockVLMSettings, ctx):
 
 @hookimpl
 def frozen_parameters(settings: MockVLMSettings):
-    frozen = [f"modality_submodules.{IMAGES}.encoders."] if settings.freeze_vision else []
-    return frozen + (["language_model."] if settings.freeze_language else [])
+    frozen = [f"{module_prefix(IMAGES)}encoders."] if settings.freeze_vision else []
+    return frozen + ([module_prefix(LANGUAGE)] if settings.freeze_language else [])
 
 
 @hookimpl

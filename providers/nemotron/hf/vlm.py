@@ -2,9 +2,9 @@
 
 The omni checkpoint's image path and LLM map onto the MimoModel (names as `MimoModel.state_dict()` gives them):
 
-    vision_model.*      RADIO         modality_submodules.images.encoders.radio.*        (plugins/hf/radio.py)
-    mlp1.*              projector     modality_submodules.images.input_projections.0.*   (plugins/hf/nemotron_h_omni.py)
-    language_model.*    NemotronH     language_model.*                                   (plugins/hf/nemotron_h.py)
+    vision_model.*      RADIO         modality_submodules.images.encoders.radio.*        (hf/radio.py)    
+    mlp1.*              projector     modality_submodules.images.input_projections.0.*   (hf/nemotron_h_omni.py)    
+    language_model.*    NemotronH     language_model.*                                   (hf/nemotron_h.py)    
 
 The audio branch (`audio_tower.*`, `embed_audio.*`) has no place in this provider: import leaves it out, export
 writes a config without one. Checkpoints of the LLM alone (`nemotron_h`) or the encoder alone
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from mimo import LANGUAGE, module_prefix
 from mimo.errors import UsageError
 from . import nemotron_h, nemotron_h_omni, radio
 
@@ -23,9 +24,9 @@ from ..specs import resolve_backend
 
 OMNI = "nemotron_h_omni"
 PARTIAL = {"nemotron_h": "the language model", "radio": "the vision encoder"}
-LANGUAGE_PREFIX = "language_model."
-ENCODER_PREFIX = f"modality_submodules.{IMAGES}.encoders.{ENCODER}."
-PROJECTION_PREFIX = f"modality_submodules.{IMAGES}.input_projections.0."
+LANGUAGE_PREFIX = module_prefix(LANGUAGE)
+ENCODER_PREFIX = f"{module_prefix(IMAGES)}encoders.{ENCODER}."
+PROJECTION_PREFIX = f"{module_prefix(IMAGES)}input_projections.0."
 HF_LANGUAGE = "language_model."
 AUDIO_PREFIXES = ("audio_tower.", "embed_audio.")
 # NemotronH layers_block_type names of the provider's layer symbols (as NemotronHConfig writes them).
