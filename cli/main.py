@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 import typing
 from pathlib import Path
@@ -29,30 +28,14 @@ app.add_typer(data_app, name="data")
 def _run(**kwargs):
     """Train a provider's model. Loop options only; the model's own settings go through --set/--provider-config."""
     quiet_import_notices()
-    from mimo.core.run import launch
-    from mimo.core.run.loop import prepare, train
-
-    from mimo.core.checkpoint.hf import pretrained_from_hf
-    from mimo.core.run.output_paths import check_output_paths
-    from mimo.core.checkpoint.resume import check_resume
-    from mimo.core.checkpoint.save_lock import lock_save_directory
-
-    from mimo.core.memory import fit as memory_check
+    from mimo.core.run import launch, preflight
+    from mimo.core.run.loop import train
 
     launch.die_with_launcher()
-    config = run_config(kwargs)
     try:
-        plan = prepare(config)  # every check that needs no process group, before any worker starts
-        if not os.environ.get(launch.LAUNCHED_BY_MIMO):  # mimo's launcher checked this plan for its workers
-            memory_check.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
-        check_output_paths(config)  # likewise every path the run writes: created and test-written now
-        speaks = launch.speaks_for_run(config.launch)
-        if speaks and config.checkpoint.save is not None:
-            lock_save_directory(config.checkpoint.save)  # held until this process exits
-        check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
-        with pretrained_from_hf(plan) as plan:  # --pretrained HF_DIR: converted before the workers start
-            if launch.needs_launcher(config.launch):
-                raise typer.Exit(code=launch.start_workers(config.launch, sys.argv[1:]))
+        with preflight.for_run(run_config(kwargs)) as plan:
+            if launch.needs_launcher(plan.config.launch):
+                raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
             train(plan)
     except UsageError as err:
         raise fail(str(err)) from None
@@ -71,15 +54,12 @@ def _eval(split: str = "val", json_path=None, **kwargs):
     """Evaluate a checkpoint without training: its held-out loss on --data's val (or test) split, or the
     provider's synthetic eval data, over --eval-iters global batches (default 10), in any layout that fits."""
     quiet_import_notices()
-    from mimo.core.evaluation.standalone import eval_config, evaluate_checkpoint
-    from mimo.core.checkpoint.hf import pretrained_from_hf
-    from mimo.core.run import launch
-    from mimo.core.run.loop import prepare
+    from mimo.core.evaluation.standalone import evaluate_checkpoint
+    from mimo.core.run import launch, preflight
 
     launch.die_with_launcher()
     try:
-        plan = prepare(eval_config(run_config(kwargs), split))
-        with pretrained_from_hf(plan) as plan:
+        with preflight.for_eval(run_config(kwargs), split) as plan:
             if launch.needs_launcher(plan.config.launch):
                 raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
             evaluate_checkpoint(plan, split, json_path)
@@ -100,8 +80,8 @@ def _plan(as_json: bool = False, suggest: bool = False, gpus: typing.Optional[in
     and whether the layout is valid and fits (exit 2 if not), for the same options as `mimo run`, without
     starting workers. With --suggest --gpus N: the layouts of N GPUs that fit, best first."""
     quiet_import_notices()
-    from mimo.core.memory import fit as memory_check
-    from mimo.core.run.loop import prepare
+    from mimo.core.memory import fit
+    from mimo.core.run.plan import prepare
 
     from .plan import describe, print_plan, print_suggestions
 
@@ -112,11 +92,11 @@ def _plan(as_json: bool = False, suggest: bool = False, gpus: typing.Optional[in
             print_suggestions(run_config(kwargs), gpus, as_json)
             return
         plan = prepare(run_config(kwargs))
-        estimates = memory_check.estimate_plan(plan)
-        limit = memory_check.gpu_limit_gib(plan.config, planning=True)
+        estimates = fit.estimate_plan(plan)
+        limit = fit.gpu_limit_gib(plan.config, planning=True)
         summary = describe(plan, estimates, limit)
         try:
-            memory_check.check(plan, estimates, planning=True)
+            fit.check(plan, estimates, planning=True)
         except UsageError:
             summary["valid"] = False
             print_plan(summary, as_json)

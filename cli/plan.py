@@ -86,7 +86,7 @@ def print_suggestions(config, gpus: int, as_json: bool) -> None:
     from mimo.core.memory import fit as memory_check
     from mimo.core.config import LayoutOptions
     from mimo.core.memory.layout_search import suggest
-    from mimo.core.run.loop import prepare
+    from mimo.core.run.plan import prepare
     from mimo.errors import UsageError
 
     # the search lays the modules out itself: the run's own layout options need not suit N GPUs

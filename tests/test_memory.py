@@ -18,7 +18,7 @@ from mimo.core.memory import fit as memory_check
 from mimo.core.config import (
     LaunchOptions, LayoutOptions, MemoryOptions, OptimizerOptions, PerformanceOptions, RunConfig, TrainingOptions,
 )
-from mimo.core.run.loop import prepare
+from mimo.core.run.plan import prepare
 from mimo.errors import UsageError
 
 TINY_NEMOTRON = "nemotron-moe-vlm-tiny"
@@ -35,20 +35,14 @@ def config(provider, world=1, precision="fp32", distopt=False, settings=(), gpu_
 def _allocated(cfg: RunConfig, rank: int) -> dict:
     """On this rank: build the model and optimizer as a run does, take one step, and count megatron-core's
     buffers and states per module next to the estimate for this rank."""
-    from mimo.core.run import launch
-    from mimo.core.parallel import topology
-    from mimo.core.parallel.model import build_model, held_modules
+    from mimo.core.parallel.model import held_modules
     from mimo.core.parallel.optim import build_optimizer
-    from mimo.core.run.loop import build_context
+    from mimo.core.run.world import join
 
     plan = prepare(cfg, world_size=cfg.launch.nproc_per_node)
     dtype = torch.bfloat16 if cfg.training.precision == "bf16" else torch.float32
-    device = launch.init_process("cpu")
-    topo = topology.build(plan.parallelism, backend="gloo")
-    pgs = topo.pg_collections[topology.LANGUAGE]
-    launch.seed_everything(1, pgs.tp.rank(), pgs.ep.rank(), pgs.expt_tp.rank())
-    model = build_model(plan.hooks, plan.settings, cfg.provider, topo, build_context(plan, dtype, topo), device, 1,
-                        cfg.optimizer.use_distributed_optimizer)
+    world = join(plan, seed=1)
+    model = world.build_model()
     optimizer = build_optimizer(model, cfg.optimizer, dtype)
     for param in model.parameters():
         param.main_grad.zero_()
@@ -144,11 +138,8 @@ def test_saved_activations_on_cpu():
     """mock-vlm's estimate against the tensors autograd keeps in one bf16 forward (unique storages, weights left
     out): megatron-core's local layers on the CPU keep what they keep on a GPU, minus nothing."""
     from helpers import world_of_one
-    from mimo.core.run import launch
-    from mimo.core.parallel import topology
-    from mimo.core.parallel.model import build_model
     from mimo.core.run.step import to_device
-    from mimo.core.run.loop import build_context
+    from mimo.core.run.world import join
     from mimo.plugins import DataContext
 
     settings = ["hidden_size=128", "num_attention_heads=4", "num_layers=3", "seq_length=256", "vocab_size=64",
@@ -156,10 +147,7 @@ def test_saved_activations_on_cpu():
     cfg = config("mock-vlm", precision="bf16", settings=settings)
     plan = prepare(cfg, world_size=1)
     with world_of_one():
-        topo = topology.build(plan.parallelism, backend="gloo")
-        launch.seed_everything(1, 0, 0, 0)
-        model = build_model(plan.hooks, plan.settings, "mock-vlm", topo, build_context(plan, torch.bfloat16, topo),
-                            torch.device("cpu"), 1)
+        model = join(plan, seed=1).build_model()
         weights = {p.data_ptr() for p in model.parameters()}
         batch = next(iter(plan.hooks.data_provider(settings=plan.settings, ctx=DataContext(
             micro_batch_size=2, num_microbatches=1, num_lanes=1, seed=1))))

@@ -23,11 +23,15 @@ import torch
 import yaml
 
 from mimo.errors import UsageError
-from mimo.plugins import BuildContext, Registry, module_prefix
+from mimo.plugins import Registry, module_prefix
 from mimo.plugins.kit import safetensors_io
 
 from ..config import CheckpointOptions, RunConfig, TrainingOptions
-from ..parallel.topology import LANGUAGE
+from ..run.plan import prepare
+from ..run.world import World, join
+from .checkpointer import Checkpointer
+from .foreign import foreign_directory
+from .layout import TRACKER, iteration_dir, read_common, read_tracker, run_info
 
 SETTINGS_FILE = "provider.yaml"
 # Set by `mimo run` for its workers: the temporary mimo checkpoint converted from `--pretrained HF_DIR`.
@@ -101,40 +105,18 @@ def write_settings(path: Path, provider: str, fields: dict) -> None:
 # ---------------------------------------------------------------------------------------------- one process
 
 
-@dataclasses.dataclass
-class _Built:
-    plan: object
-    model: object
-    topology: object
-
-
 def _build(registry: Registry, provider: str, settings_file: Path | None, assignments: list[str],
-           precision: str, device: str) -> _Built:
-    """The whole model in a world of one (TP1), built as `mimo run` builds it."""
-    from ..run import launch
-    from ..parallel import topology
-    from ..parallel.model import build_model
-    from ..run.loop import prepare
-
+           precision: str, device: str) -> tuple[World, object]:
+    """The whole model in a world of one (TP1), built as `mimo run` builds it (seeded with 0)."""
     config = RunConfig(provider=provider, provider_settings=list(assignments), provider_config=settings_file,
                        training=TrainingOptions(micro_batch_size=1, train_iters=1, precision=precision, device=device))
-    plan = prepare(config, registry, world_size=1)
-    dev = launch.init_process(device)
-    topo = topology.build(plan.parallelism, backend="nccl" if dev.type == "cuda" else "gloo")
-    pgs = topo.pg_collections[LANGUAGE]
-    launch.seed_everything(0, pgs.tp.rank(), pgs.ep.rank(), pgs.expt_tp.rank())
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    ctx = BuildContext(params_dtype=dtype, parallelism=plan.parallelism, pg_collections=topo.pg_collections)
-    model = build_model(plan.hooks, plan.settings, provider, topo, ctx, dev, seed=0)
-    return _Built(plan, model, topo)
+    world = join(prepare(config, registry, world_size=1), seed=0)
+    return world, world.build_model()
 
 
-def _checkpointer(built: _Built, options: CheckpointOptions):
-    from .checkpointer import Checkpointer
-    from .layout import run_info
-
-    info = run_info(built.plan, built.plan.settings, lane_data_state=False)
-    return Checkpointer(options, built.model, None, None, built.topology, info, lambda: {"loader": None})
+def _checkpointer(world: World, model, options: CheckpointOptions) -> Checkpointer:
+    info = run_info(world.plan, world.plan.settings, lane_data_state=False)
+    return Checkpointer(options, model, None, None, world.topology, info, lambda: {"loader": None})
 
 
 def whole_state(model) -> dict[str, torch.Tensor]:
@@ -196,14 +178,14 @@ def import_hf(hf_dir: Path, out: Path, provider: str | None = None, registry: Re
 
 
 def _convert_into(registry, provider, settings_file, assignments, hf_dir, hf_config, out, device) -> None:
-    built = _build(registry, provider, settings_file, assignments, _precision(hf_config), device)
-    state = built.plan.hooks.hf_to_mimo(settings=built.plan.settings, hf_config=hf_config,
+    world, model = _build(registry, provider, settings_file, assignments, _precision(hf_config), device)
+    state = world.plan.hooks.hf_to_mimo(settings=world.plan.settings, hf_config=hf_config,
                                         hf_tensors=safetensors_io.SafetensorsFolder(hf_dir))
     if state is None:
         raise UsageError(f"provider '{provider}' converts no Hugging Face model_type {hf_config.get('model_type')!r}")
-    _load_whole_state(built.model, state, Path(hf_dir))
+    _load_whole_state(model, state, Path(hf_dir))
     del state
-    _checkpointer(built, CheckpointOptions(save=Path(out), save_optim=False, save_rng=False)).save(0, 0)
+    _checkpointer(world, model, CheckpointOptions(save=Path(out), save_optim=False, save_rng=False)).save(0, 0)
     _finish_world()
 
 
@@ -211,8 +193,6 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), registry
               device: str = "cpu") -> str:
     """Write the weights of a mimo checkpoint (saved under any layout) as a Hugging Face folder. Returns the
     provider's name."""
-    from .layout import TRACKER, iteration_dir, read_common, read_tracker
-
     registry = registry or Registry()
     checkpoint = Path(checkpoint)
     iteration = read_tracker(checkpoint)
@@ -222,10 +202,10 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), registry
     with tempfile.TemporaryDirectory(prefix="mimo-export-") as scratch:
         settings_file = Path(scratch) / SETTINGS_FILE
         write_settings(settings_file, run["provider"], run["settings"])
-        built = _build(registry, run["provider"], settings_file, list(assignments),
-                       run["options"]["training"]["precision"], device)
-    _checkpointer(built, CheckpointOptions(pretrained=checkpoint)).load()
-    exported = built.plan.hooks.mimo_to_hf(settings=built.plan.settings, state=whole_state(built.model))
+        world, model = _build(registry, run["provider"], settings_file, list(assignments),
+                              run["options"]["training"]["precision"], device)
+    _checkpointer(world, model, CheckpointOptions(pretrained=checkpoint)).load()
+    exported = world.plan.hooks.mimo_to_hf(settings=world.plan.settings, state=whole_state(model))
     if exported is None:
         raise UsageError(f"provider '{run['provider']}' exports no Hugging Face checkpoints (no mimo_to_hf hook)")
     hf_config, tensors = exported
@@ -243,13 +223,9 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), registry
 def pretrained_from_hf(plan, registry: Registry | None = None):
     """Yield the plan, its `--pretrained` pointing at a mimo checkpoint: a Hugging Face folder is converted first
     (in this process, before any worker starts; the workers find it through CONVERTED_ENV) and removed after."""
-    from .layout import read_tracker
-
     c = plan.config.checkpoint
     if not is_hf_folder(c.pretrained) or (c.load and read_tracker(c.load) is not None):
         if c.pretrained and not is_hf_folder(c.pretrained):
-            from .foreign import foreign_directory
-
             foreign_directory(c.pretrained)  # a folder holding no checkpoint is one line before workers start
         yield plan  # a mimo checkpoint, or a resumed run (--pretrained unused)
         return

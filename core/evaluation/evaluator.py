@@ -19,7 +19,6 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -28,7 +27,8 @@ from mimo.errors import UsageError
 from mimo.plugins import DataContext
 
 from ..parallel.model import parameters_gathered
-from ..run.step import is_token_source, schedule_for, to_device
+from ..parallel.topology import is_token_source
+from ..run.step import ForwardLoss, schedule_for
 
 # Synthetic eval data is drawn from this seed, whatever the training seed: evaluations of runs with different
 # seeds read the same samples, and none of them trains on those (unless a run is seeded with it).
@@ -60,6 +60,12 @@ def eval_context(base: DataContext, split: str, data_path: str | None) -> DataCo
                                opened_loaders=[])
 
 
+def eval_data_path(config) -> str | None:
+    """The dataset evaluations read: --eval-data, else --data (its val split); None for synthetic data."""
+    path = config.evaluation.eval_data or config.data.data
+    return str(path) if path else None
+
+
 class Evaluator:
     """Runs evaluations on every rank (each is collective over the world); the logging rank reports them."""
 
@@ -71,9 +77,11 @@ class Evaluator:
         self.eval_iters, self.num_microbatches = eval_iters, num_microbatches
         self.global_batch_size, self.provider_name, self.report = global_batch_size, provider_name, report
         self._token_source = is_token_source(topology)
-        # a schedule (and bridge communicator) of its own: the trainer's is watched by the step timers
+        # a schedule (and bridge communicator) of its own: the training step's is watched by the step timers
         self._schedule, _ = schedule_for(topology, model.config)
         self._totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, tokens]
+        # the training step's forward and loss hook, summing into the totals
+        self._forward_step = ForwardLoss(hooks, settings, device, params_dtype, self._totals)
         # A missing split fails now, not after training: opening the data reads the dataset's index, no sample.
         opened = self.hooks.data_provider(settings=settings, ctx=dataclasses.replace(data_ctx, opened_loaders=[]))
         if hasattr(opened, "close"):
@@ -111,21 +119,6 @@ class Evaluator:
         loss_sum, tokens = totals.tolist()
         return EvalResult(iteration, ctx.split, loss_sum / tokens if tokens else float("nan"), int(tokens),
                           self.eval_iters * self.global_batch_size, time.perf_counter() - started)
-
-    def _forward_step(self, data_iterator, model):
-        batch = next(data_iterator)
-        model_inputs = to_device({k: v for k, v in batch.items() if k != "modality_inputs"}, self.device,
-                                 torch.float32)
-        modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
-        output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None)
-        return output, partial(self._loss, loss_mask=loss_mask)
-
-    def _loss(self, output_tensor, loss_mask):
-        # the training loss hook and mask; summed here, divided once by all lanes' tokens
-        loss_sum, num_tokens = self.hooks.loss(settings=self.settings, output_tensor=output_tensor,
-                                               loss_mask=loss_mask)
-        self._totals += torch.stack([loss_sum.detach().double(), num_tokens.double()])
-        return loss_sum, num_tokens, {}
 
 
 class EvalSchedule:

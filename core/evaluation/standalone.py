@@ -1,7 +1,7 @@
 """`mimo eval`: the held-out loss of a checkpoint, without training, in any layout that fits.
 
-The world, grids and model are built as for a run; the checkpoint's weights load through the resharding path
-(`--pretrained`, weights only, strict); then one evaluation (core/evaluation.py) reads `--eval-iters` global
+The world, grids and model are built as for a run (core/run/world.py); the checkpoint's weights load through the
+resharding path (`--pretrained`, weights only, strict); then one evaluation (evaluator.py) reads `--eval-iters` global
 batches of the chosen split. The same samples as a training run's evaluations: the same eval seed, lanes and
 loader workers give the same batches.
 """
@@ -13,20 +13,15 @@ import json
 import types
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from mimo.errors import UsageError
 
-
-from . import evaluator as evaluation
-from ..run import launch
-from ..parallel import topology
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.layout import read_tracker, run_info
 from ..config import RunConfig
-from ..parallel.model import build_model
-from ..run.step import is_token_source
+from ..run.world import join
+from .evaluator import EvalResult, Evaluator, eval_context, eval_data_path, report
 
 DEFAULT_EVAL_ITERS = 10
 
@@ -53,36 +48,27 @@ def eval_config(config: RunConfig, split: str) -> RunConfig:
     )
 
 
-def evaluate_checkpoint(plan, split: str, json_path: Path | None = None) -> evaluation.EvalResult:
+def evaluate_checkpoint(plan, split: str, json_path: Path | None = None) -> EvalResult:
     """Run in every process of the world: build, load, evaluate once, report on the logging rank."""
-    from ..run.loop import build_context, data_context
-
-    config, t = plan.config, plan.config.training
-    params_dtype = torch.bfloat16 if t.precision == "bf16" else torch.float32
-    device = launch.init_process(t.device, config.launch.distributed_timeout_minutes)
+    config = plan.config
     try:
-        if dist.get_world_size() != plan.world_size:
-            raise UsageError(f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} joined")
-        topo = topology.build(plan.parallelism, backend="nccl" if device.type == "cuda" else "gloo")
-        seed_pgs = topo.pg_collections.get(topology.LANGUAGE) or next(iter(topo.pg_collections.values()))
-        launch.seed_everything(t.seed, seed_pgs.tp.rank(), seed_pgs.ep.rank(), seed_pgs.expt_tp.rank())
-        ctx = build_context(plan, params_dtype, topo)
-        model = build_model(plan.hooks, plan.settings, config.provider, topo, ctx, device, t.seed)
+        world = join(plan)
+        model = world.build_model()
         checkpoint = config.checkpoint.pretrained
-        Checkpointer(config.checkpoint, model, None, None, topo, run_info(plan, plan.settings, False),
+        Checkpointer(config.checkpoint, model, None, None, world.topology, run_info(plan, plan.settings, False),
                      lambda: {}).load()
-        path = config.evaluation.eval_data or config.data.data
-        data_ctx = evaluation.eval_context(data_context(plan, 0), split, str(path) if path else None)
-        evaluator = evaluation.Evaluator(model, plan.hooks, plan.settings, topo, device, params_dtype, data_ctx,
-                                         config.evaluation.eval_iters, plan.num_microbatches,
-                                         plan.global_batch_size, config.provider)
+        path = eval_data_path(config)
+        data_ctx = eval_context(world.data_context(0), split, path)
+        evaluator = Evaluator(model, plan.hooks, plan.settings, world.topology, world.device, world.params_dtype,
+                              data_ctx, config.evaluation.eval_iters, plan.num_microbatches, plan.global_batch_size,
+                              config.provider)
         result = evaluator.evaluate(read_tracker(checkpoint) or 0)
-        logging_rank = is_token_source(topo) and data_ctx.first_position == 0
+        logging_rank = world.logging_rank
         metrics_file = Path(config.logging.metrics_file) if config.logging.metrics_file and logging_rank else None
-        evaluation.report(result, types.SimpleNamespace(enabled=logging_rank, metrics_file=metrics_file,
-                                                        tensorboard=None, progress=None), None, 0)
+        report(result, types.SimpleNamespace(enabled=logging_rank, metrics_file=metrics_file, tensorboard=None,
+                                             progress=None), None, 0)
         if json_path and logging_rank:
-            figures = {**result.record(), "checkpoint": str(checkpoint), "data": str(path) if path else None,
+            figures = {**result.record(), "checkpoint": str(checkpoint), "data": path,
                        "global_batch_size": plan.global_batch_size, "eval_iters": config.evaluation.eval_iters}
             Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
         dist.barrier()

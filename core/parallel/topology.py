@@ -134,6 +134,14 @@ class Topology:
         return len({(p.first_rank, p.num_ranks) for p in self.parallelism.values()}) == 1
 
 
+def is_token_source(topology: Topology) -> bool:
+    """One rank per LLM data lane: the last pipeline stage's first TP (and CP) rank."""
+    pgc = topology.pg_collections.get(LANGUAGE)
+    if pgc is None:
+        return False
+    return pgc.pp.rank() == pgc.pp.size() - 1 and pgc.tp.rank() == 0 and pgc.cp.rank() == 0
+
+
 def build(parallelism: dict[str, ModuleParallelism], backend: str) -> Topology:
     """Create every module's grid and groups. Collective: every rank calls it with the same plan."""
     from megatron.core.hyper_comm_grid import HyperCommGrid

@@ -1,8 +1,14 @@
 """One training iteration: megatron-core's forward/backward schedule over the micro-batches, per-module gradient
-finalization with one per-token normalization for every grid, then the optimizer and scheduler step."""
+finalization with one per-token normalization for every grid, then the optimizer and scheduler step.
+
+`ForwardLoss` (one micro-batch's forward and the provider's loss, summed for the global normalization) and
+`schedule_for` (megatron-core's schedule for the layout) serve evaluation too, which runs the same forward and
+loss with `forward_only=True`.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from functools import partial
@@ -11,9 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from mimo.plugins import LANGUAGE
+
 from ..parallel.model import held_modules
+from ..parallel.topology import Topology, is_token_source
 from ..telemetry.timers import StepTimers
-from ..parallel.topology import LANGUAGE, Topology
 
 
 @dataclass
@@ -40,8 +48,46 @@ def to_device(value, device: torch.device, float_dtype: torch.dtype):
     return value
 
 
-class Trainer:
-    """Holds what a step needs and runs steps; the loop owns everything around it."""
+class ForwardLoss:
+    """megatron-core's `forward_step_func` for MimoModel: one micro-batch to the device, the forward, and the
+    provider's loss hook over the training loss mask. Each micro-batch's loss sum and token count are added to
+    `totals` ([loss sum, tokens], float64), which the caller reduces over the lanes and divides once.
+
+    `timers` (training's StepTimers) time and label the data and forward phases; evaluation passes none."""
+
+    def __init__(self, hooks, settings, device: torch.device, params_dtype: torch.dtype, totals: torch.Tensor,
+                 timers: StepTimers | None = None):
+        self.hooks, self.settings, self.device, self.params_dtype = hooks, settings, device, params_dtype
+        self.totals, self.timers = totals, timers
+
+    def _phase(self, name: str):
+        return self.timers.phase(name) if self.timers is not None else contextlib.nullcontext()
+
+    def _label(self, name: str):
+        return record_function(name) if self.timers is not None else contextlib.nullcontext()
+
+    def __call__(self, data_iterator, model):
+        with self._phase("data"):
+            batch = next(data_iterator)
+        with self._label("mimo/to-device"):
+            model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
+            model_inputs = to_device(model_inputs, self.device, torch.float32)
+            modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
+        with self._phase("forward"):
+            output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None)
+        return output, partial(self.loss, loss_mask=loss_mask)
+
+    def loss(self, output_tensor, loss_mask):
+        # the provider's loss hook; summed here, divided once by all lanes' tokens
+        loss_sum, num_tokens = self.hooks.loss(settings=self.settings, output_tensor=output_tensor,
+                                               loss_mask=loss_mask)
+        self.totals += torch.stack([loss_sum.detach().double(), num_tokens.double()])
+        return loss_sum, num_tokens, {}
+
+
+class TrainStep:
+    """One training iteration, callable as `step(data_iterator)`: holds what an iteration needs; the loop owns
+    everything around it (when to step, log, evaluate and save)."""
 
     def __init__(self, model, optimizer, scheduler, hooks, settings, topology: Topology, device: torch.device,
                  params_dtype: torch.dtype, num_microbatches: int, global_batch_size: int, micro_batch_size: int,
@@ -63,23 +109,8 @@ class Trainer:
             timers.watch_bridge(communicator)
         self._shape = {"seq_length": seq_length, "micro_batch_size": micro_batch_size}
         self.layer_graphs = layer_graphs  # --cuda-graphs
-
-    def forward_step(self, data_iterator, model):
-        with self.timers.phase("data"):
-            batch = next(data_iterator)
-        with record_function("mimo/to-device"):
-            model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
-            model_inputs = to_device(model_inputs, self.device, torch.float32)
-            modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
-        with self.timers.phase("forward"):
-            output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None)
-        return output, partial(self._loss, loss_mask=loss_mask)
-
-    def _loss(self, output_tensor, loss_mask):
-        loss_sum, num_tokens = self.hooks.loss(settings=self.settings, output_tensor=output_tensor,
-                                               loss_mask=loss_mask)
-        self._totals[:2] += torch.stack([loss_sum.detach().double(), num_tokens.double()])
-        return loss_sum, num_tokens, {}
+        # the forward and loss of each micro-batch, summing into [loss sum, tokens] of the totals
+        self.forward_step = ForwardLoss(hooks, settings, device, params_dtype, self._totals[:2], self.timers)
 
     @record_function("mimo/finalize-grads")
     def _finalize_grads(self, model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
@@ -98,7 +129,7 @@ class Trainer:
             module.scale_gradients(scale)
 
     @record_function("mimo/step")
-    def step(self, data_iterator) -> StepResult:
+    def __call__(self, data_iterator) -> StepResult:
         if self.layer_graphs is not None:
             self.layer_graphs.before_step()
         self.model.zero_grad_buffer()
@@ -168,11 +199,3 @@ def _moe_losses() -> dict[str, float]:
             losses[name.replace("_", "-")] = reported.mean().item()
     clear_aux_losses_tracker()
     return losses
-
-
-def is_token_source(topology: Topology) -> bool:
-    """One rank per LLM data lane: the last pipeline stage's first TP (and CP) rank."""
-    pgc = topology.pg_collections.get(LANGUAGE)
-    if pgc is None:
-        return False
-    return pgc.pp.rank() == pgc.pp.size() - 1 and pgc.tp.rank() == 0 and pgc.cp.rank() == 0
