@@ -12,15 +12,13 @@ from typing import Annotated, Literal
 
 import typer
 
-from mimo.core.config import (
-    COMPONENTS, CheckpointOptions, DataOptions, EvalOptions, LaunchOptions, LayoutOptions, LoggingOptions, OptimizerOptions, RunConfig, SchedulerOptions, TrainingOptions,
-    MemoryOptions, PerformanceOptions,
-)
+from mimo.core.config import COMPONENTS, RunConfig
 
 
 def loop_parameters() -> list[inspect.Parameter]:
     params = []
-    for heading, cls in COMPONENTS.items():
+    for component in COMPONENTS:
+        heading, cls = component.heading, component.options
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             kind, default = hints[f.name], f.default
@@ -54,13 +52,7 @@ def with_options(function, params: list[inspect.Parameter]):
 
 def run_config(kwargs: dict) -> RunConfig:
     values = {k: v.value if isinstance(v, enum.Enum) else v for k, v in kwargs.items()}
-    part = {cls: cls(**{f.name: values[f.name] for f in dataclasses.fields(cls)}) for cls in COMPONENTS.values()}
-    return RunConfig(
-        provider=kwargs["provider"], provider_settings=list(kwargs.get("set") or []),
-        provider_config=kwargs.get("provider_config"), launch=part[LaunchOptions], training=part[TrainingOptions],
-        optimizer=part[OptimizerOptions], scheduler=part[SchedulerOptions], data=part[DataOptions],
-        evaluation=part[EvalOptions],
-        logging=part[LoggingOptions],
-        checkpoint=part[CheckpointOptions], layout=part[LayoutOptions],
-        performance=part[PerformanceOptions], memory=part[MemoryOptions],
-    )
+    parts = {c.name: c.options(**{f.name: values[f.name] for f in dataclasses.fields(c.options)})
+             for c in COMPONENTS}
+    return RunConfig(provider=kwargs["provider"], provider_settings=list(kwargs.get("set") or []),
+                     provider_config=kwargs.get("provider_config"), **parts)
