@@ -90,12 +90,12 @@ def run(name: str, assignments: list[str], workdir: Path) -> dict:
         encoders_fed |= check_encoder_outputs(model, batch, plan.shapes[LANGUAGE].hidden_size, m, notes)
 
     Stage.current = "forward_backward"  # forward, the loss hook, backward and the optimizer step
-    optimizer = build_optimizer(model, config.optimizer, torch.float32)
-    scheduler = build_scheduler(optimizer, config.scheduler, config.optimizer, plan.global_batch_size,
-                                plan.train_iters * plan.global_batch_size)
-    step = TrainStep(model, optimizer, scheduler, plan.hooks, plan.settings, world.topology, world.device,
-                     torch.float32, plan.num_microbatches, plan.global_batch_size, MICRO_BATCH_SIZE,
-                     batches[0]["input_ids"].shape[1])
+    optimizer = build_optimizer(config.optimizer, model=model, params_dtype=torch.float32)
+    scheduler = build_scheduler(config.scheduler, optimizer=optimizer, optimizer_options=config.optimizer,
+                                global_batch_size=plan.global_batch_size,
+                                train_samples=plan.train_iters * plan.global_batch_size)
+    step = TrainStep(config.training, world=world, model=model, optimizer=optimizer, scheduler=scheduler,
+                     seq_length=batches[0]["input_ids"].shape[1])
     model.train()
     data = iter(batches)
     results = [step(data) for _ in range(ITERATIONS)]

@@ -134,8 +134,8 @@ def plain_forward_loss(save, eval_iters: int) -> float:
         topo = topology.build(parallelism, backend="gloo")
         seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
         ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
-        model = build_model(Registry().hooks("mock-vlm"), settings, "mock-vlm", topo, ctx, torch.device("cpu"),
-                            seed=0).eval()
+        model = build_model(None, hooks=Registry().hooks("mock-vlm"), settings=settings, provider="mock-vlm",
+                            topology=topo, context=ctx, device=torch.device("cpu"), seed=0).eval()
         directory = iteration_dir(save, read_tracker(save))
         loaded, _ = dist_checkpoint.load({"model": model.sharded_state_dict()}, directory)
         model.load_state_dict(loaded["model"])

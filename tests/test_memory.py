@@ -43,7 +43,7 @@ def _allocated(cfg: RunConfig, rank: int) -> dict:
     dtype = torch.bfloat16 if cfg.training.precision == "bf16" else torch.float32
     world = join(plan, seed=1)
     model = world.build_model()
-    optimizer = build_optimizer(model, cfg.optimizer, dtype)
+    optimizer = build_optimizer(cfg.optimizer, model=model, params_dtype=dtype)
     for param in model.parameters():
         param.main_grad.zero_()
     optimizer.step()  # Adam's moments exist from the first step on

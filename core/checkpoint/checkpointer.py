@@ -35,12 +35,14 @@ EXTRA_STATE = "_extra_state"
 class Checkpointer:
     """Saves and loads one run's state. Every method is collective over the world."""
 
-    def __init__(self, options: CheckpointOptions, model, optimizer, scheduler, topology: Topology,
-                 run_info: dict, data_state_fn, load_foreign=None):
+    def __init__(self, options: CheckpointOptions, *, model, topology: Topology, run_info: dict, optimizer=None,
+                 scheduler=None, data_state=lambda: {"loader": None}, load_foreign=None):
+        """`optimizer` and `scheduler` None: weights only. `data_state()` is this lane's data state to save;
+        `load_foreign(path, directory)` loads a --pretrained format the provider reads itself."""
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
         self.options, self.model, self.optimizer, self.scheduler = options, model, optimizer, scheduler
-        self.topology, self.run_info, self.data_state_fn = topology, run_info, data_state_fn
+        self.topology, self.run_info, self.data_state_fn = topology, run_info, data_state
         self.load_foreign = load_foreign  # (path, directory): a --pretrained format the provider reads itself
         # One strategy for the whole run: with cached_metadata it reuses the first save's plan.
         self.strategy = TorchDistSaveShardedStrategy(cached_metadata=options.ckpt_assume_constant_structure)

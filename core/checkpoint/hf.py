@@ -116,7 +116,8 @@ def _build(registry: Registry, provider: str, settings_file: Path | None, assign
 
 def _checkpointer(world: World, model, options: CheckpointOptions) -> Checkpointer:
     info = run_info(world.plan, world.plan.settings, lane_data_state=False)
-    return Checkpointer(options, model, None, None, world.topology, info, lambda: {"loader": None})
+    return Checkpointer(options, model=model, topology=world.topology, run_info=info,
+                        data_state=lambda: {"loader": None})
 
 
 def whole_state(model) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ import json
 import math
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,9 @@ from mimo.plugins import DataContext
 from ..parallel.model import parameters_gathered
 from ..parallel.topology import is_token_source
 from ..run.step import ForwardLoss, schedule_for
+
+if TYPE_CHECKING:
+    from ..run.world import World
 
 # Synthetic eval data is drawn from this seed, whatever the training seed: evaluations of runs with different
 # seeds read the same samples, and none of them trains on those (unless a run is seeded with it).
@@ -69,13 +73,16 @@ def eval_data_path(config) -> str | None:
 class Evaluator:
     """Runs evaluations on every rank (each is collective over the world); the logging rank reports them."""
 
-    def __init__(self, model, hooks, settings, topology, device: torch.device, params_dtype: torch.dtype,
-                 data_ctx: DataContext, eval_iters: int, num_microbatches: int, global_batch_size: int,
-                 provider_name: str, report=None):
+    def __init__(self, options, *, world: World, model, data_ctx: DataContext):
+        """`options`: the run's EvalOptions (--eval-iters); `world`: this rank's joined world; `data_ctx`: the eval
+        split's DataContext (`eval_context`)."""
+        plan = world.plan
+        hooks, settings, topology, device = plan.hooks, plan.settings, world.topology, world.device
+        params_dtype = world.params_dtype
         self.model, self.hooks, self.settings, self.topology = model, hooks, settings, topology
         self.device, self.params_dtype, self.data_ctx = device, params_dtype, data_ctx
-        self.eval_iters, self.num_microbatches = eval_iters, num_microbatches
-        self.global_batch_size, self.provider_name, self.report = global_batch_size, provider_name, report
+        self.eval_iters, self.num_microbatches = options.eval_iters, plan.num_microbatches
+        self.global_batch_size, self.provider_name = plan.global_batch_size, plan.config.provider
         self._token_source = is_token_source(topology)
         # a schedule (and bridge communicator) of its own: the training step's is watched by the step timers
         self._schedule, _ = schedule_for(topology, model.config)
@@ -125,7 +132,7 @@ class EvalSchedule:
     """When a training run evaluates (at the start if asked, every `interval` iterations, and at the end), and
     where the figures go: the console, the metrics file and TensorBoard, through the run's MetricsLogger."""
 
-    def __init__(self, evaluator: Evaluator, options, train_iters: int, logger):
+    def __init__(self, options, *, evaluator: Evaluator, train_iters: int, logger):
         self.evaluator, self.options, self.train_iters, self.logger = evaluator, options, train_iters, logger
         self.results: list[EvalResult] = []
 

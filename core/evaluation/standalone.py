@@ -55,13 +55,11 @@ def evaluate_checkpoint(plan, split: str, json_path: Path | None = None) -> Eval
         world = join(plan)
         model = world.build_model()
         checkpoint = config.checkpoint.pretrained
-        Checkpointer(config.checkpoint, model, None, None, world.topology, run_info(plan, plan.settings, False),
-                     lambda: {}).load()
+        Checkpointer(config.checkpoint, model=model, topology=world.topology,
+                     run_info=run_info(plan, plan.settings, False)).load()
         path = eval_data_path(config)
         data_ctx = eval_context(world.data_context(0), split, path)
-        evaluator = Evaluator(model, plan.hooks, plan.settings, world.topology, world.device, world.params_dtype,
-                              data_ctx, config.evaluation.eval_iters, plan.num_microbatches, plan.global_batch_size,
-                              config.provider)
+        evaluator = Evaluator(config.evaluation, world=world, model=model, data_ctx=data_ctx)
         result = evaluator.evaluate(read_tracker(checkpoint) or 0)
         logging_rank = world.logging_rank
         metrics_file = Path(config.logging.metrics_file) if config.logging.metrics_file and logging_rank else None

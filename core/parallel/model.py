@@ -31,26 +31,29 @@ def _seeded_mimo_model_class():
     return SeededMimoModel
 
 
-def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: BuildContext,
-                device: torch.device, seed: int, distributed_optimizer: bool = False, performance=None):
+def build_model(performance, *, hooks, settings, provider: str, topology: Topology, context: BuildContext,
+                device: torch.device, seed: int, distributed_optimizer: bool = False):
+    """The provider's MimoModel for the modules this rank holds: built from its hooks' specs with `context`,
+    seeded per module with `seed`, frozen where it says, on `device`, each module wrapped in DDP over its grid
+    (with the overlap options of `performance`, a PerformanceOptions, or none). Collective over the world."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.enums import ModelType
     from megatron.core.models.mimo import MimoModelConfig
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     try:
-        encoders = hooks.build_encoders(settings=settings, ctx=ctx)
-        language = hooks.build_language_model(settings=settings, ctx=ctx)
+        encoders = hooks.build_encoders(settings=settings, ctx=context)
+        language = hooks.build_language_model(settings=settings, ctx=context)
     except ValueError as err:  # the provider refuses these settings with these options: its message, one line
-        raise UsageError(f"provider '{provider_name}': {err}") from None
+        raise UsageError(f"provider '{provider}': {err}") from None
     if not isinstance(encoders, dict) or not all(isinstance(e, Encoder) for e in encoders.values()):
-        raise UsageError(f"provider '{provider_name}': build_encoders must return {{name: mimo.Encoder}}, "
+        raise UsageError(f"provider '{provider}': build_encoders must return {{name: mimo.Encoder}}, "
                          f"got {type(encoders).__name__}")
     if not isinstance(language, ModuleSpec):
-        raise UsageError(f"provider '{provider_name}': build_language_model must return a ModuleSpec, "
+        raise UsageError(f"provider '{provider}': build_language_model must return a ModuleSpec, "
                          f"got {type(language).__name__}")
     if set(encoders) | {LANGUAGE} != set(topology.parallelism):
-        raise UsageError(f"provider '{provider_name}': build_encoders returned modules {sorted(encoders)} but "
+        raise UsageError(f"provider '{provider}': build_encoders returned modules {sorted(encoders)} but "
                          f"model_shape declared {sorted(set(topology.parallelism) - {LANGUAGE})}")
     config = MimoModelConfig(
         language_model_spec=language,
@@ -64,7 +67,7 @@ def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: Bu
     llm_tp = topology.pg_collections[LANGUAGE].tp if topology.holds(LANGUAGE) else None
     model = model_class(config, tp_group=llm_tp).to(device)
     model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
-    freeze(model, hooks.frozen_parameters(settings=settings), provider_name, device)
+    freeze(model, hooks.frozen_parameters(settings=settings), provider, device)
     _attach_tp_groups(model, topology)
     overlap_grads = bool(performance and performance.overlap_grad_reduce)
     ddp_config = DistributedDataParallelConfig(
@@ -73,8 +76,8 @@ def build_model(hooks, settings, provider_name: str, topology: Topology, ctx: Bu
         # buckets let the reduction of late layers start while early layers still run backward
         bucket_size=40_000_000 if overlap_grads else None)
     for name, module in held_modules(model):
-        if ctx.params_dtype != torch.float32:
-            module = module.to(ctx.params_dtype)  # conv and embedding layers are created in fp32
+        if context.params_dtype != torch.float32:
+            module = module.to(context.params_dtype)  # conv and embedding layers are created in fp32
         wrapped = DistributedDataParallel(_transformer_config(module), ddp_config, module,
                                           pg_collection=topology.pg_collections[name])
         if name == LANGUAGE:

@@ -46,7 +46,7 @@ def _recording_optimizer_class():
     return RecordingMimoOptimizer
 
 
-def build_optimizer(model, options: OptimizerOptions, params_dtype: torch.dtype):
+def build_optimizer(options: OptimizerOptions, *, model, params_dtype: torch.dtype):
     from megatron.core.models.mimo.optimizer import get_mimo_optimizer
     from megatron.core.optimizer import OptimizerConfig
 
@@ -76,8 +76,8 @@ def _frozen_everywhere(model, names: list[str]) -> list[str]:
     return [n for n, c in zip(names, counts.tolist()) if c == 0]
 
 
-def build_scheduler(optimizer, options: SchedulerOptions, optim: OptimizerOptions, global_batch_size: int,
-                    train_samples: int):
+def build_scheduler(options: SchedulerOptions, *, optimizer, optimizer_options: OptimizerOptions,
+                    global_batch_size: int, train_samples: int):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     def samples(iters, count, default=0):
@@ -87,13 +87,13 @@ def build_scheduler(optimizer, options: SchedulerOptions, optim: OptimizerOption
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
-        max_lr=optim.lr,
-        min_lr=optim.min_lr,
+        max_lr=optimizer_options.lr,
+        min_lr=optimizer_options.min_lr,
         lr_warmup_steps=samples(options.lr_warmup_iters, options.lr_warmup_samples),
         lr_decay_steps=max(decay, 1),
         lr_decay_style=options.lr_decay_style,
-        start_wd=optim.weight_decay,
-        end_wd=optim.weight_decay,
+        start_wd=optimizer_options.weight_decay,
+        end_wd=optimizer_options.weight_decay,
         wd_incr_steps=max(train_samples, 1),
         wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=False,

@@ -25,7 +25,7 @@ def train_on_capture_stream() -> None:
 
 
 class LayerGraphs:
-    def __init__(self, model, optimizer, topology: Topology, seq_length: int, micro_batch_size: int,
+    def __init__(self, *, model, optimizer, topology: Topology, seq_length: int, micro_batch_size: int,
                  num_microbatches: int):
         from megatron.core import num_microbatches_calculator as calculator
         from megatron.core.transformer.cuda_graphs import TECudaGraphHelper

@@ -65,17 +65,18 @@ def start(plan: Plan) -> Session:
     world = join(plan)
     device, topo, params_dtype = world.device, world.topology, world.params_dtype
     model = world.build_model()
-    optimizer = build_optimizer(model, config.optimizer, params_dtype)
-    scheduler = build_scheduler(optimizer, config.scheduler, config.optimizer, plan.global_batch_size,
-                                plan.train_iters * plan.global_batch_size)
+    optimizer = build_optimizer(config.optimizer, model=model, params_dtype=params_dtype)
+    scheduler = build_scheduler(config.scheduler, optimizer=optimizer, optimizer_options=config.optimizer,
+                                global_batch_size=plan.global_batch_size,
+                                train_samples=plan.train_iters * plan.global_batch_size)
 
     checkpointer, start_iteration, consumed, data_state, source = None, 0, 0, None, None
     if c.save or c.load or c.pretrained:
         info = run_info(plan, plan.settings, lane_data_state=False)  # known once the data is open, below
-        checkpointer = Checkpointer(c, model, optimizer, scheduler, topo, info,
-                                    lambda: {"loader": source.state_dict() if hasattr(source, "state_dict") else None},
-                                    load_foreign=lambda path, directory: load_foreign(plan.hooks, plan.settings,
-                                                                                      model, path, directory))
+        checkpointer = Checkpointer(
+            c, model=model, topology=topo, run_info=info, optimizer=optimizer, scheduler=scheduler,
+            data_state=lambda: {"loader": source.state_dict() if hasattr(source, "state_dict") else None},
+            load_foreign=lambda path, directory: load_foreign(plan.hooks, plan.settings, model, path, directory))
         start_iteration, consumed, data_state = checkpointer.load()
     # Index-addressed data continues from the samples already seen; a loader with its own state restores it.
     data_ctx = world.data_context(consumed)
@@ -92,37 +93,38 @@ def start(plan: Plan) -> Session:
         raise UsageError(f"--data {data_ctx.data_path}: provider '{config.provider}' does not read datasets (its "
                          f"data_provider opened no ctx.energon_loader): drop --data, or use a provider that reads it")
     seq_length = first_batch["input_ids"].numel() // data_ctx.rows  # packed rows arrive laid end to end
-    timers = StepTimers(list(plan.parallelism), list(topo.pg_collections), device, config.logging.log_timers)
-    graphs = (LayerGraphs(model, optimizer, topo, seq_length, t.micro_batch_size, plan.num_microbatches)
+    timers = StepTimers(config.logging.log_timers, modules=list(plan.parallelism), held=list(topo.pg_collections),
+                        device=device)
+    graphs = (LayerGraphs(model=model, optimizer=optimizer, topology=topo, seq_length=seq_length,
+                          micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches)
               if config.performance.cuda_graphs else None)
-    step = TrainStep(model, optimizer, scheduler, plan.hooks, plan.settings, topo, device, params_dtype,
-                     plan.num_microbatches, plan.global_batch_size, t.micro_batch_size, seq_length,
+    step = TrainStep(t, world=world, model=model, optimizer=optimizer, scheduler=scheduler, seq_length=seq_length,
                      skipped_samples=lambda: getattr(source, "skipped_samples", 0), timers=timers,
                      layer_graphs=graphs)
 
     logging_rank = world.logging_rank  # lane 0 logs
     flops = plan.hooks.model_flops(settings=plan.settings)
-    logger = MetricsLogger(config.logging, plan.train_iters, logging_rank, plan.global_batch_size,
-                           plan.global_batch_size * seq_length,
-                           3 * sum(flops.values()) * plan.global_batch_size if flops else None,  # fwd + 2x bwd
-                           plan.world_size, device, timers)
+    logger = MetricsLogger(config.logging, total_iters=plan.train_iters, enabled=logging_rank,
+                           global_batch_size=plan.global_batch_size,
+                           tokens_per_iteration=plan.global_batch_size * seq_length,
+                           flops_per_iteration=(3 * sum(flops.values()) * plan.global_batch_size  # fwd + 2x bwd
+                                                if flops else None),
+                           world_size=plan.world_size, device=device, timers=timers)
     if logging_rank:
         print(describe_run(plan, count_parameters(model), device, t.precision), flush=True)
         if start_iteration:
             print(f"resumed from {c.load} at iteration {start_iteration} ({consumed} samples consumed)", flush=True)
-    lg = config.logging
-    profiler = StepProfiler(lg.profile_dir, lg.profile_step_start, lg.profile_step_end, dist.get_rank(), device,
-                            report=logging_rank)
+    profiler = StepProfiler(config.logging, rank=dist.get_rank(), device=device, report=logging_rank)
     model.train()
     reader = read_ahead(source, config.data.prefetch_microbatches, device)
     skips = SkipReporter(source, enabled=is_token_source(topo),  # the rank whose count enters the total
                          rank=dist.get_rank() if plan.world_size > 1 else None)
     evaluations = None
     if config.evaluation.eval_iters:
-        evaluator = Evaluator(model, plan.hooks, plan.settings, topo, device, params_dtype,
-                              eval_context(data_ctx, "val", eval_data_path(config)), config.evaluation.eval_iters,
-                              plan.num_microbatches, plan.global_batch_size, config.provider)
-        evaluations = EvalSchedule(evaluator, config.evaluation, plan.train_iters, logger)
+        evaluator = Evaluator(config.evaluation, world=world, model=model,
+                              data_ctx=eval_context(data_ctx, "val", eval_data_path(config)))
+        evaluations = EvalSchedule(config.evaluation, evaluator=evaluator, train_iters=plan.train_iters,
+                                   logger=logger)
     return Session(plan, world, model, optimizer, scheduler, step, logger, profiler, checkpointer,
                    _chain(first_batch, reader), reader, skips, start_iteration, consumed, evaluations)
 

@@ -12,6 +12,7 @@ import contextlib
 import math
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,10 @@ from mimo.plugins import LANGUAGE
 from ..parallel.model import held_modules
 from ..parallel.topology import Topology, is_token_source
 from ..telemetry.timers import StepTimers
+
+if TYPE_CHECKING:
+    from ..config import TrainingOptions
+    from .world import World
 
 
 @dataclass
@@ -89,13 +94,17 @@ class TrainStep:
     """One training iteration, callable as `step(data_iterator)`: holds what an iteration needs; the loop owns
     everything around it (when to step, log, evaluate and save)."""
 
-    def __init__(self, model, optimizer, scheduler, hooks, settings, topology: Topology, device: torch.device,
-                 params_dtype: torch.dtype, num_microbatches: int, global_batch_size: int, micro_batch_size: int,
-                 seq_length: int, skipped_samples=lambda: 0, timers=None, layer_graphs=None):
+    def __init__(self, options: TrainingOptions, *, world: World, model, optimizer, scheduler, seq_length: int,
+                 skipped_samples=lambda: 0, timers: StepTimers | None = None, layer_graphs=None):
+        """`world`: this rank's joined world (its plan, device, grids); `seq_length`: the tokens of a row;
+        `skipped_samples()`: the samples the data dropped so far; `layer_graphs`: --cuda-graphs' LayerGraphs."""
+        plan = world.plan
+        hooks, settings, topology, device = plan.hooks, plan.settings, world.topology, world.device
+        params_dtype, micro_batch_size = world.params_dtype, options.micro_batch_size
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.hooks, self.settings, self.topology = hooks, settings, topology
         self.device, self.params_dtype = device, params_dtype
-        self.num_microbatches, self.global_batch_size = num_microbatches, global_batch_size
+        self.num_microbatches, self.global_batch_size = plan.num_microbatches, plan.global_batch_size
         self._token_source = is_token_source(topology)
         self._totals = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, tokens, skipped samples]
         self._skipped_samples = skipped_samples
@@ -104,7 +113,7 @@ class TrainStep:
         # The schedule holds back overlapped gradient reduction until the last micro-batch's backward.
         config.no_sync_func = model.no_sync
         self._schedule, communicator = schedule_for(topology, config)
-        self.timers = timers or StepTimers([], [], device, enabled=False)
+        self.timers = timers or StepTimers(False, modules=[], held=[], device=device)
         if communicator is not None:
             timers.watch_bridge(communicator)
         self._shape = {"seq_length": seq_length, "micro_batch_size": micro_batch_size}

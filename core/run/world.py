@@ -40,9 +40,10 @@ class World:
     def build_model(self, seed: int | None = None):
         """The provider's MimoModel for the modules this rank holds (every rank calls it: collective)."""
         config = self.plan.config
-        return build_model(self.plan.hooks, self.plan.settings, config.provider, self.topology, self.context,
-                           self.device, self.seed if seed is None else seed,
-                           config.optimizer.use_distributed_optimizer, config.performance)
+        return build_model(config.performance, hooks=self.plan.hooks, settings=self.plan.settings,
+                           provider=config.provider, topology=self.topology, context=self.context, device=self.device,
+                           seed=self.seed if seed is None else seed,
+                           distributed_optimizer=config.optimizer.use_distributed_optimizer)
 
     def data_context(self, start_sample: int = 0) -> DataContext:
         """What this rank's data iterator reads: its positions of every micro-batch, from `start_sample` on."""

@@ -31,8 +31,10 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
 
 
 class MetricsLogger:
-    def __init__(self, options, total_iters: int, enabled: bool, global_batch_size: int, tokens_per_iteration: int,
-                 flops_per_iteration: float | None, world_size: int, device: torch.device, timers):
+    def __init__(self, options, *, total_iters: int, enabled: bool, global_batch_size: int,
+                 tokens_per_iteration: int, flops_per_iteration: float | None, world_size: int, device: torch.device,
+                 timers):
+        """`options`: the run's LoggingOptions; `enabled`: this rank logs (one rank of the run)."""
         self.options, self.total_iters, self.enabled = options, total_iters, enabled
         self.global_batch_size = global_batch_size
         self.tokens_per_iteration, self.flops_per_iteration = tokens_per_iteration, flops_per_iteration

@@ -31,8 +31,10 @@ def kind_of(kernel_name: str) -> str:
 class StepProfiler:
     """Profiles iterations [start, end] of this rank; a no-op without a directory."""
 
-    def __init__(self, directory: Path | None, start: int, end: int, rank: int, device: torch.device,
-                 report: bool):
+    def __init__(self, options, *, rank: int, device: torch.device, report: bool):
+        """`options`: the run's LoggingOptions (--profile-dir, --profile-step-start/end); `report`: this rank
+        prints where the time went."""
+        directory, start, end = options.profile_dir, options.profile_step_start, options.profile_step_end
         self.directory, self.start, self.end, self.rank = directory, start, end, rank
         self.device, self.report = device, report
         self._profiler = None

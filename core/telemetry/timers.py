@@ -21,7 +21,9 @@ _BRIDGE_METHODS = ("send_forward", "recv_forward", "send_backward", "recv_backwa
 
 
 class StepTimers:
-    def __init__(self, modules: list[str], held: list[str], device: torch.device, enabled: bool):
+    def __init__(self, enabled: bool, *, modules: list[str], held: list[str], device: torch.device):
+        """`enabled` (--log-timers): time with a synchronize at each phase boundary; else only label phases.
+        `modules`: every module of the run; `held`: those this rank holds."""
         self.modules, self.held, self.device, self.enabled = modules, held, device, enabled
         self.totals = dict.fromkeys(PHASES, 0.0)
 
