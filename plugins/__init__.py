@@ -1,4 +1,9 @@
-"""mimo's public plugin API: everything a provider package imports from mimo."""
+"""mimo's public plugin API: everything a provider package imports from mimo.
+
+The contract (hookspecs, the registry, the records passed to hooks, typed settings, module names) lives here;
+`mimo.plugins.kit` holds what providers may reuse (SDPA attention, per-layer memory formulas, dist-checkpoint
+loading, safetensors folders) and `mimo.plugins.data` the pieces for reading `--data`.
+"""
 
 from .constraints import setting
 from .context import BuildContext, DataContext, ModuleParallelism
