@@ -4,7 +4,7 @@ When a sample fails, energon 7.4.1's `ErrorContext` (megatron/energon/errors.py)
 <stage>` and, for failures in a row, `ErrorContext <stage> failed n/100 times in a row.`, with `print`, whatever
 error handler the WorkerConfig has; its default handler (`log_exception`, which mimo replaces with its skip counter)
 adds a traceback and a dump of the sample, about 40 lines per bad sample. energon has no setting for these prints.
-mimo says what it skipped in one line per sample itself (`core/skip_report.py`), so `route_energon_prints` puts a thin
+mimo says what it skipped in one line per sample itself (`core/telemetry/skip_report.py`), so `route_energon_prints` puts a thin
 filter on this process's stdout: what energon's errors module prints goes to the `mimo.data.energon` logger at
 debug level (configure logging to see it), everything else passes through unchanged. Loader worker processes are
 forked after the loader starts and inherit the filter.

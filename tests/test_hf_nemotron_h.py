@@ -1,4 +1,4 @@
-"""Hugging Face NemotronH <-> the Nemotron provider's language model (plugins/hf/nemotron_h.py), proven against
+"""Hugging Face NemotronH <-> the Nemotron provider's language model (providers/nemotron/hf/nemotron_h.py), proven against
 transformers' reference implementation: a tiny random NemotronHForCausalLM with every layer kind (Mamba, MoE,
 attention, MLP) is saved, read back through safetensors_io, converted, loaded into mimo's HybridModel (local
 backend), and both compute the same logits; converted back and saved, transformers loads the same bits."""

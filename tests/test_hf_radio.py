@@ -1,4 +1,4 @@
-"""C-RADIO checkpoints of Hugging Face (plugins/hf/radio.py) against mimo's vision encoder (providers/nemotron).
+"""C-RADIO checkpoints of Hugging Face (providers/nemotron/hf/radio.py) against mimo's vision encoder (providers/nemotron).
 
 A tiny random transformers `RadioModel` is saved as a checkpoint, converted, and loaded into the provider's
 `RadioEncoder`; both encode the same images (dynamic resolution, packed; and fixed tiles): the reference

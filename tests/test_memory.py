@@ -1,4 +1,4 @@
-"""The memory estimate (core/memory.py) against what megatron-core really allocates, and the --gpu-memory check.
+"""The memory estimate (core/memory/estimate.py) against what megatron-core really allocates, and the --gpu-memory check.
 
 The buffers are megatron-core's own: the models are built on the CPU under its DDP (fp32 gradient buffers) and
 optimizers (Adam; the distributed optimizer sharding over 2 data-parallel ranks), one optimizer step taken, and

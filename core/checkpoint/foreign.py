@@ -1,7 +1,7 @@
 """What `--pretrained DIR` points at, and loading the checkpoint formats providers read themselves.
 
 A mimo checkpoint (its tracker names an iteration whose common.pt describes a mimo run) loads through the
-Checkpointer; a Hugging Face folder is converted before the workers start (core/hf.py); any other megatron-core
+Checkpointer; a Hugging Face folder is converted before the workers start (hf.py); any other megatron-core
 dist checkpoint (a save directory with a tracker, as Megatron-LM writes, or the iteration directory itself) goes
 to the provider's `load_pretrained` hook, which knows its key names.
 """

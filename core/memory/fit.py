@@ -1,4 +1,4 @@
-"""`--gpu-memory`: a plan whose largest per-rank estimate (core/memory.py) does not fit is refused before any
+"""`--gpu-memory`: a plan whose largest per-rank estimate (estimate.py) does not fit is refused before any
 process group exists, by `mimo plan` and `mimo run`, in one line that says what would help.
 
 The limit is `--gpu-memory`, else the visible GPU's total memory, else 80 GiB. A run on the CPU (`--device cpu`,

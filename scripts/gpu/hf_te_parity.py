@@ -1,5 +1,5 @@
 """The Nemotron provider's te backend against transformers' references, on a GPU (fp32): a tiny random NemotronH
-(Mamba, MoE, attention and MLP layers) and a tiny random C-RADIO, converted with mimo.plugins.hf, loaded strictly
+(Mamba, MoE, attention and MLP layers) and a tiny random C-RADIO, converted with mimo.providers.nemotron.hf, loaded strictly
 into the te-backend modules, and run on the same inputs. Prints the max relative errors (target <= 1e-4).
 
     NVIDIA_TF32_OVERRIDE=0 python scripts/gpu/hf_te_parity.py   # transformer-engine, mamba-ssm and a GPU

@@ -1,9 +1,9 @@
 """`mimo plan`'s memory estimate against the measured peak, per rank: a short `mimo run` per case, then the
 estimate (the same code `mimo plan --json` runs) next to torch's `max_memory_allocated` of every rank.
 
-    python scripts/gpu/memory_check.py --out results/memory                      # one GPU (H100 80 GB), ~6 min
-    python scripts/gpu/memory_check.py --out results/memory --cases heterogeneous  # two GPUs
-    python scripts/gpu/memory_check.py --out /tmp/memory --quick                 # the script itself, on a CPU
+    python scripts/gpu/measure_memory.py --out results/memory                      # one GPU (H100 80 GB), ~6 min
+    python scripts/gpu/measure_memory.py --out results/memory --cases heterogeneous  # two GPUs
+    python scripts/gpu/measure_memory.py --out /tmp/memory --quick                 # the script itself, on a CPU
 
 The estimate compared is the sum of the named terms (parameters, gradients, optimizer state, activations), what
 the allocator is asked for; the allowance (CUDA context and allocator) is left out of the ratio and covers the
