@@ -115,7 +115,7 @@ class TrainStep:
         self._schedule, communicator = schedule_for(topology, config)
         self.timers = timers or StepTimers(False, modules=[], held=[], device=device)
         if communicator is not None:
-            timers.watch_bridge(communicator)
+            self.timers.watch_bridge(communicator)
         self._shape = {"seq_length": seq_length, "micro_batch_size": micro_batch_size}
         self.layer_graphs = layer_graphs  # --cuda-graphs
         # the forward and loss of each micro-batch, summing into [loss sum, tokens] of the totals
