@@ -6,7 +6,7 @@
 Both loops train their own copy of one model (mock-vlm: a 303M ViT and a 0.74B GPT, sequence 2048, bf16,
 micro-batch 2 x 4 micro-batches) from the same weights on the same data, in this one process. They take turns in
 blocks of iterations, ordered A B B A so that drift (clocks, temperature) cancels; each block is timed between
-device synchronizations and the first round is warm-up. mimo's block is its real loop (`mimo.core.train.advance`:
+device synchronizations and the first round is warm-up. mimo's block is its real loop (`mimo.core.run.loop.advance`:
 step, metrics and log line, checkpoint checks); the minimal loop's is megatron-core's schedule, MimoOptimizer and
 scheduler step and nothing else. As both train the same thing, their losses must agree; the script checks it.
 """
@@ -33,8 +33,9 @@ def build_runs(settings: dict, device: str, precision: str, mbs: int, microbatch
     from megatron.core.optimizer import OptimizerConfig
 
     from mimo.core.config import RunConfig
-    from mimo.core.prefetch import read_ahead
-    from mimo.core.train import data_context, prepare, start
+    from mimo.core.run.prefetch import read_ahead
+    from mimo.core.run.plan import prepare
+    from mimo.core.run.session import start
     from mimo.plugins import BuildContext
     from minimal_loop import MinimalLoop
 
@@ -60,7 +61,7 @@ def build_runs(settings: dict, device: str, precision: str, mbs: int, microbatch
         {name: e.spec for name, e in encoders.items()}, {name: e.placeholder_token_id for name, e in encoders.items()},
         topo.grids, topo.pg_collections, session.device, dtype, optimizer_config, o.lr, plan.num_microbatches,
         mbs, plan.global_batch_size,
-        read_ahead(iter(plan.hooks.data_provider(settings=plan.settings, ctx=data_context(plan, 0))),
+        read_ahead(iter(plan.hooks.data_provider(settings=plan.settings, ctx=session.world.data_context(0))),
                    config.data.prefetch_microbatches, session.device),  # the same data path as mimo's loop
         weights_from=session.model)
     minimal.model.train()
@@ -75,7 +76,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="tiny settings on the CPU: checks the script only")
     args = parser.parse_args()
     settings, device, precision = (QUICK, "cpu", "fp32") if args.quick else (MEDIUM, "cuda", "bf16")
-    from mimo.core.train import advance, finish
+    from mimo.core.run.loop import advance, finish
 
     rounds = args.rounds + 1  # the first is warm-up
     plan, session, minimal = build_runs(settings, device, precision, 2, 4, rounds * args.block, args.block)

@@ -19,10 +19,10 @@ def inspect_checkpoint(directory: Path,
                        as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Iteration, the options and settings it was saved with, modules, parameter counts, layout and sizes.
     DIR is a save directory (its tracker names the checkpoint) or one iter_NNNNNNN directory."""
-    from mimo.core.checkpoint import TRACKER, iteration_dir, read_common, read_tracker
+    from mimo.core.checkpoint.layout import TRACKER, iteration_dir, read_common, read_tracker
     from mimo.errors import UsageError
 
-    from .main import fail
+    from .common import fail
 
     try:
         target = directory
@@ -70,9 +70,9 @@ def import_hf(hf_dir: Path, out: Path,
     """Convert a Hugging Face model folder (config.json + safetensors) into a weights-only mimo checkpoint in OUT
     and OUT/provider.yaml (its provider and settings): train from it with `mimo run --provider-config
     OUT/provider.yaml --pretrained OUT`. One process on the CPU, the whole model in memory."""
-    from mimo.core import hf
+    from mimo.core.checkpoint import hf
 
-    from .main import fail
+    from .common import fail
 
     try:
         name = hf.import_hf(hf_dir, out, provider)
@@ -88,9 +88,9 @@ def export_hf(checkpoint: Path, out: Path,
                                                                  "conversion, key=value (e.g. backend=local)")):
     """Write the weights of a mimo checkpoint (CHECKPOINT: its save directory; any layout) as a Hugging Face
     model folder OUT that transformers' from_pretrained loads. One process on the CPU, the whole model in memory."""
-    from mimo.core import hf
+    from mimo.core.checkpoint import hf
 
-    from .main import fail
+    from .common import fail
 
     try:
         name = hf.export_hf(checkpoint, out, assignments or [])

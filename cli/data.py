@@ -27,11 +27,11 @@ def sample(directory: Path,
     prepared with energon's own tooling. Train on it: mimo run --provider mock-vlm --data DIR"""
     import random
 
-    from mimo.core.data import write_sample_dataset
+    from mimo.data import write_sample_dataset
     from mimo.errors import UsageError
 
+    from .common import fail
     from .console import prints_to_debug_log
-    from .main import fail
 
     try:
         if num_samples < 1:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import os
 import sys
 import typing
 from pathlib import Path
@@ -14,6 +13,7 @@ import typer
 from mimo.errors import TrainingStopped, UsageError
 
 from . import console
+from .common import fail
 from .help import WholeNamesCommand
 from .options import CONTEXT, loop_parameters, provider_parameters, run_config, with_options
 from .ckpt import ckpt_app
@@ -27,18 +27,11 @@ app.add_typer(ckpt_app, name="ckpt")
 app.add_typer(data_app, name="data")
 
 
-def fail(message: str) -> typer.Exit:
-    """Print one line naming the problem and exit 2."""
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
-    return typer.Exit(code=2)
-
-
 def _print_version(value: bool) -> None:
     if value:
         from .version import report
 
         console.configure()
-
         typer.echo("\n".join(report()))
         raise typer.Exit()
 
@@ -60,30 +53,21 @@ def _main(
 def _run(ctx: typer.Context, print_config: bool = False, **kwargs):
     """Train a provider's model. Loop options only; the model's own settings go through --set/--provider-config
     (or a whole run in one --config file)."""
-    from mimo.core import launch, memory_check, run_file
-    from mimo.core.hf import pretrained_from_hf
-    from mimo.core.output_paths import check_output_paths
-    from mimo.core.resume import check_resume
-    from mimo.core.save_lock import lock_save_directory
-    from mimo.core.train import prepare, train
+    from mimo.core import run_file
+    from mimo.core.run import launch, preflight
+    from mimo.core.run.loop import train
+    from mimo.core.run.plan import prepare
 
     launch.die_with_launcher()
     try:
         config = run_config(kwargs, ctx)
-        plan = prepare(config)  # every check that needs no process group, before any worker starts
         if print_config:
+            plan = prepare(config)
             typer.echo(run_file.dump(plan.config, plan.settings), nl=False)
             return
-        if not os.environ.get(launch.LAUNCHED_BY_MIMO):  # mimo's launcher checked this plan for its workers
-            memory_check.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
-        check_output_paths(config)  # likewise every path the run writes: created and test-written now
-        speaks = launch.speaks_for_run(config.launch)
-        if speaks and config.checkpoint.save is not None:
-            lock_save_directory(config.checkpoint.save)  # held until this process exits
-        check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
-        with pretrained_from_hf(plan) as plan:  # --pretrained HF_DIR: converted before the workers start
-            if launch.needs_launcher(config.launch):
-                raise typer.Exit(code=launch.start_workers(config.launch, sys.argv[1:]))
+        with preflight.for_run(config) as plan:
+            if launch.needs_launcher(plan.config.launch):
+                raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
             train(plan)
     except UsageError as err:
         raise fail(str(err)) from None
@@ -104,15 +88,12 @@ app.command("run", cls=WholeNamesCommand)(with_options(_run, [CONTEXT] + provide
 def _eval(ctx: typer.Context, split: str = "val", json_path=None, **kwargs):
     """Evaluate a checkpoint without training: its held-out loss on --data's val (or test) split, or the
     provider's synthetic eval data, over --eval-iters global batches (default 10), in any layout that fits."""
-    from mimo.core.eval_run import eval_config, evaluate_checkpoint
-    from mimo.core.hf import pretrained_from_hf
-    from mimo.core import launch
-    from mimo.core.train import prepare
+    from mimo.core.evaluation.standalone import evaluate_checkpoint
+    from mimo.core.run import launch, preflight
 
     launch.die_with_launcher()
     try:
-        plan = prepare(eval_config(run_config(kwargs, ctx), split))
-        with pretrained_from_hf(plan) as plan:
+        with preflight.for_eval(run_config(kwargs, ctx), split) as plan:
             if launch.needs_launcher(plan.config.launch):
                 raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
             evaluate_checkpoint(plan, split, json_path)
@@ -134,8 +115,8 @@ def _plan(ctx: typer.Context, as_json: bool = False, suggest: bool = False, gpus
     """Show which ranks run which module with which TP/DP/PP/EP, parameter counts, the memory estimate per GPU,
     and whether the layout is valid and fits (exit 2 if not), for the same options as `mimo run`, without
     starting workers. With --suggest --gpus N: the layouts of N GPUs that fit, best first."""
-    from mimo.core import memory_check
-    from mimo.core.train import prepare
+    from mimo.core.memory import fit
+    from mimo.core.run.plan import prepare
 
     from .plan import describe, print_plan, print_suggestions
 
@@ -146,11 +127,11 @@ def _plan(ctx: typer.Context, as_json: bool = False, suggest: bool = False, gpus
             print_suggestions(run_config(kwargs, ctx), gpus, as_json)
             return
         plan = prepare(run_config(kwargs, ctx))
-        estimates = memory_check.estimate_plan(plan)
-        limit = memory_check.gpu_limit_gib(plan.config, planning=True)
+        estimates = fit.estimate_plan(plan)
+        limit = fit.gpu_limit_gib(plan.config, planning=True)
         summary = describe(plan, estimates, limit)
         try:
-            memory_check.check(plan, estimates, planning=True)
+            fit.check(plan, estimates, planning=True)
         except UsageError:
             summary["valid"] = False
             print_plan(summary, as_json)

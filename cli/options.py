@@ -19,7 +19,8 @@ from mimo.errors import UsageError
 
 def loop_parameters() -> list[inspect.Parameter]:
     params = []
-    for heading, cls in COMPONENTS.items():
+    for component in COMPONENTS:
+        heading, cls = component.heading, component.options
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             kind, default = hints[f.name], f.default

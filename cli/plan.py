@@ -10,9 +10,9 @@ from rich.table import Table
 
 
 def describe(plan, estimates=None, limit=None) -> dict:
-    """The plan as `mimo plan --json` prints it; `estimates` and `limit` (core.memory_check) add the memory."""
-    from mimo.core.memory_check import summary
-    from mimo.core.topology import LANGUAGE
+    """The plan as `mimo plan --json` prints it; `estimates` and `limit` (core/memory/fit.py) add the memory."""
+    from mimo.core.memory.fit import summary
+    from mimo.core.parallel.topology import LANGUAGE
 
     modules = []
     for name, par in plan.parallelism.items():
@@ -83,15 +83,15 @@ def print_suggestions(config, gpus: int, as_json: bool) -> None:
     """`mimo plan --suggest --gpus N`: the layouts that fit, best first, as a table or JSON."""
     import dataclasses
 
-    from mimo.core import memory_check
+    from mimo.core.memory import fit
     from mimo.core.config import LayoutOptions
-    from mimo.core.layout_search import suggest
-    from mimo.core.train import prepare
+    from mimo.core.memory.layout_search import suggest
+    from mimo.core.run.plan import prepare
     from mimo.errors import UsageError
 
     # the search lays the modules out itself: the run's own layout options need not suit N GPUs
     plan = prepare(dataclasses.replace(config, layout=LayoutOptions()), world_size=gpus)
-    limit, source = memory_check.gpu_limit_gib(plan.config, planning=True) or (memory_check.DEFAULT_GIB, "default")
+    limit, source = fit.gpu_limit_gib(plan.config, planning=True) or (fit.DEFAULT_GIB, "default")
     found = suggest(plan, gpus, limit)
     if not found:
         raise UsageError(f"no layout of {gpus} GPUs fits {limit:.0f} GiB ({source}) with these options, even with "

@@ -58,7 +58,7 @@ def show_provider(name: str, as_json: bool = typer.Option(False, "--json", help=
     from mimo.plugins.constraints import describe
     from mimo.plugins.settings import describe_fields
 
-    from .main import fail
+    from .common import fail
 
     try:
         provider, plugin = _registry().get(name)

@@ -105,7 +105,7 @@ def new_provider(
 ):
     """Write a pip-installable provider package: settings, hooks that build a small encoder + GPT from
     megatron-core pieces, synthetic data, and tests that check it against mimo's contract."""
-    from .main import fail
+    from .common import fail
 
     directory = directory or Path(name)
     try:

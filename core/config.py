@@ -222,29 +222,51 @@ class MemoryOptions:
 
 DEFAULT_TRAIN_ITERS = 100
 
-COMPONENTS = {"Launch": LaunchOptions, "Training": TrainingOptions, "Optimizer": OptimizerOptions, "Learning-rate schedule": SchedulerOptions,
-              "Data": DataOptions, "Evaluation": EvalOptions, "Logging": LoggingOptions, "Checkpoints": CheckpointOptions, "Parallel layout": LayoutOptions,
-              "Performance": PerformanceOptions, "Memory": MemoryOptions}
+
+@dataclass(frozen=True)
+class Component:
+    """One component's options: `RunConfig.<name>`, shown under `heading` in `mimo run --help`."""
+
+    name: str
+    heading: str
+    options: type
 
 
-@dataclass
+# The loop's components, in `--help` order. A new options dataclass is one entry here: RunConfig gets a field of
+# that name and the CLI its options under that heading (cli/options.py reads this list).
+COMPONENTS = (
+    Component("launch", "Launch", LaunchOptions),
+    Component("training", "Training", TrainingOptions),
+    Component("optimizer", "Optimizer", OptimizerOptions),
+    Component("scheduler", "Learning-rate schedule", SchedulerOptions),
+    Component("data", "Data", DataOptions),
+    Component("evaluation", "Evaluation", EvalOptions),
+    Component("logging", "Logging", LoggingOptions),
+    Component("checkpoint", "Checkpoints", CheckpointOptions),
+    Component("layout", "Parallel layout", LayoutOptions),
+    Component("performance", "Performance", PerformanceOptions),
+    Component("memory", "Memory", MemoryOptions),
+)
+
+
+def _with_components(cls):
+    """Give the run's config one field per component (default: that component's defaults), then make it a
+    dataclass: `RunConfig(provider=..., training=TrainingOptions(...))`, `config.training.seed`."""
+    for component in COMPONENTS:
+        cls.__annotations__[component.name] = component.options
+        setattr(cls, component.name, field(default_factory=component.options))
+    return dataclass(cls)
+
+
+@_with_components
 class RunConfig:
+    """Everything `mimo run` was told: the provider, its settings, and each component's options (COMPONENTS)."""
+
     provider: str
     provider_settings: list[str] = field(default_factory=list)  # `--set key=value` assignments
     provider_config: Path | None = None
     provider_values: dict = field(default_factory=dict)  # the `settings:` section of a --config file
     config_file: Path | None = None  # that --config file
-    launch: LaunchOptions = field(default_factory=LaunchOptions)
-    training: TrainingOptions = field(default_factory=TrainingOptions)
-    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
-    scheduler: SchedulerOptions = field(default_factory=SchedulerOptions)
-    data: DataOptions = field(default_factory=DataOptions)
-    evaluation: EvalOptions = field(default_factory=EvalOptions)
-    logging: LoggingOptions = field(default_factory=LoggingOptions)
-    checkpoint: CheckpointOptions = field(default_factory=CheckpointOptions)
-    layout: LayoutOptions = field(default_factory=LayoutOptions)
-    performance: PerformanceOptions = field(default_factory=PerformanceOptions)
-    memory: MemoryOptions = field(default_factory=MemoryOptions)
 
     def validate(self) -> None:
         """Checks that need nothing but the options themselves."""

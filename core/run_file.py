@@ -29,16 +29,15 @@ import yaml
 
 from mimo.errors import UsageError
 
-from .config import RunConfig
+from .config import COMPONENTS, RunConfig
 
 PROVIDER, SETTINGS = "provider", "settings"
 FILE_NAME = "run.yaml"  # what each checkpoint keeps
 
 
 def sections() -> dict[str, type]:
-    """{section name: options dataclass}: RunConfig's component fields, in their order."""
-    hints = typing.get_type_hints(RunConfig)
-    return {f.name: hints[f.name] for f in dataclasses.fields(RunConfig) if dataclasses.is_dataclass(hints[f.name])}
+    """{section name: options dataclass}: the loop's components, in their order."""
+    return {component.name: component.options for component in COMPONENTS}
 
 
 def _closest(word: str, choices) -> str:

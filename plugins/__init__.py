@@ -1,24 +1,30 @@
-"""mimo's public plugin API: everything a provider package imports from mimo."""
+"""mimo's public plugin API: everything a provider package imports from mimo.
+
+The contract (hookspecs, the registry, the records passed to hooks, typed settings, module names) lives here;
+`mimo.plugins.kit` holds what providers may reuse (SDPA attention, per-layer memory formulas, dist-checkpoint
+loading, safetensors folders) and `mimo.plugins.data` the pieces for reading `--data`.
+"""
 
 from .constraints import setting
 from .context import BuildContext, DataContext, ModuleParallelism
 from .hookspecs import hookimpl
 from .manager import ENTRY_POINT_GROUP, Registry
-from . import memory_layers  # per-layer formulas for module_memory hooks
+from .kit import memory_layers  # per-layer formulas for module_memory hooks
 from .memory import LayerMemory, ModuleMemory, TokenBytes, Weights
+from .modules import LANGUAGE, module_prefix
 from .types import Encoder, ModuleShape, Provider
 
 __all__ = [
-    "BuildContext", "DataContext", "ENTRY_POINT_GROUP", "Encoder", "LayerMemory", "ModuleMemory",
+    "BuildContext", "DataContext", "ENTRY_POINT_GROUP", "Encoder", "LANGUAGE", "LayerMemory", "ModuleMemory",
     "ModuleParallelism", "ModuleShape", "Provider", "Registry", "SDPAttention", "TokenBytes", "Weights", "hookimpl",
-    "memory_layers", "setting",
+    "memory_layers", "module_prefix", "setting",
 ]
 
 
 def __getattr__(name: str):
     # Layers import megatron-core (seconds): loaded when a provider asks for one, not with the hooks.
     if name == "SDPAttention":
-        from .attention import SDPAttention
+        from .kit.attention import SDPAttention
 
         return SDPAttention
     raise AttributeError(f"module 'mimo.plugins' has no attribute '{name}'")

@@ -24,6 +24,8 @@ from typing import Any
 
 from mimo.errors import UsageError
 
+from .hints import suggest
+
 BOUNDS = ("minimum", "maximum", "choices")
 RELATIONS = ("divides", "multiple_of")
 KEYS = BOUNDS + RELATIONS
@@ -40,8 +42,6 @@ def setting(default=dataclasses.MISSING, help: str = "", *, minimum=None, maximu
 
 def declared(settings_cls: type) -> dict[str, dict[str, Any]]:
     """{setting: {rule: value}} for every setting that declares a rule, after checking the declarations."""
-    from .settings import suggest
-
     names = [f.name for f in dataclasses.fields(settings_cls)]
     rules = {}
     for f in dataclasses.fields(settings_cls):

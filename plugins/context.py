@@ -8,11 +8,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .modules import LANGUAGE
+
 if TYPE_CHECKING:  # megatron-core imports in seconds; `mimo --help` and `providers list` don't need it
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-LANGUAGE = "language"  # megatron-core's MIMO_LANGUAGE_MODULE_KEY
 
 # TransformerConfig fields the loop decides; a provider sets only its model's shape and numerics.
 LOOP_OWNED_FIELDS = (
@@ -106,7 +107,7 @@ class BuildContext:
         if self.fp8 != "none" and module == LANGUAGE:  # encoders' token counts vary (images), FP8 GEMMs need
             fields.update(fp8="hybrid", fp8_recipe=self.fp8)  # multiples of 16
 
-        if self.cuda_graphs:  # the loop captures the language model's layers (mimo.core.cuda_graphs)
+        if self.cuda_graphs:  # the loop captures the language model's layers (mimo.core.run.cuda_graphs)
             fields.update(use_te_rng_tracker=True)
             if module == LANGUAGE:
                 fields.update(cuda_graph_impl="transformer_engine")
@@ -198,7 +199,7 @@ class DataContext:
         with `pack_sequences=True` gets the run's packing buffer."""
         if self.data_path is None:
             raise ValueError("energon_loader needs a DataContext with data_path (the run's --data)")
-        from mimo.core.data import LaneLoader  # energon and torch: only for a run that reads a dataset
+        from mimo.data import LaneLoader  # energon and torch: only for a run that reads a dataset
 
         if getattr(task_encoder, "pack_sequences", False):
             dataset_kwargs.setdefault("packing_buffer_size", self.packing_buffer_size)

@@ -19,7 +19,7 @@ marks what is trained; the image mode decides each image's token count. `ctx.ene
 lane loader (lanes, worker routing, resumable state and skip counts stay mimo's).
 """
 
-from mimo.core.data import (
+from mimo.data import (
     CHAT_TEMPLATES, NEMOTRON, PLAIN, ByteTokenizer, ChatTemplate, ConversationTaskEncoder, DynamicResolution,
     FixedTiles, HFTokenizer, Tokenizer, chat_template, load_hf_tokenizer, readable_type_names,
 )

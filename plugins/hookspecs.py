@@ -20,7 +20,7 @@ def register_providers():
 
 @hookspec(firstresult=True)
 def model_shape(settings):
-    """Return `{module name: ModuleShape}` for every module, the language model under "language".
+    """Return `{module name: ModuleShape}` for every module, the language model under `mimo.LANGUAGE`.
 
     Called before any process group exists: layout validation and `mimo plan` read it.
     """
@@ -80,7 +80,7 @@ def model_flops(settings):
 def module_memory(settings):
     """Return `{module name: mimo.plugins.ModuleMemory}` for every module of model_shape: each layer's parameters
     by how they split over the ranks and the activation bytes it keeps per token by recompute mode
-    (`mimo.plugins.memory_layers` has formulas for megatron-core's layer kinds). `mimo plan` and `mimo run` turn
+    (`mimo.plugins.kit.memory_layers` has formulas for megatron-core's layer kinds). `mimo plan` and `mimo run` turn
     it into a per-rank estimate for the layout and refuse one that does not fit the GPU's memory. Optional:
     without it nothing is estimated.
     """

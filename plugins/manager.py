@@ -15,7 +15,7 @@ import pluggy
 from mimo.errors import UsageError
 
 from . import defaults, hookspecs
-from .settings import suggest
+from .hints import suggest
 from .types import Provider
 
 ENTRY_POINT_GROUP = "mimo.providers"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import tomllib
 import types
 import typing
@@ -15,13 +14,8 @@ import yaml
 from mimo.errors import UsageError
 
 from . import constraints
+from .hints import suggest
 from .types import Provider
-
-
-def suggest(word: str, choices) -> str:
-    """'; did you mean X?' for the closest choice, or '' when nothing is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else ""
 
 
 def describe_fields(settings_cls: type, defaults: dict | None = None) -> list[dict]:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 BASE = ("run", "--provider", "mock-vlm", "--device", "cpu", "--log-interval", "1", "--set", "image_probability=0.5")
 ITERS, INTERVAL = 8, 2
-STAGES = ("before-shards", "after-shards", "before-tracker")  # MIMO_FAULT_KILL_AT stages in core/checkpoint.py
+STAGES = ("before-shards", "after-shards", "before-tracker")  # MIMO_FAULT_KILL_AT stages in core/checkpoint/checkpointer.py
 TRACKER = "latest_checkpointed_iteration.txt"
 
 

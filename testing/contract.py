@@ -11,6 +11,7 @@ from .data_check import check_data
 from .data_path_check import check_data_path
 from .flops_check import check_flops
 from .memory_check import check_module_memory
+from .moved import moved_imports
 from .model_check import check_model_shape, check_specs, module_reports, vocab_size
 from .report import ContractReport
 from .settings_check import check_registration, check_settings_round_trip
@@ -44,6 +45,7 @@ def check_provider(name: str, settings=(), *, registry: Registry | None = None, 
     note = check_module_memory(subject, shapes)
     report.notes += [note] if note else []
     report.hooks_called |= subject.called
+    report.notes += moved_imports(subject.plugin.module)  # mimo's paths the provider imports that have moved
     skip = "not built: build=False" if not build else too_large(shapes, max_parameters)
     if skip:
         report.notes.append(skip)

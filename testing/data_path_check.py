@@ -30,7 +30,7 @@ def _probe_dir() -> Path:
     if "root" not in _probes:
         root = Path(tempfile.mkdtemp(prefix="mimo-contract-data-"))
         atexit.register(shutil.rmtree, root, ignore_errors=True)
-        from mimo.core.data import write_sample_dataset
+        from mimo.data import write_sample_dataset
 
         write_sample_dataset(root / "captions", num_samples=16, seed=SEED, shard_size=16)
         (root / "not_a_dataset").mkdir()

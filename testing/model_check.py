@@ -11,12 +11,11 @@ import inspect
 
 import torch
 
-from mimo.plugins import BuildContext, Encoder, ModuleShape
+from mimo.plugins import LANGUAGE, BuildContext, Encoder, ModuleShape
 
 from .report import ContractError, ModuleReport
 from .subject import Subject
 
-LANGUAGE = "language"
 NO_MODULE_HELD = " (called as on a rank that holds no module: every ctx.pg_collection(...) is None)"
 
 
@@ -54,7 +53,7 @@ def module_reports(shapes: dict[str, ModuleShape]) -> dict[str, ModuleReport]:
 
 def static_build_context(shapes: dict[str, ModuleShape]) -> BuildContext:
     """A world-of-one BuildContext in fp32 whose ranks hold no module: specs can be built, modules cannot."""
-    from mimo.core import topology
+    from mimo.core.parallel import topology
     from mimo.core.config import LayoutOptions
 
     parallelism = topology.plan(LayoutOptions(), 1, shapes, micro_batch_size=1)

@@ -16,7 +16,7 @@ from mimo.plugins import Provider
 from mimo.plugins.settings import build_settings
 
 from .report import ContractError
-from .subject import Subject
+from .subject import Subject, check_defaults_exist
 
 
 def check_registration(subject: Subject) -> None:
@@ -41,15 +41,6 @@ def check_registration(subject: Subject) -> None:
         provider.settings(**provider.defaults)
     except (TypeError, ValueError) as err:
         raise ContractError("settings", f"the defaults of '{provider.name}' are invalid: {err}") from None
-
-
-def check_defaults_exist(provider: Provider) -> None:
-    """Every field has a default (its own or the variant's): `mimo run --provider NAME` works without --set."""
-    required = [f.name for f in dataclasses.fields(provider.settings) if f.default is dataclasses.MISSING
-                and f.default_factory is dataclasses.MISSING and f.name not in provider.defaults]
-    if required:
-        raise ContractError("settings", f"{provider.settings.__name__} fields {required} have no default: "
-                                        f"`mimo run --provider {provider.name}` must work without --set")
 
 
 def check_settings_round_trip(subject: Subject, directory: Path) -> None:

@@ -57,14 +57,21 @@ def load_subject(name: str, assignments=(), registry: Registry | None = None) ->
         settings = build_settings(provider, list(assignments))
     except UsageError as err:
         if dataclasses.is_dataclass(provider.settings):
-            from .settings_check import check_defaults_exist
-
             check_defaults_exist(provider)  # the likelier cause, in words of the contract
         raise ContractError("settings", str(err)) from None
     subject = Subject(name, provider, plugin, registry, tuple(assignments), settings)
     registry.manager.add_hookcall_monitoring(lambda hook, impls, kwargs: subject.called.add(hook),
                                              lambda outcome, hook, impls, kwargs: None)
     return subject
+
+
+def check_defaults_exist(provider: Provider) -> None:
+    """Every field has a default (its own or the variant's): `mimo run --provider NAME` works without --set."""
+    required = [f.name for f in dataclasses.fields(provider.settings) if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING and f.name not in provider.defaults]
+    if required:
+        raise ContractError("settings", f"{provider.settings.__name__} fields {required} have no default: "
+                                        f"`mimo run --provider {provider.name}` must work without --set")
 
 
 def hookspec_signatures() -> dict[str, str]:

@@ -1,8 +1,8 @@
 """The built-model half of the contract, in a process of its own: `python -m mimo.testing.worker`.
 
-It builds the provider's model through mimo's own machinery (plan, world of one on gloo with the CPU redirect,
-grids, `build_model`, optimizer, `Trainer`), checks each image's placeholder count against its encoder's output,
-trains a few iterations, and round-trips the model through megatron-core's dist_checkpointing. The CPU redirect
+It builds the provider's model through mimo's own machinery (the plan, and the world as `mimo run` joins it: a
+world of one on gloo with the CPU redirect, grids, seeds, model; then the optimizer and `TrainStep`), checks each
+image's placeholder count against its encoder's output, trains a few iterations, and round-trips the model through megatron-core's dist_checkpointing. The CPU redirect
 and the process group last for the life of a process, so the caller's process stays untouched. It prints one
 line, `RESULT_MARK` + JSON: {"ok": true, ...numbers} or {"ok": false, "error": "hook: rule"}.
 """
@@ -33,14 +33,15 @@ class Stage:
 def run(name: str, assignments: list[str], workdir: Path) -> dict:
     import torch
 
-    from mimo.core import launch, topology
     from mimo.core.config import RunConfig, TrainingOptions
-    from mimo.core.model import build_model, count_parameters, held_modules
-    from mimo.core.optim import build_optimizer, build_scheduler
-    from mimo.core.step import Trainer
-    from mimo.core.train import prepare
+    from mimo.core.parallel import topology
+    from mimo.core.parallel.model import count_parameters, held_modules
+    from mimo.core.parallel.optim import build_optimizer, build_scheduler
+    from mimo.core.run.plan import prepare
+    from mimo.core.run.step import TrainStep
+    from mimo.core.run.world import join
     from mimo.errors import UsageError
-    from mimo.plugins import BuildContext, DataContext, Registry
+    from mimo.plugins import LANGUAGE, DataContext, Registry
 
     from .memory_check import built_parameter_mismatch
     from .report import ContractError
@@ -58,16 +59,12 @@ def run(name: str, assignments: list[str], workdir: Path) -> dict:
     except UsageError as err:
         raise ContractError("model_shape", f"mimo refuses the provider's layout for one CPU rank: {err}") from None
     Stage.current = "setup"  # mimo's world of one and grids: nothing of the provider's runs here
-    device = launch.init_process("cpu")
-    topo = topology.build(plan.parallelism, backend="gloo")
-    pgs = topo.pg_collections[topology.LANGUAGE]
-    launch.seed_everything(SEED, pgs.tp.rank(), pgs.ep.rank(), pgs.expt_tp.rank())
-    ctx = BuildContext(params_dtype=torch.float32, parallelism=plan.parallelism, pg_collections=topo.pg_collections)
+    world = join(plan)  # as `mimo run` starts: a world of one on gloo, the grids, the seeds, the BuildContext
 
     def build(seed: int):
         Stage.current = "build_encoders/build_language_model"  # megatron-core builds the MimoModel from both
         try:
-            return build_model(plan.hooks, plan.settings, name, topo, ctx, device, seed)
+            return world.build_model(seed)
         except UsageError as err:  # mimo's own checks name the hook: "provider 'x': build_encoders returned ..."
             hook, _, rule = str(err).removeprefix(f"provider '{name}': ").partition(" ")
             raise ContractError(hook, rule) from None
@@ -90,18 +87,18 @@ def run(name: str, assignments: list[str], workdir: Path) -> dict:
     batches = [next(source) for _ in range(ITERATIONS * NUM_MICROBATCHES)]
     encoders_fed, notes = set(), set()
     for m, batch in enumerate(batches):
-        encoders_fed |= check_encoder_outputs(model, batch, plan.shapes[topology.LANGUAGE].hidden_size, m, notes)
+        encoders_fed |= check_encoder_outputs(model, batch, plan.shapes[LANGUAGE].hidden_size, m, notes)
 
     Stage.current = "forward_backward"  # forward, the loss hook, backward and the optimizer step
-    optimizer = build_optimizer(model, config.optimizer, torch.float32)
-    scheduler = build_scheduler(optimizer, config.scheduler, config.optimizer, plan.global_batch_size,
-                                plan.train_iters * plan.global_batch_size)
-    trainer = Trainer(model, optimizer, scheduler, plan.hooks, plan.settings, topo, device, torch.float32,
-                      plan.num_microbatches, plan.global_batch_size, MICRO_BATCH_SIZE,
-                      batches[0]["input_ids"].shape[1])
+    optimizer = build_optimizer(config.optimizer, model=model, params_dtype=torch.float32)
+    scheduler = build_scheduler(config.scheduler, optimizer=optimizer, optimizer_options=config.optimizer,
+                                global_batch_size=plan.global_batch_size,
+                                train_samples=plan.train_iters * plan.global_batch_size)
+    step = TrainStep(config.training, world=world, model=model, optimizer=optimizer, scheduler=scheduler,
+                     seq_length=batches[0]["input_ids"].shape[1])
     model.train()
     data = iter(batches)
-    results = [trainer.step(data) for _ in range(ITERATIONS)]
+    results = [step(data) for _ in range(ITERATIONS)]
     trainable = {module: any(p.requires_grad for p in m.parameters()) for module, m in held_modules(model)}
     check_training(results, trainable, encoders_fed)
 
@@ -180,6 +177,8 @@ def _tokens_per_image(module, encoder_inputs: dict) -> list[int] | None:
 
 
 def check_training(results, trainable: dict[str, bool], encoders_fed: set[str]) -> None:
+    from mimo.plugins import LANGUAGE
+
     from .report import ContractError
 
     for i, r in enumerate(results, 1):
@@ -189,9 +188,9 @@ def check_training(results, trainable: dict[str, bool], encoders_fed: set[str]) 
         if r.grad_norm is None or not math.isfinite(r.grad_norm) or r.grad_norm <= 0:
             raise ContractError("loss", f"iteration {i}: gradient norm {r.grad_norm}; backward reached no parameter")
         for module, is_trainable in trainable.items():
-            fed = module == "language" or module in encoders_fed
+            fed = module == LANGUAGE or module in encoders_fed
             if is_trainable and fed and not r.module_grad_norms.get(module, 0.0) > 0:
-                hook = "build_language_model" if module == "language" else "build_encoders"
+                hook = "build_language_model" if module == LANGUAGE else "build_encoders"
                 raise ContractError(hook, f"iteration {i}: module '{module}' got no gradient (its output does not "
                                           f"reach the loss)")
 
@@ -205,7 +204,7 @@ def check_hf_conversion(hooks, settings, model, notes: set[str]) -> None:
     bits. Settings the provider cannot export are refused with one line (noted, not checked further)."""
     import torch
 
-    from mimo.core.hf import plain_value, whole_state
+    from mimo.core.checkpoint.hf import plain_value, whole_state
     from mimo.errors import UsageError
 
     from .report import ContractError

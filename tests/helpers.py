@@ -79,7 +79,7 @@ def world_of_one():
     """A one-process gloo world on the CPU (CUDA redirected), torn down afterwards if this created it."""
     import torch.distributed as dist
 
-    from mimo.core import cpu_redirect
+    from mimo.core.run import cpu_redirect
 
     cpu_redirect.enable()  # megatron's RNG tracker reads "CUDA" generator state; on the CPU it is the CPU's
     created = not dist.is_initialized()

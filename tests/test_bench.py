@@ -26,13 +26,13 @@ def test_checkpoint_benchmark_reads_the_log_lines(tmp_path, capsys):
         from checkpoint import parse
     finally:
         sys.path.remove(str(REPO / "bench"))
-    from mimo.core.checkpoint import _report
+    from mimo.core.checkpoint.layout import report_io
 
     directory = tmp_path / "iter_0000012"
     directory.mkdir()
     (directory / "shard.distcp").write_bytes(b"x" * 4096)
-    _report("saved", directory, 2.0, blocked=0.25)
-    _report("loaded", directory, 1.0)
+    report_io("saved", directory, 2.0, blocked=0.25)
+    report_io("loaded", directory, 1.0)
     events = parse(capsys.readouterr().out)
     assert [(e["event"], e["seconds"], e["blocked_seconds"]) for e in events] == [("saved", 2.0, 0.25),
                                                                                   ("loaded", 1.0, None)]

@@ -17,12 +17,12 @@ from megatron.energon import (
 from megatron.energon.errors import FatalSampleError
 from PIL import Image, ImageDraw
 
-from mimo.core.data import (
+from mimo.data import (
     NEMOTRON, PLAIN, ByteTokenizer, ChatSample, ConversationTaskEncoder, DynamicResolution, FixedTiles, Turn,
     cook_chat,
 )
-from mimo.core.data.conversation import IMAGE, place_images, turns_from_chat_json
-from mimo.core.data.sample_formats import conversation_of
+from mimo.data.conversation import IMAGE, place_images, turns_from_chat_json
+from mimo.data.sample_formats import conversation_of
 
 
 def drawn(width: int, height: int, colour=(200, 30, 30)) -> torch.Tensor:

@@ -50,7 +50,7 @@ def test_tensor_metadata_with_the_strides_field_of_torch_2_15():
         ChunkStorageMetadata, Metadata, TensorProperties, TensorStorageMetadata,
     )
 
-    from mimo.plugins.dist_checkpoint import TorchDistLoadStrategy
+    from mimo.plugins.kit.dist_checkpoint import TorchDistLoadStrategy
 
     properties = TensorProperties(dtype=torch.bfloat16)
     properties.strides = (3, 1)

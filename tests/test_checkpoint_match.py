@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mimo.core.checkpoint_match import check_kept_options, first_difference, mismatch_line
+from mimo.core.checkpoint.match import check_kept_options, first_difference, mismatch_line
 from mimo.errors import UsageError
 
 CKPT = Path("runs/a/iter_0000002")

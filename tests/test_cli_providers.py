@@ -5,7 +5,7 @@ import json
 import pytest
 
 from helpers import REPO, install_distribution, read_metrics, run_mimo, write_distribution
-from mimo.core.data import write_sample_dataset
+from mimo.data import write_sample_dataset
 
 CONFLICT = """
     from dataclasses import dataclass

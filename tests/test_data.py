@@ -1,4 +1,4 @@
-"""mimo.core.data: the synthetic energon dataset, tokenizers, the multimodal task encoder, lane merging, skips."""
+"""mimo.data: the synthetic energon dataset, tokenizers, the multimodal task encoder, lane merging, skips."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.energon import CaptioningSample, SkipSample, TextSample, WorkerConfig, get_loader, get_train_dataset
 
-from mimo.core.data import (
+from mimo.data import (
     ByteTokenizer, DynamicResolution, FixedTiles, HFTokenizer, MultimodalTaskEncoder, SkippedSampleCounter, Tokenizer,
     dynamic_num_tokens, fit_patch_grid, get_multimodal_train_loader, load_hf_tokenizer, merge_encoder_inputs,
     merge_modality_inputs, patchify, tile_num_tokens, write_sample_dataset,

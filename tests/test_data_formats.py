@@ -51,7 +51,7 @@ def provider_settings(provider: str, *assignments: str):
 def data_tools(provider: str, settings):
     """(tokenizer to decode with, tokens an image of (h, w) takes) as the provider reads --data."""
     if provider == "mock-vlm":
-        from mimo.core.data import ByteTokenizer
+        from mimo.data import ByteTokenizer
 
         tok = ByteTokenizer(vocab_size=settings.vocab_size)
         tok.image_token_id = settings.image_token_id

@@ -11,8 +11,8 @@ from typer.testing import CliRunner
 
 from helpers import read_metrics, run_mimo
 from mimo.cli.data import data_app
-from mimo.core import topology
-from mimo.core.data import (
+from mimo.core.parallel import topology
+from mimo.data import (
     ByteTokenizer, FixedTiles, LaneLoader, MultimodalTaskEncoder, merge_lane_batches, prepare_energon_dataset,
     write_sample_dataset,
 )
@@ -54,7 +54,7 @@ def read(loader, count):
 
 
 def layout_contexts(encoder_dp, llm_dp, micro_batch_size, num_workers, path, seed=11):
-    """{rank: DataContext} the way core/train.py builds them from core/topology.data_positions."""
+    """{rank: DataContext} the way core/run/world.py builds them from core/parallel/topology.data_positions."""
     parallelism = {"images": ModuleParallelism(0, encoder_dp), "language": ModuleParallelism(encoder_dp, llm_dp)}
     contexts = {}
     for rank in range(encoder_dp + llm_dp):

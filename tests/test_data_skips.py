@@ -18,9 +18,9 @@ import shutil
 import pytest
 
 from helpers import read_metrics, run_mimo
-from mimo.core.data import ByteTokenizer, FixedTiles, LaneLoader, MultimodalTaskEncoder
-from mimo.core.skip_report import SkipReporter
-from mimo.core.data.skips import SkipRecord
+from mimo.data import ByteTokenizer, FixedTiles, LaneLoader, MultimodalTaskEncoder
+from mimo.core.telemetry.skip_report import SkipReporter
+from mimo.data.skips import SkipRecord
 
 NUM_SAMPLES, SHARD_SIZE = 24, 8
 BAD = (2, 5, 11, 19)  # sample indices whose JPEG is cut short
@@ -135,7 +135,7 @@ def test_skip_count_is_exact_with_a_shuffle_buffer(datasets, num_workers, seed):
 def test_a_sample_too_long_for_the_sequence_is_named_too(datasets):
     """The task encoder's own skips (no room for text after the image) name their shard and key as well."""
     clean, _, shards, _ = datasets
-    from mimo.core.data import DynamicResolution
+    from mimo.data import DynamicResolution
 
     te = MultimodalTaskEncoder(ByteTokenizer(), seq_length=17,
                                image_mode=DynamicResolution(patch_size=8, min_patches=4, max_patches=64))

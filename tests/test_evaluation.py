@@ -116,13 +116,14 @@ def plain_forward_loss(save, eval_iters: int) -> float:
     """The checkpoint's per-token loss over the eval samples, by calling the model directly in one process."""
     if save in _plain:
         return _plain[save]
-    from mimo.core import topology
-    from mimo.core.checkpoint import iteration_dir, read_tracker
+    from mimo.core.parallel import topology
+    from mimo.core.checkpoint.layout import iteration_dir, read_tracker
     from mimo.core.config import LayoutOptions
-    from mimo.core.evaluation import EVAL_SEED
-    from mimo.core.launch import seed_everything
-    from mimo.core.model import build_model
-    from mimo.plugins import BuildContext, DataContext, Registry, dist_checkpoint
+    from mimo.core.evaluation.evaluator import EVAL_SEED
+    from mimo.core.run.launch import seed_everything
+    from mimo.core.parallel.model import build_model
+    from mimo.plugins import BuildContext, DataContext, Registry
+    from mimo.plugins.kit import dist_checkpoint
     from mimo.providers import mock_vlm
     from mimo.providers.mock_vlm import MockVLMSettings
     from mimo.providers.mock_vlm.data import synthetic_batches
@@ -133,8 +134,8 @@ def plain_forward_loss(save, eval_iters: int) -> float:
         topo = topology.build(parallelism, backend="gloo")
         seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
         ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
-        model = build_model(Registry().hooks("mock-vlm"), settings, "mock-vlm", topo, ctx, torch.device("cpu"),
-                            seed=0).eval()
+        model = build_model(None, hooks=Registry().hooks("mock-vlm"), settings=settings, provider="mock-vlm",
+                            topology=topo, context=ctx, device=torch.device("cpu"), seed=0).eval()
         directory = iteration_dir(save, read_tracker(save))
         loaded, _ = dist_checkpoint.load({"model": model.sharded_state_dict()}, directory)
         model.load_state_dict(loaded["model"])

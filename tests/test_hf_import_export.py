@@ -1,4 +1,4 @@
-"""Hugging Face Nemotron omni checkpoints in and out of mimo (core/hf.py, providers/nemotron/hf.py), through the CLI:
+"""Hugging Face Nemotron omni checkpoints in and out of mimo (core/checkpoint/hf.py, providers/nemotron/hf/vlm.py), through the CLI:
 a tiny random transformers `NemotronH_Omni_Reasoning_V3` shaped like nemotron-moe-vlm-tiny is saved, imported
 (`mimo ckpt import-hf`), trained from (`--pretrained OUT` and `--pretrained HF_DIR`, colocated and heterogeneous)
 and exported (`mimo ckpt export-hf`) back into a folder transformers loads, with the original bits."""
@@ -14,7 +14,7 @@ from helpers import read_metrics, run_mimo
 from hf_models import TEXT, save_omni
 from safetensors.torch import load_file
 
-from mimo.core import hf
+from mimo.core.checkpoint import hf
 from mimo.errors import UsageError
 from mimo.plugins import Registry
 from mimo.plugins.settings import build_settings

@@ -1,4 +1,4 @@
-"""Hugging Face NemotronH <-> the Nemotron provider's language model (plugins/hf/nemotron_h.py), proven against
+"""Hugging Face NemotronH <-> the Nemotron provider's language model (providers/nemotron/hf/nemotron_h.py), proven against
 transformers' reference implementation: a tiny random NemotronHForCausalLM with every layer kind (Mamba, MoE,
 attention, MLP) is saved, read back through safetensors_io, converted, loaded into mimo's HybridModel (local
 backend), and both compute the same logits; converted back and saved, transformers loads the same bits."""
@@ -11,12 +11,13 @@ import transformers
 
 from helpers import world_of_one
 from megatron.core.transformer.spec_utils import build_module
-from mimo.core import topology
+from mimo.core.parallel import topology
 from mimo.core.config import LayoutOptions
-from mimo.core.launch import seed_everything
+from mimo.core.run.launch import seed_everything
 from mimo.errors import UsageError
 from mimo.plugins import BuildContext
-from mimo.plugins.hf import nemotron_h, safetensors_io
+from mimo.providers.nemotron.hf import nemotron_h
+from mimo.plugins.kit import safetensors_io
 from mimo.providers import nemotron
 from mimo.providers.nemotron import TINY, NemotronVLMSettings
 from mimo.providers.nemotron.counts import parameter_counts

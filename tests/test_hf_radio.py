@@ -1,4 +1,4 @@
-"""C-RADIO checkpoints of Hugging Face (plugins/hf/radio.py) against mimo's vision encoder (providers/nemotron).
+"""C-RADIO checkpoints of Hugging Face (providers/nemotron/hf/radio.py) against mimo's vision encoder (providers/nemotron).
 
 A tiny random transformers `RadioModel` is saved as a checkpoint, converted, and loaded into the provider's
 `RadioEncoder`; both encode the same images (dynamic resolution, packed; and fixed tiles): the reference
@@ -18,13 +18,13 @@ from megatron.core.transformer.spec_utils import build_module
 from safetensors.torch import load_file, save_file
 from transformers import RadioConfig, RadioModel
 
-from mimo.core import topology
+from mimo.core.parallel import topology
 from mimo.core.config import LayoutOptions
-from mimo.core.launch import seed_everything
+from mimo.core.run.launch import seed_everything
 from mimo.errors import UsageError
 from mimo.plugins import BuildContext
 from mimo.plugins.data import DynamicResolution, FixedTiles
-from mimo.plugins.hf import radio
+from mimo.providers.nemotron.hf import radio
 from mimo.providers import nemotron
 from mimo.providers.nemotron import ENCODER, IMAGES, TINY, NemotronVLMSettings
 from mimo.providers.nemotron.model import _packed_params
@@ -268,7 +268,7 @@ def test_pixel_shuffle_order_is_the_omni_models(omni_checkpoint):
 def test_omni_image_features_entering_the_llm_match_the_reference(world, omni_checkpoint):
     """RADIO, pixel shuffle and projector of a converted omni checkpoint against `get_image_features`; the
     parameter counts of the new settings (video embedder, projector norm) against the built module."""
-    from mimo.plugins.hf import nemotron_h_omni as omni
+    from mimo.providers.nemotron.hf import nemotron_h_omni as omni
     from mimo.providers.nemotron.counts import parameter_counts
 
     folder, hf_config, reference = omni_checkpoint
@@ -314,7 +314,7 @@ def test_omni_image_features_entering_the_llm_match_the_reference(world, omni_ch
     ({"vision_hidden_size": 48}, "vision_hidden_size=48: "),
 ])
 def test_omni_config_values_the_provider_cannot_express_are_refused(omni_checkpoint, change, message):
-    from mimo.plugins.hf import nemotron_h_omni as omni
+    from mimo.providers.nemotron.hf import nemotron_h_omni as omni
 
     with pytest.raises(UsageError, match=f"^omni config {message}"):
         omni.config_fields({**omni_checkpoint[1], **change})

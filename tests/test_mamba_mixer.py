@@ -15,7 +15,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer import TransformerConfig
-from mimo.core.launch import seed_everything
+from mimo.core.run.launch import seed_everything
 from mimo.providers.nemotron.mamba_mixer import LocalMambaMixer, MambaMixerSubmodules, ssd_scan
 
 LOCAL_SPEC = MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)

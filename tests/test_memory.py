@@ -1,4 +1,4 @@
-"""The memory estimate (core/memory.py) against what megatron-core really allocates, and the --gpu-memory check.
+"""The memory estimate (core/memory/estimate.py) against what megatron-core really allocates, and the --gpu-memory check.
 
 The buffers are megatron-core's own: the models are built on the CPU under its DDP (fp32 gradient buffers) and
 optimizers (Adam; the distributed optimizer sharding over 2 data-parallel ranks), one optimizer step taken, and
@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from helpers import run_mimo
-from mimo.core import memory_check
+from mimo.core.memory import fit
 from mimo.core.config import (
     LaunchOptions, LayoutOptions, MemoryOptions, OptimizerOptions, PerformanceOptions, RunConfig, TrainingOptions,
 )
-from mimo.core.train import prepare
+from mimo.core.run.plan import prepare
 from mimo.errors import UsageError
 
 TINY_NEMOTRON = "nemotron-moe-vlm-tiny"
@@ -35,20 +35,15 @@ def config(provider, world=1, precision="fp32", distopt=False, settings=(), gpu_
 def _allocated(cfg: RunConfig, rank: int) -> dict:
     """On this rank: build the model and optimizer as a run does, take one step, and count megatron-core's
     buffers and states per module next to the estimate for this rank."""
-    from mimo.core import launch, topology
-    from mimo.core.model import build_model, held_modules
-    from mimo.core.optim import build_optimizer
-    from mimo.core.train import build_context
+    from mimo.core.parallel.model import held_modules
+    from mimo.core.parallel.optim import build_optimizer
+    from mimo.core.run.world import join
 
     plan = prepare(cfg, world_size=cfg.launch.nproc_per_node)
     dtype = torch.bfloat16 if cfg.training.precision == "bf16" else torch.float32
-    device = launch.init_process("cpu")
-    topo = topology.build(plan.parallelism, backend="gloo")
-    pgs = topo.pg_collections[topology.LANGUAGE]
-    launch.seed_everything(1, pgs.tp.rank(), pgs.ep.rank(), pgs.expt_tp.rank())
-    model = build_model(plan.hooks, plan.settings, cfg.provider, topo, build_context(plan, dtype, topo), device, 1,
-                        cfg.optimizer.use_distributed_optimizer)
-    optimizer = build_optimizer(model, cfg.optimizer, dtype)
+    world = join(plan, seed=1)
+    model = world.build_model()
+    optimizer = build_optimizer(cfg.optimizer, model=model, params_dtype=dtype)
     for param in model.parameters():
         param.main_grad.zero_()
     optimizer.step()  # Adam's moments exist from the first step on
@@ -68,7 +63,7 @@ def _allocated(cfg: RunConfig, rank: int) -> dict:
                        or sum(p.numel() * p.element_size() for p in module.parameters()),
                        "grad_buffer": sum(b.grad_data.numel() * b.grad_data.element_size() for b in buffers),
                        "optimizer": state + (main if dtype == torch.bfloat16 else 0)}
-    estimate = next(r for r in memory_check.estimate_plan(plan) if r.ranks[0] <= rank <= r.ranks[1])
+    estimate = next(r for r in fit.estimate_plan(plan) if r.ranks[0] <= rank <= r.ranks[1])
     torch.distributed.destroy_process_group()
     return {"found": found, "estimate": {m.module: {"parameters": m.parameter_count, "param_bytes": m.parameters,
                                                     "gradients": m.gradients, "optimizer": m.optimizer}
@@ -118,7 +113,7 @@ def test_rank_kinds_of_a_heterogeneous_pipeline():
     cfg = RunConfig(provider="mock-vlm", launch=LaunchOptions(nproc_per_node=3),
                     training=TrainingOptions(micro_batch_size=2, num_microbatches=4, device="cpu"),
                     layout=LayoutOptions(encoder_ranks=1, llm_pp=2))
-    ranks = memory_check.estimate_plan(prepare(cfg, world_size=3))
+    ranks = fit.estimate_plan(prepare(cfg, world_size=3))
     assert [(r.kind, r.ranks) for r in ranks] == [("encoder ranks", (0, 0)), ("LLM stage 0", (1, 1)),
                                                   ("LLM stage 1", (2, 2))]
     in_flight = [m.in_flight for r in ranks for m in r.modules]
@@ -133,7 +128,7 @@ def test_recompute_and_micro_batch_shrink_activations():
         cfg = config(TINY_NEMOTRON)
         cfg.training.micro_batch_size = options.get("mbs", 2)
         cfg.performance = PerformanceOptions(recompute=options.get("recompute", "none"))
-        return memory_check.estimate_plan(prepare(cfg, world_size=1))[0].term("activations")
+        return fit.estimate_plan(prepare(cfg, world_size=1))[0].term("activations")
 
     none, full = activations(), activations(recompute="full")
     assert full < 0.6 * none and activations(mbs=4) == pytest.approx(2 * none, rel=0.05)
@@ -143,10 +138,8 @@ def test_saved_activations_on_cpu():
     """mock-vlm's estimate against the tensors autograd keeps in one bf16 forward (unique storages, weights left
     out): megatron-core's local layers on the CPU keep what they keep on a GPU, minus nothing."""
     from helpers import world_of_one
-    from mimo.core import launch, topology
-    from mimo.core.model import build_model
-    from mimo.core.step import to_device
-    from mimo.core.train import build_context
+    from mimo.core.run.step import to_device
+    from mimo.core.run.world import join
     from mimo.plugins import DataContext
 
     settings = ["hidden_size=128", "num_attention_heads=4", "num_layers=3", "seq_length=256", "vocab_size=64",
@@ -154,10 +147,7 @@ def test_saved_activations_on_cpu():
     cfg = config("mock-vlm", precision="bf16", settings=settings)
     plan = prepare(cfg, world_size=1)
     with world_of_one():
-        topo = topology.build(plan.parallelism, backend="gloo")
-        launch.seed_everything(1, 0, 0, 0)
-        model = build_model(plan.hooks, plan.settings, "mock-vlm", topo, build_context(plan, torch.bfloat16, topo),
-                            torch.device("cpu"), 1)
+        model = join(plan, seed=1).build_model()
         weights = {p.data_ptr() for p in model.parameters()}
         batch = next(iter(plan.hooks.data_provider(settings=plan.settings, ctx=DataContext(
             micro_batch_size=2, num_microbatches=1, num_lanes=1, seed=1))))
@@ -173,30 +163,30 @@ def test_saved_activations_on_cpu():
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             model(**inputs, modality_inputs=images)
-    estimate = memory_check.estimate_plan(plan)[0].term("activations")
+    estimate = fit.estimate_plan(plan)[0].term("activations")
     assert estimate == pytest.approx(sum(kept.values()), rel=0.05)
 
 
 def test_refusal_is_one_line_naming_memory():
     cfg = config(TINY_NEMOTRON, gpu_memory=1)
     with pytest.raises(UsageError) as err:
-        memory_check.check(prepare(cfg, world_size=1))
+        fit.check(prepare(cfg, world_size=1))
     text = str(err.value)
     assert "\n" not in text and text.startswith("memory: all ranks 0-0 need about")
     assert "above the 1 GiB limit (--gpu-memory); largest term:" in text and "try " in text
-    memory_check.check(prepare(config(TINY_NEMOTRON), world_size=1))  # a CPU run: no limit unless asked
+    fit.check(prepare(config(TINY_NEMOTRON), world_size=1))  # a CPU run: no limit unless asked
 
 
 def test_cpu_runs_are_not_limited_unless_asked(monkeypatch):
-    monkeypatch.setattr(memory_check, "visible_gpu_gib", lambda: None)
-    assert memory_check.gpu_limit_gib(config("mock-vlm")) is None
+    monkeypatch.setattr(fit, "visible_gpu_gib", lambda: None)
+    assert fit.gpu_limit_gib(config("mock-vlm")) is None
     auto = config("mock-vlm")
     auto.training.device = "auto"
-    assert memory_check.gpu_limit_gib(auto) is None
-    assert memory_check.gpu_limit_gib(auto, planning=True) == (80.0, "default")
-    monkeypatch.setattr(memory_check, "visible_gpu_gib", lambda: 79.2)
-    assert memory_check.gpu_limit_gib(auto) == (79.2, "the visible GPU")
-    assert memory_check.gpu_limit_gib(config("mock-vlm", gpu_memory=40)) == (40, "--gpu-memory")
+    assert fit.gpu_limit_gib(auto) is None
+    assert fit.gpu_limit_gib(auto, planning=True) == (80.0, "default")
+    monkeypatch.setattr(fit, "visible_gpu_gib", lambda: 79.2)
+    assert fit.gpu_limit_gib(auto) == (79.2, "the visible GPU")
+    assert fit.gpu_limit_gib(config("mock-vlm", gpu_memory=40)) == (40, "--gpu-memory")
 
 
 @pytest.mark.smoke
@@ -246,10 +236,10 @@ def test_visible_gpu_memory_comes_from_nvidia_smi_for_this_process(tmp_path, mon
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
-    memory_check.visible_gpu_gib.cache_clear()
+    fit.visible_gpu_gib.cache_clear()
     try:
-        assert memory_check.visible_gpu_gib() == pytest.approx(81559 / 1024)
-        assert memory_check.visible_gpu_gib() == pytest.approx(81559 / 1024)
+        assert fit.visible_gpu_gib() == pytest.approx(81559 / 1024)
+        assert fit.visible_gpu_gib() == pytest.approx(81559 / 1024)
         assert calls.read_text().splitlines() == ["-i 3 --query-gpu=memory.total --format=csv,noheader,nounits"]
     finally:
-        memory_check.visible_gpu_gib.cache_clear()
+        fit.visible_gpu_gib.cache_clear()

@@ -69,9 +69,9 @@ def test_nemotron_checkpoints_load_strictly_in_any_layout(tmp_path):
 def _build(seed: int, encoder_ranks: int):
     import torch
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
-    from mimo.core import topology
+    from mimo.core.parallel import topology
     from mimo.core.config import LayoutOptions
-    from mimo.core.launch import seed_everything
+    from mimo.core.run.launch import seed_everything
     from mimo.plugins import BuildContext
     from mimo.providers import nemotron
 
@@ -106,8 +106,8 @@ def _main(mode: str, out: Path) -> None:
     import torch
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from mimo.core.launch import init_process
-    from mimo.plugins.dist_checkpoint import saved_tensor_shapes
+    from mimo.core.run.launch import init_process
+    from mimo.plugins.kit.dist_checkpoint import saved_tensor_shapes
     from mimo.providers.nemotron.checkpoint import (
         load_nemotron_checkpoint, nemotron_sharded_state_dict, save_nemotron_checkpoint,
     )

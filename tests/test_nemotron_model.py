@@ -19,9 +19,9 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
-from mimo.core import topology
+from mimo.core.parallel import topology
 from mimo.core.config import LayoutOptions
-from mimo.core.launch import seed_everything
+from mimo.core.run.launch import seed_everything
 from mimo.errors import UsageError
 from mimo.plugins import BuildContext, DataContext
 from mimo.providers import nemotron
@@ -260,7 +260,7 @@ def test_thd_attention_equals_padded_masked_attention(world, causal):
 def test_thd_bounds_are_read_once_per_forward_and_again_after_a_change():
     """Every attention layer of a forward shares one PackedSeqParams: its boundaries cross to the host once (a GPU
     wait each time); RADIO shifts cu_seqlens in place for its class tokens, after which they are read again."""
-    from mimo.plugins.attention import _bounds_of
+    from mimo.plugins.kit.attention import _bounds_of
 
     cu = torch.tensor([0, 3, 7], dtype=torch.int32)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone())

@@ -79,19 +79,19 @@ def _main(root: Path) -> None:
     """One random model of nemotron-moe-vlm-tiny (moved away from the initialization a run would make), saved as a
     mimo checkpoint (root/mimo) and as a Nemotron-format checkpoint (root/nemotron)."""
     import torch
-    from mimo.core import hf
+    from mimo.core.checkpoint import hf
     from mimo.core.config import CheckpointOptions
     from mimo.plugins import Registry
     from mimo.providers.nemotron.checkpoint import save_nemotron_checkpoint
 
-    built = hf._build(Registry(), PROVIDER, None, [], "fp32", "cpu")
+    world, model = hf._build(Registry(), PROVIDER, None, [], "fp32", "cpu")
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
-        for param in built.model.parameters():
+        for param in model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    hf._checkpointer(built, CheckpointOptions(save=root / "mimo", save_optim=False, save_rng=False)).save(0, 0)
+    hf._checkpointer(world, model, CheckpointOptions(save=root / "mimo", save_optim=False, save_rng=False)).save(0, 0)
     (root / "nemotron").mkdir()
-    save_nemotron_checkpoint(built.model, str(root / "nemotron"))
+    save_nemotron_checkpoint(model, str(root / "nemotron"))
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ from megatron.energon import CaptioningSample, SimilarityInterleavedSample, Text
 from PIL import Image, ImageDraw
 
 from helpers import world_of_one
-from mimo.core import topology
+from mimo.core.parallel import topology
 from mimo.core.config import LayoutOptions
-from mimo.core.launch import seed_everything
+from mimo.core.run.launch import seed_everything
 from mimo.plugins import BuildContext
 from mimo.plugins.data import ByteTokenizer, ConversationTaskEncoder, FixedTiles, chat_template
 

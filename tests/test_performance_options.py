@@ -33,7 +33,7 @@ def test_recompute_per_module():
     assert PerformanceOptions(recompute="language=full").recompute_for("images") == "none"
     config = RunConfig(provider="mock-vlm", performance=PerformanceOptions(recompute="llm=full"),
                        optimizer=OptimizerOptions(), training=TrainingOptions())
-    from mimo.core.train import prepare
+    from mimo.core.run.plan import prepare
 
     with pytest.raises(UsageError, match="--recompute names module 'llm', which provider 'mock-vlm' does not have: "
                                          "use images, language"):

@@ -6,7 +6,7 @@ import pytest
 
 from helpers import run_mimo
 from mimo.core.config import LaunchOptions, LayoutOptions, RunConfig, TrainingOptions
-from mimo.core.train import prepare
+from mimo.core.run.plan import prepare
 from mimo.errors import UsageError
 
 

@@ -4,7 +4,7 @@ alone."""
 import pytest
 import torch
 
-from mimo.core.prefetch import Prefetcher, read_ahead
+from mimo.core.run.prefetch import Prefetcher, read_ahead
 
 
 def test_items_come_in_order_and_the_end_is_final():

@@ -4,7 +4,7 @@ import json
 
 from helpers import run_mimo
 
-from mimo.core.profile import idle_by_phase, idle_gaps, kind_of
+from mimo.core.telemetry.profiler import idle_by_phase, idle_gaps, kind_of
 
 
 def test_idle_gaps_are_attributed_to_the_innermost_phase():

@@ -6,7 +6,7 @@ import pytest
 
 from helpers import read_metrics, run_mimo
 from mimo.core.config import CheckpointOptions, OptimizerOptions, RunConfig
-from mimo.core.resume import check_resume
+from mimo.core.checkpoint.resume import check_resume
 from mimo.errors import UsageError
 
 CPU = ("run", "--provider", "mock-vlm", "--device", "cpu", "--train-iters", "2", "--log-interval", "1")

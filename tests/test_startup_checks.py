@@ -5,7 +5,7 @@ import pytest
 
 from helpers import run_mimo
 from mimo.core.config import CheckpointOptions, LoggingOptions, RunConfig
-from mimo.core.output_paths import check_output_paths
+from mimo.core.run.output_paths import check_output_paths
 from mimo.errors import UsageError
 
 CPU = ("run", "--provider", "mock-vlm", "--device", "cpu", "--train-iters", "2", "--log-interval", "1")

@@ -15,8 +15,8 @@ import pytest
 
 from format_datasets import UNICODE, build_chat
 from helpers import read_metrics, run_mimo
-from mimo.core.data import NEMOTRON, Turn, load_hf_tokenizer
-from mimo.core.data.conversation import IMAGE, place_images, turns_from_chat_json
+from mimo.data import NEMOTRON, Turn, load_hf_tokenizer
+from mimo.data.conversation import IMAGE, place_images, turns_from_chat_json
 from mimo.errors import UsageError
 
 SENTENCES = ["What colour is the circle?", "A red circle on a white background.", "The square is blue.",

@@ -18,7 +18,7 @@ import torch
 
 from mimo.errors import UsageError
 
-from . import IMAGES
+from .settings import IMAGES
 
 _PATTERN_SEED = 1234  # the task itself (patterns and captions) is fixed; the run's seed picks the samples
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from mimo.plugins import LayerMemory, ModuleMemory, TokenBytes, Weights
-from mimo.plugins import memory_layers as ml
+from mimo.plugins import LANGUAGE, LayerMemory, ModuleMemory, TokenBytes, Weights
+from mimo.plugins.kit import memory_layers as ml
 
 from .model import IMAGES, _ffn, resolve_backend
 
@@ -61,7 +61,7 @@ def module_memory(settings) -> dict[str, ModuleMemory]:
         IMAGES: ModuleMemory(layers=(vit_layer,) * s.vision_layers,
                              tokens_per_sample=patches if s.image_probability > 0 else 0,
                              first=patch_embedder, last=projection),
-        "language": ModuleMemory(layers=(gpt_layer,) * s.num_layers, tokens_per_sample=s.seq_length,
+        LANGUAGE: ModuleMemory(layers=(gpt_layer,) * s.num_layers, tokens_per_sample=s.seq_length,
                                  first=ml.embedding(s.vocab_size, h),
                                  last=ml.output(s.vocab_size, h, final_norm_bias=True)),
     }

@@ -26,9 +26,9 @@ from megatron.core.transformer.mlp import MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
-from mimo import Encoder, SDPAttention
+from mimo import LANGUAGE, Encoder, SDPAttention
 
-IMAGES = "images"
+from .settings import IMAGES
 
 
 def _ffn(settings, hidden: int) -> int:
@@ -118,11 +118,11 @@ def vision_spec(settings, ctx) -> Encoder:
 def language_spec(settings, ctx) -> ModuleSpec:
     backend = resolve_backend(settings.backend)
     config = ctx.transformer_config(
-        "language", num_layers=settings.num_layers, hidden_size=settings.hidden_size,
+        LANGUAGE, num_layers=settings.num_layers, hidden_size=settings.hidden_size,
         num_attention_heads=settings.num_attention_heads, ffn_hidden_size=_ffn(settings, settings.hidden_size),
         hidden_dropout=settings.dropout, attention_dropout=settings.dropout, **_kernels(backend, ctx),
     )
-    if ctx.sequence_parallel and ctx.parallelism["language"].tp > 1 and backend != "te":
+    if ctx.sequence_parallel and ctx.parallelism[LANGUAGE].tp > 1 and backend != "te":
         raise ValueError("--sequence-parallel needs backend te (megatron-core's torch norms do not split the "
                          "sequence): --set backend=te, or leave sequence parallelism off")
     te_spec = get_gpt_layer_with_transformer_engine_spec() if backend == "te" else None
@@ -132,8 +132,8 @@ def language_spec(settings, ctx) -> ModuleSpec:
             config=config, transformer_layer_spec=_layer_spec(get_gpt_layer_local_spec(), settings, te_spec),
             vocab_size=settings.vocab_size, max_sequence_length=settings.seq_length, position_embedding_type="rope",
             scatter_embedding_sequence_parallel=False,  # MimoModel scatters the combined embeddings itself
-            pre_process=ctx.is_first_stage("language"), post_process=ctx.is_last_stage("language"),
-            pg_collection=ctx.pg_collection("language"),
+            pre_process=ctx.is_first_stage(LANGUAGE), post_process=ctx.is_last_stage(LANGUAGE),
+            pg_collection=ctx.pg_collection(LANGUAGE),
         ),
     )
 
@@ -149,7 +149,7 @@ def parameter_counts(settings) -> dict[str, int]:
         settings.vision_layers, vh, _ffn(settings, vh))
     proj = (vh * h + h + h * h + h) if settings.projection == "mlp" else vh * h + h
     llm = 2 * settings.vocab_size * h + layers(settings.num_layers, h, _ffn(settings, h)) + 2 * h
-    return {IMAGES: vit + proj, "language": llm}
+    return {IMAGES: vit + proj, LANGUAGE: llm}
 
 
 def forward_flops(settings) -> dict[str, float]:
@@ -163,4 +163,4 @@ def forward_flops(settings) -> dict[str, float]:
     projection = 2 * patches * (vh * h + (h * h if settings.projection == "mlp" else 0))
     s = settings.seq_length
     llm = transformer(s, h, _ffn(settings, h), settings.num_layers) + 2 * s * h * settings.vocab_size
-    return {IMAGES: settings.image_probability * (vit + projection), "language": float(llm)}
+    return {IMAGES: settings.image_probability * (vit + projection), LANGUAGE: float(llm)}

@@ -7,7 +7,7 @@ the backends, parameter names and Nemotron checkpoints.
 
 from __future__ import annotations
 
-from mimo import ModuleShape, Provider, hookimpl
+from mimo import LANGUAGE, ModuleShape, Provider, hookimpl, module_prefix
 
 from .settings import ENCODER, IMAGES, PATTERN_20L, PATTERN_52L, PATTERN_54L, NemotronVLMSettings
 
@@ -60,11 +60,11 @@ def model_shape(settings: NemotronVLMSettings):
     return {
         IMAGES: ModuleShape(s.vision_layers, s.vision_hidden_size, s.vision_heads, num_query_groups=s.vision_heads,
                             num_parameters=counts[IMAGES].total, num_active_parameters=counts[IMAGES].active),
-        "language": ModuleShape(s.num_layers, s.hidden_size, s.num_attention_heads,
+        LANGUAGE: ModuleShape(s.num_layers, s.hidden_size, s.num_attention_heads,
                                 num_query_groups=s.num_query_groups,
                                 num_experts=s.num_experts if "E" in s.hybrid_pattern else 0,
-                                num_parameters=counts["language"].total,
-                                num_active_parameters=counts["language"].active),
+                                num_parameters=counts[LANGUAGE].total,
+                                num_active_parameters=counts[LANGUAGE].active),
     }
 
 
@@ -94,12 +94,12 @@ def frozen_parameters(settings: NemotronVLMSettings):
     """stage1 trains the projection only, stage2 everything but the vision encoder, stage3 everything. RADIO's
     video patch embedder (omni checkpoints) is always frozen: fed no video, it would only decay."""
     frozen = {
-        "stage1": [f"modality_submodules.{IMAGES}.encoders.", "language_model."],
-        "stage2": [f"modality_submodules.{IMAGES}.encoders."],
+        "stage1": [f"{module_prefix(IMAGES)}encoders.", module_prefix(LANGUAGE)],
+        "stage2": [f"{module_prefix(IMAGES)}encoders."],
         "stage3": [],
     }[settings.stage]
     if settings.video_temporal_patch_size > 1 and settings.stage == "stage3":
-        frozen = [f"modality_submodules.{IMAGES}.encoders.{ENCODER}.video_embedder."]
+        frozen = [f"{module_prefix(IMAGES)}encoders.{ENCODER}.video_embedder."]
     return frozen
 
 
@@ -119,21 +119,21 @@ def model_flops(settings: NemotronVLMSettings):
 
 @hookimpl
 def hf_settings(hf_config: dict):
-    from .hf import hf_settings as settings_of
+    from .hf.vlm import hf_settings as settings_of
 
     return settings_of(hf_config)
 
 
 @hookimpl
 def hf_to_mimo(settings: NemotronVLMSettings, hf_config: dict, hf_tensors):
-    from .hf import hf_to_mimo as convert
+    from .hf.vlm import hf_to_mimo as convert
 
     return convert(settings, hf_config, hf_tensors)
 
 
 @hookimpl
 def mimo_to_hf(settings: NemotronVLMSettings, state: dict):
-    from .hf import mimo_to_hf as convert
+    from .hf.vlm import mimo_to_hf as convert
 
     return convert(settings, state)
 

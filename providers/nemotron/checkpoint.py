@@ -17,7 +17,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensor, apply_factories
 
 from mimo.errors import UsageError
-from mimo.plugins import dist_checkpoint
+from mimo.plugins.kit import dist_checkpoint
 
 from .names import PREFIXES, to_nemotron
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mimo import LANGUAGE
+
 from .settings import IMAGES, NemotronVLMSettings
 
 
@@ -90,4 +92,4 @@ def projection(s: NemotronVLMSettings) -> int:
 
 def parameter_counts(s: NemotronVLMSettings) -> dict[str, Count]:
     """`{IMAGES: encoder + projection, "language": LLM}`, total and active."""
-    return {IMAGES: _dense(vision_encoder(s) + projection(s)), "language": language(s)}
+    return {IMAGES: _dense(vision_encoder(s) + projection(s)), LANGUAGE: language(s)}

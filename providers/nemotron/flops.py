@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from mimo import LANGUAGE
+
 from .settings import NemotronVLMSettings
 
 SSD_CHUNK = 128  # mamba_mixer's chunk size
@@ -81,4 +83,4 @@ def vision(s: NemotronVLMSettings) -> float:
 def forward_flops(s: NemotronVLMSettings) -> dict[str, float]:
     from .settings import IMAGES
 
-    return {IMAGES: s.image_probability * vision(s), "language": float(language(s))}
+    return {IMAGES: s.image_probability * vision(s), LANGUAGE: float(language(s))}

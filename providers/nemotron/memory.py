@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from mimo.plugins import LayerMemory, ModuleMemory, TokenBytes, Weights
-from mimo.plugins import memory_layers as ml
+from mimo.plugins import LANGUAGE, LayerMemory, ModuleMemory, TokenBytes, Weights
+from mimo.plugins.kit import memory_layers as ml
 
 from .settings import IMAGES, NemotronVLMSettings
 from .specs import resolve_backend
@@ -71,7 +71,7 @@ def module_memory(s: NemotronVLMSettings) -> dict[str, ModuleMemory]:
         IMAGES: ModuleMemory(layers=(vit,) * s.vision_layers,
                              tokens_per_sample=vision_tokens(s) if s.image_probability > 0 else 0,
                              first=_patch_embedder(s), last=_projection(s)),
-        "language": ModuleMemory(layers=tuple(llm_layers(s)), tokens_per_sample=s.seq_length,
+        LANGUAGE: ModuleMemory(layers=tuple(llm_layers(s)), tokens_per_sample=s.seq_length,
                                  first=ml.embedding(s.vocab_size, s.hidden_size),
                                  last=ml.output(s.vocab_size, s.hidden_size)),
     }

@@ -14,7 +14,7 @@ from megatron.core.models.vision.radio import RADIOViTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from mimo import Encoder
+from mimo import LANGUAGE, Encoder
 
 from .settings import ENCODER, IMAGES, NemotronVLMSettings
 from .specs import hybrid_stack_spec, projection_submodules, resolve_backend, vit_layer_spec
@@ -131,7 +131,7 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
     backend = resolve_backend(s.backend)
     # A pattern without E layers is a dense LLM: no experts in its config, so TP needs no sequence parallelism.
     num_experts = s.num_experts if "E" in s.hybrid_pattern else None
-    if num_experts and ctx.parallelism["language"].tp > 1 and not ctx.sequence_parallel:
+    if num_experts and ctx.parallelism[LANGUAGE].tp > 1 and not ctx.sequence_parallel:
         raise ValueError("--llm-tp > 1: megatron-core trains MoE layers under tensor parallelism only with "
                          "sequence parallelism: add --sequence-parallel, or use --llm-tp 1 (and --llm-ep to split "
                          "the experts)")
@@ -140,11 +140,11 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
                          "every micro-batch, which captured graphs cannot replay; leave --cuda-graphs off")
     if ctx.fp8 != "none" and backend != "te":
         raise ValueError(f"--fp8 {ctx.fp8} needs backend te: --set backend=te (transformer-engine, mamba-ssm, a GPU)")
-    if ctx.sequence_parallel and ctx.parallelism["language"].tp > 1 and backend != "te":
+    if ctx.sequence_parallel and ctx.parallelism[LANGUAGE].tp > 1 and backend != "te":
         raise ValueError("--sequence-parallel needs backend te (megatron-core's torch norms do not split the "
                          "sequence): --set backend=te, or leave sequence parallelism off")
     config = ctx.transformer_config(
-        "language", num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
+        LANGUAGE, num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
         num_query_groups=s.num_query_groups, kv_channels=s.kv_channels, ffn_hidden_size=s.ffn_hidden_size,
         normalization="RMSNorm", layernorm_epsilon=1e-5, add_bias_linear=False, gated_linear_unit=False,
         activation_func=squared_relu, hidden_dropout=s.dropout, attention_dropout=s.dropout,
@@ -161,8 +161,8 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         vocab_size=s.vocab_size, max_sequence_length=s.seq_length, hybrid_layer_pattern=s.hybrid_pattern,
         share_embeddings_and_output_weights=False, position_embedding_type="none",
         scatter_embedding_sequence_parallel=False,  # MimoModel scatters the combined embeddings itself
-        pre_process=ctx.is_first_stage("language"), post_process=ctx.is_last_stage("language"),
-        pg_collection=ctx.pg_collection("language"),
+        pre_process=ctx.is_first_stage(LANGUAGE), post_process=ctx.is_last_stage(LANGUAGE),
+        pg_collection=ctx.pg_collection(LANGUAGE),
     ))
 
 

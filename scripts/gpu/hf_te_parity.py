@@ -1,5 +1,5 @@
 """The Nemotron provider's te backend against transformers' references, on a GPU (fp32): a tiny random NemotronH
-(Mamba, MoE, attention and MLP layers) and a tiny random C-RADIO, converted with mimo.plugins.hf, loaded strictly
+(Mamba, MoE, attention and MLP layers) and a tiny random C-RADIO, converted with mimo.providers.nemotron.hf, loaded strictly
 into the te-backend modules, and run on the same inputs. Prints the max relative errors (target <= 1e-4).
 
     NVIDIA_TF32_OVERRIDE=0 python scripts/gpu/hf_te_parity.py   # transformer-engine, mamba-ssm and a GPU
@@ -24,11 +24,12 @@ import torch.distributed as dist
 import transformers
 from megatron.core.transformer.spec_utils import build_module
 
-from mimo.core import topology
+from mimo.core.parallel import topology
 from mimo.core.config import LayoutOptions
-from mimo.core.launch import seed_everything
+from mimo.core.run.launch import seed_everything
 from mimo.plugins import BuildContext
-from mimo.plugins.hf import nemotron_h, radio, safetensors_io
+from mimo.providers.nemotron.hf import nemotron_h, radio
+from mimo.plugins.kit import safetensors_io
 from mimo.providers import nemotron
 from mimo.providers.nemotron import ENCODER, IMAGES, TINY, NemotronVLMSettings
 

@@ -1,0 +1,1 @@
+"""Checkpoints: mimo's own (layout, save and load, checks), foreign formats, and Hugging Face conversion."""

@@ -1,0 +1,38 @@
+"""What `--load` means, decided at start-up like Megatron's: a directory with a checkpoint resumes; the `--save`
+directory with nothing in it yet starts fresh and says so; any other `--load` without a checkpoint is an error,
+so a typo in a resume command never silently restarts a run from iteration 0."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mimo.errors import UsageError
+
+from .layout import TRACKER, read_tracker
+from ..config import RunConfig
+
+
+def check_resume(config: RunConfig, speak: bool = True) -> int | None:
+    """The iteration `--load` resumes from, or None for a fresh start; raise UsageError when `--load` is wrong.
+
+    `speak`: whether this process prints the fresh-start line (one process of the run does)."""
+    c = config.checkpoint
+    if c.load is None:
+        return None
+    load = Path(c.load)
+    if load.exists() and not load.is_dir():
+        raise UsageError(f"--load {load} is a file, not a checkpoint directory")
+    iteration = read_tracker(load) if load.is_dir() else None  # a corrupted tracker is its own one-line error
+    if iteration is not None:
+        return iteration
+    if c.save is not None and _same(load, Path(c.save)):
+        if speak:
+            print(f"--load {load} holds no checkpoint yet ({TRACKER} is missing): starting fresh at iteration 0; "
+                  f"this run saves there", flush=True)
+        return None
+    where = "no such directory" if not load.exists() else f"no checkpoint there ({TRACKER} is missing)"
+    raise UsageError(f"--load {load}: {where}; to start fresh, drop --load or give it the --save directory")
+
+
+def _same(a: Path, b: Path) -> bool:
+    return a.absolute().resolve() == b.absolute().resolve()

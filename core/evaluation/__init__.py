@@ -1,0 +1,1 @@
+"""Held-out evaluation: during a run, and of a checkpoint (`mimo eval`)."""

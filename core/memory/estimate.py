@@ -1,0 +1,166 @@
+"""Per-rank memory estimate of a plan, before anything is built: parameters, gradient buffers, optimizer state,
+activations of the micro-batches in flight, and an allowance for the CUDA context and the allocator.
+
+Each kind of rank gets its own estimate: all ranks of a colocated layout (every module, summed), the encoder
+ranks and each pipeline stage of the LLM ranks of a heterogeneous one. Inputs are the provider's
+`module_memory` description and what mimo configures megatron-core with (core/parallel/model.py, core/parallel/optim.py): DDP
+gradient buffers in fp32 (`grad_reduce_in_fp32`), Adam with fp32 main weights under bf16, the distributed
+optimizer sharding main weights and moments over data parallelism (experts over expert data parallelism).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mimo.plugins import ModuleMemory, ModuleParallelism, TokenBytes, Weights
+
+from ..parallel.topology import LANGUAGE
+
+GIB = 2 ** 30
+CONTEXT_BYTES = 2 * GIB  # CUDA context, cuBLAS/cuDNN workspaces, NCCL buffers
+ALLOCATOR_SHARE = 0.12  # the caching allocator's fragmentation (variable shapes: up to 11% on an H100), rounding
+TERMS = ("parameters", "gradients", "optimizer", "activations")
+
+
+@dataclass
+class ModuleTerms:
+    """One module's share of a rank's memory, in bytes."""
+
+    module: str
+    stage: int
+    layers: int
+    recompute: str
+    tokens: float  # tokens of one micro-batch this rank holds for the module
+    in_flight: int  # micro-batches whose activations are kept at once
+    parameters: float
+    gradients: float
+    optimizer: float
+    activations: float  # kept for backward (all micro-batches in flight) + the largest working set
+    parameter_count: float
+
+
+@dataclass
+class RankEstimate:
+    """The estimate for one kind of rank."""
+
+    kind: str  # e.g. "all ranks", "encoder ranks", "LLM stage 0"
+    ranks: tuple[int, int]
+    modules: list[ModuleTerms] = field(default_factory=list)
+
+    def term(self, name: str) -> float:
+        return sum(getattr(m, name) for m in self.modules)
+
+    @property
+    def allocated(self) -> float:
+        """What torch's allocator is asked for at the peak: the sum of the terms."""
+        return sum(self.term(t) for t in TERMS)
+
+    @property
+    def allowance(self) -> float:
+        return CONTEXT_BYTES + ALLOCATOR_SHARE * self.allocated
+
+    @property
+    def total(self) -> float:
+        return self.allocated + self.allowance
+
+    def largest(self) -> tuple[str, str, float]:
+        """(term, module, bytes) of the largest single term."""
+        return max(((t, m.module, getattr(m, t)) for m in self.modules for t in TERMS), key=lambda x: x[2])
+
+
+@dataclass(frozen=True)
+class Options:
+    """What of the run's options the estimate reads."""
+
+    bf16: bool
+    distributed_optimizer: bool
+    sequence_parallel: bool
+    micro_batch_size: int
+    num_microbatches: int
+    recompute: dict  # module -> none | selective | full
+    frozen: frozenset = frozenset()  # modules with nothing to train (no gradients, no optimizer state)
+
+
+def options_of(plan) -> Options:
+    config = plan.config
+    frozen = tuple(plan.hooks.frozen_parameters(settings=plan.settings) or ())
+    return Options(bf16=config.training.precision == "bf16",
+                   distributed_optimizer=config.optimizer.use_distributed_optimizer,
+                   sequence_parallel=config.performance.sequence_parallel,
+                   micro_batch_size=config.training.micro_batch_size, num_microbatches=plan.num_microbatches,
+                   recompute={name: config.performance.recompute_for(name) for name in plan.parallelism},
+                   frozen=frozenset(name for name in plan.parallelism if _frozen(name, frozen)))
+
+
+def _frozen(module: str, prefixes: tuple[str, ...]) -> bool:
+    """The whole module frozen: the LLM under `language_model.`; an encoder only when everything of its
+    modality (encoders and projection) is."""
+    whole = "language_model." if module == LANGUAGE else f"modality_submodules.{module}."
+    return any(whole.startswith(p) for p in prefixes)
+
+
+def estimate(memory: dict[str, ModuleMemory], parallelism: dict[str, ModuleParallelism], options: Options,
+             rows: dict[str, int]) -> list[RankEstimate]:
+    """Estimates for every kind of rank. `rows`: samples per micro-batch an encoder rank reads (its lanes or its
+    share of one, core.topology.data_positions); the LLM's is the micro-batch size."""
+    llm = parallelism[LANGUAGE]
+    encoders = [n for n in parallelism if n != LANGUAGE]
+    colocated = all(parallelism[n].ranks == llm.ranks for n in encoders)
+    if colocated:
+        rank = RankEstimate("all ranks", (llm.first_rank, llm.ranks[-1]))
+        for name in [*encoders, LANGUAGE]:
+            rank.modules.append(_module(name, memory[name], parallelism[name], 0, 1, rows.get(name), options))
+        return [rank]
+    # the multimodule 1F1B pipeline: the encoders are its first stage, the LLM's stages follow
+    stages = 1 + llm.pp
+    out = []
+    by_grid: dict[tuple[int, int], list[str]] = {}
+    for name in encoders:
+        par = parallelism[name]
+        by_grid.setdefault((par.first_rank, par.num_ranks), []).append(name)
+    for (first, count), names in by_grid.items():
+        rank = RankEstimate("encoder ranks", (first, first + count - 1))
+        for name in names:
+            rank.modules.append(_module(name, memory[name], parallelism[name], 0, min(stages, options.num_microbatches),
+                                        rows.get(name), options))
+        out.append(rank)
+    per_stage = llm.num_ranks // llm.pp
+    for stage in range(llm.pp):
+        first = llm.first_rank + stage * per_stage
+        kind = "LLM ranks" if llm.pp == 1 else f"LLM stage {stage}"
+        rank = RankEstimate(kind, (first, first + per_stage - 1))
+        in_flight = min(stages - 1 - stage, options.num_microbatches)
+        rank.modules.append(_module(LANGUAGE, memory[LANGUAGE], llm, stage, in_flight, None, options))
+        out.append(rank)
+    return out
+
+
+def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int, in_flight: int,
+            rows: int | None, options: Options) -> ModuleTerms:
+    per_stage = len(memory.layers) // par.pp
+    layers = list(memory.layers[stage * per_stage:(stage + 1) * per_stage])
+    ends = ([memory.first] if stage == 0 else []) + ([memory.last] if stage == par.pp - 1 else [])
+    weights = sum((layer.weights for layer in layers + ends), Weights())
+    dense = weights.tp / par.tp + weights.replicated
+    experts = weights.expert / (par.ep * par.expt_tp)
+    count = dense + experts
+    value = 2 if options.bf16 else 4
+    trainable = name not in options.frozen
+    # bf16: Adam's fp32 main weights and two moments (12 bytes); fp32: the moments (8), the weights are the params
+    state = (12 if options.bf16 else 8) if trainable else 0
+    if options.distributed_optimizer:
+        optimizer = state * (dense / par.dp + experts / par.expt_dp)
+    else:
+        optimizer = state * count
+    mode = options.recompute.get(name, "none")
+    tokens = options.micro_batch_size * memory.tokens_per_sample if rows is None else rows * memory.tokens_per_sample
+    sp = options.sequence_parallel and par.tp > 1 and name == LANGUAGE
+
+    def per_rank(b: TokenBytes) -> float:
+        return tokens * (b.replicated / (par.tp if sp else 1) + b.tp / par.tp + b.expert / (par.tp if sp else 1))
+
+    kept = sum(per_rank(layer.kept(mode, value)) for layer in layers + ends)
+    working = max([per_rank(layer.working(mode, value)) for layer in layers + ends] or [0.0])
+    return ModuleTerms(name, stage, len(layers), mode, tokens, in_flight, parameters=value * count,
+                       gradients=4 * count if trainable else 0, optimizer=optimizer,
+                       activations=in_flight * kept + working, parameter_count=count)

@@ -1,0 +1,145 @@
+"""`--gpu-memory`: a plan whose largest per-rank estimate (estimate.py) does not fit is refused before any
+process group exists, by `mimo plan` and `mimo run`, in one line that says what would help.
+
+The limit is `--gpu-memory`, else the visible GPU's total memory, else 80 GiB. A run on the CPU (`--device cpu`,
+or `auto` without a visible GPU) is checked only against an explicit `--gpu-memory`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import shutil
+import subprocess
+
+from mimo.errors import UsageError
+
+from . import estimate as memory
+from ..parallel import topology
+from .estimate import GIB, RankEstimate
+
+DEFAULT_GIB = 80.0
+
+
+def estimate_plan(plan) -> list[RankEstimate] | None:
+    """The plan's per-rank estimates, or None when the provider has no `module_memory` hook."""
+    described = plan.hooks.module_memory(settings=plan.settings)
+    if described is None:
+        return None
+    missing = sorted(set(plan.parallelism) - set(described))
+    if missing:
+        raise UsageError(f"provider '{plan.config.provider}': module_memory describes no module '{missing[0]}'")
+    rows = encoder_rows(plan.parallelism, plan.config.training.micro_batch_size)
+    return memory.estimate(described, plan.parallelism, memory.options_of(plan), rows)
+
+
+def encoder_rows(parallelism, micro_batch_size: int) -> dict[str, int]:
+    """Samples per micro-batch each encoder's ranks read (their lanes, or their share of one)."""
+    return {name: topology.data_positions(parallelism, par.first_rank, micro_batch_size)[1]
+            for name, par in parallelism.items() if name != topology.LANGUAGE}
+
+
+@functools.lru_cache(maxsize=1)
+def visible_gpu_gib() -> float | None:
+    """Total memory of the first GPU this process may use: nvidia-smi's (it leaves CUDA untouched in the launcher
+    and in workers that have not picked their device yet), else torch's; None without either. Asked once."""
+    if shutil.which("nvidia-smi"):
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+        select = ["-i", visible] if visible else []
+        try:
+            out = subprocess.run(["nvidia-smi", *select, "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=10)
+            first = out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else ""
+            if first:
+                return float(first) / 1024  # MiB
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            pass
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_properties(0).total_memory / GIB
+    except Exception:  # noqa: BLE001 - a broken CUDA install: no GPU to plan for
+        pass
+    return None
+
+
+def gpu_limit_gib(config, planning: bool = False) -> tuple[float, str] | None:
+    """(limit in GiB, where it comes from), or None when nothing is enforced: a CPU run without --gpu-memory.
+    `--device auto` without a visible GPU is a CPU run for `mimo run`; `mimo plan` (`planning`) then plans for
+    GPUs of the default size."""
+    if config.memory.gpu_memory is not None:
+        return config.memory.gpu_memory, "--gpu-memory"
+    if config.training.device == "cpu":
+        return None
+    visible = visible_gpu_gib()
+    if visible is not None:
+        return visible, "the visible GPU"
+    if config.training.device == "auto" and not planning:
+        return None
+    return DEFAULT_GIB, "default"
+
+
+def check(plan, estimates: list[RankEstimate] | None = None, planning: bool = False) -> None:
+    """Raise UsageError (one line) when the largest rank estimate exceeds the limit."""
+    limit = gpu_limit_gib(plan.config, planning)
+    estimates = estimate_plan(plan) if estimates is None else estimates
+    if limit is None or not estimates:
+        return
+    gib, source = limit
+    worst = max(estimates, key=lambda r: r.total)
+    if worst.total <= gib * GIB:
+        return
+    term, module, size = worst.largest()
+    raise UsageError(
+        f"memory: {worst.kind} {worst.ranks[0]}-{worst.ranks[1]} need about {worst.total / GIB:.1f} GiB per GPU, "
+        f"above the {gib:.0f} GiB limit ({source}); largest term: {module} {term} {size / GIB:.1f} GiB; "
+        f"{advice(plan, term, module)} (mimo plan --suggest --gpus N lists layouts that fit)")
+
+
+def advice(plan, term: str, module: str) -> str:
+    """What would shrink `term` of `module` in this plan."""
+    config, par = plan.config, plan.parallelism[module]
+    shape = plan.shapes[module]
+    who = "--llm" if module == topology.LANGUAGE else "--encoder"
+    helps = []
+    if term == "activations":
+        if config.performance.recompute_for(module) != "full":
+            helps.append(f"--recompute {module}=full")
+        if config.training.micro_batch_size > 1:
+            helps.append("a smaller --micro-batch-size")
+        helps.append(f"more {who}-tp" + (" with --sequence-parallel" if module == topology.LANGUAGE else ""))
+        if module == topology.LANGUAGE:
+            helps.append("--llm-pp")
+    else:
+        if term in ("optimizer",) and not config.optimizer.use_distributed_optimizer:
+            helps.append("--use-distributed-optimizer")
+        if shape.num_experts and par.ep < shape.num_experts:
+            helps.append("more --llm-ep")
+        helps.append(f"more {who}-tp")
+        if module == topology.LANGUAGE:
+            helps.append("--llm-pp")
+        if term == "optimizer" and config.optimizer.use_distributed_optimizer:
+            helps.append("more data-parallel ranks")
+    return "try " + ", ".join(helps) + ", or more GPUs"
+
+
+def summary(estimates: list[RankEstimate] | None, limit: tuple[float, str] | None) -> dict | None:
+    """The estimate for `mimo plan --json`: GiB per term for each kind of rank."""
+    if estimates is None:
+        return None
+    gib = limit[0] if limit else None
+    ranks = []
+    for r in estimates:
+        ranks.append({
+            "kind": r.kind, "ranks": list(r.ranks),
+            **{t: r.term(t) / GIB for t in memory.TERMS},
+            "allowance": r.allowance / GIB, "allocated": r.allocated / GIB, "total": r.total / GIB,
+            "headroom": gib - r.total / GIB if gib else None, "fits": gib is None or r.total <= gib * GIB,
+            "modules": [{"module": m.module, "stage": m.stage, "layers": m.layers, "recompute": m.recompute,
+                         "tokens_per_micro_batch": m.tokens, "micro_batches_in_flight": m.in_flight,
+                         "parameters_per_rank": round(m.parameter_count),
+                         **{t: getattr(m, t) / GIB for t in memory.TERMS}} for m in r.modules],
+        })
+    return {"unit": "GiB", "limit": gib, "limit_source": limit[1] if limit else None, "ranks": ranks,
+            "allowance_rule": f"{memory.CONTEXT_BYTES / GIB:.0f} GiB + {memory.ALLOCATOR_SHARE:.0%} of the rest"}

@@ -1,0 +1,116 @@
+"""`mimo plan --suggest --gpus N`: the layouts of N GPUs that topology validation accepts and whose memory
+estimate fits, cheapest communication first, then most headroom.
+
+Every split is tried: colocated and each number of encoder ranks, the encoders' TP, the LLM's TP (with sequence
+parallelism for an MoE LLM), PP and EP. Each layout takes the first of these option sets that fits: as given,
+then with the distributed optimizer, then recomputing the LLM selectively, then fully.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from mimo.errors import UsageError
+
+from . import estimate as memory
+from ..parallel import topology
+from ..config import LayoutOptions
+from .estimate import GIB
+from .fit import encoder_rows
+
+# (distributed optimizer, LLM recompute) in the order tried; "as given" keeps the run's own options
+VARIANTS = ((None, None), (True, None), (True, "selective"), (True, "full"))
+RECOMPUTE_COST = {"none": 0, "selective": 1, "full": 3}
+
+
+@dataclass
+class Suggestion:
+    layout: LayoutOptions
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    recompute: str  # the LLM's
+    num_microbatches: int
+    largest_gib: float  # the largest rank estimate
+    headroom_gib: float
+    cost: float  # a rough communication cost: TP and PP over EP, recomputation's extra forward
+
+    def flags(self) -> str:
+        lo, parts = self.layout, []
+        if lo.encoder_ranks:
+            parts += [f"--encoder-ranks {lo.encoder_ranks}"] + ([f"--encoder-tp {lo.encoder_tp}"]
+                                                                if lo.encoder_tp > 1 else [])
+        parts += [f"--llm-{k} {getattr(lo, 'llm_' + k)}" for k in ("tp", "pp", "ep") if getattr(lo, "llm_" + k) > 1]
+        if self.sequence_parallel:
+            parts.append("--sequence-parallel")
+        if self.distributed_optimizer:
+            parts.append("--use-distributed-optimizer")
+        if self.recompute != "none":
+            parts.append(f"--recompute language={self.recompute}")
+        return " ".join(parts) or "(colocated, data parallel only)"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(world: int, shapes: dict) -> list[LayoutOptions]:
+    llm = shapes[topology.LANGUAGE]
+    experts = llm.num_experts or 0
+    encoder = next((s for n, s in shapes.items() if n != topology.LANGUAGE), None)
+    out = []
+    for k in range(world):
+        llm_ranks = world - k
+        for tp in _divisors(llm_ranks):
+            if llm.num_attention_heads % tp or (llm.num_query_groups and llm.num_query_groups % tp):
+                continue
+            encoder_tps = [tp] if k == 0 else [t for t in _divisors(k)
+                                               if not encoder or encoder.num_attention_heads % t == 0]
+            pps = [1] if k == 0 else [p for p in _divisors(llm_ranks // tp) if llm.num_layers % p == 0]
+            for etp in encoder_tps:
+                for pp in pps:
+                    for ep in ([e for e in _divisors(experts) if (llm_ranks // pp) % e == 0] if experts else [1]):
+                        out.append(LayoutOptions(encoder_ranks=k, encoder_tp=etp, llm_tp=tp, llm_pp=pp, llm_ep=ep))
+    return out
+
+
+def suggest(plan, world: int, limit_gib: float, top: int = 10) -> list[Suggestion]:
+    """The `top` layouts of `world` ranks that fit `limit_gib`, best first."""
+    described = plan.hooks.module_memory(settings=plan.settings)
+    if described is None:
+        raise UsageError(f"--suggest: provider '{plan.config.provider}' has no module_memory hook, so nothing can "
+                         f"be estimated")
+    config, t = plan.config, plan.config.training
+    base = memory.options_of(plan)
+    is_moe = bool(plan.shapes[topology.LANGUAGE].num_experts)
+    found = []
+    for layout in candidates(world, plan.shapes):
+        sp = config.performance.sequence_parallel or (is_moe and layout.llm_tp > 1)
+        try:
+            parallelism = topology.plan(layout, world, plan.shapes, t.micro_batch_size, sp)
+        except UsageError:
+            continue
+        lanes = parallelism[topology.LANGUAGE].dp
+        if t.global_batch_size:
+            if t.global_batch_size % (t.micro_batch_size * lanes):
+                continue
+            microbatches = t.global_batch_size // (t.micro_batch_size * lanes)
+        else:
+            microbatches = t.num_microbatches or 1
+        rows = encoder_rows(parallelism, t.micro_batch_size)
+        for distopt, recompute in VARIANTS:
+            modes = dict(base.recompute)
+            if recompute:
+                modes[topology.LANGUAGE] = recompute
+            options = dataclasses.replace(base, sequence_parallel=sp, num_microbatches=microbatches, recompute=modes,
+                                          distributed_optimizer=base.distributed_optimizer or bool(distopt))
+            largest = max(r.total for r in memory.estimate(described, parallelism, options, rows)) / GIB
+            if largest <= limit_gib:
+                mode = modes.get(topology.LANGUAGE, "none")
+                cost = (4 * (layout.llm_tp - 1) + 2 * (layout.llm_pp - 1) + 2 * (layout.encoder_tp - 1)
+                        + (1 if layout.llm_ep > 1 else 0) + RECOMPUTE_COST[mode])
+                found.append(Suggestion(layout, sp, options.distributed_optimizer, mode, microbatches, largest,
+                                        limit_gib - largest, cost))
+                break
+    found.sort(key=lambda s: (s.cost, -s.headroom_gib))
+    return found[:top]

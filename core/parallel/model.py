@@ -1,0 +1,150 @@
+"""Build megatron-core's MimoModel from a provider's hooks, place it on the device and wrap each module in DDP."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from mimo.errors import UsageError
+from mimo.plugins import BuildContext, Encoder
+
+from .topology import LANGUAGE, Topology
+
+
+def _seeded_mimo_model_class():
+    """MimoModel that reseeds before building the encoders and before building the LLM, so each module's
+    initial weights are the same whichever modules a rank builds (colocated, heterogeneous, any TP)."""
+    from megatron.core.models.mimo import MimoModel
+
+    class SeededMimoModel(MimoModel):
+        init_seed = 0
+
+        def _initialize_submodules(self):
+            torch.manual_seed(self.init_seed)
+            super()._initialize_submodules()
+
+        def _initialize_language_model(self):
+            torch.manual_seed(self.init_seed + 1)
+            super()._initialize_language_model()
+
+    return SeededMimoModel
+
+
+def build_model(performance, *, hooks, settings, provider: str, topology: Topology, context: BuildContext,
+                device: torch.device, seed: int, distributed_optimizer: bool = False):
+    """The provider's MimoModel for the modules this rank holds: built from its hooks' specs with `context`,
+    seeded per module with `seed`, frozen where it says, on `device`, each module wrapped in DDP over its grid
+    (with the overlap options of `performance`, a PerformanceOptions, or none). Collective over the world."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.enums import ModelType
+    from megatron.core.models.mimo import MimoModelConfig
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    try:
+        encoders = hooks.build_encoders(settings=settings, ctx=context)
+        language = hooks.build_language_model(settings=settings, ctx=context)
+    except ValueError as err:  # the provider refuses these settings with these options: its message, one line
+        raise UsageError(f"provider '{provider}': {err}") from None
+    if not isinstance(encoders, dict) or not all(isinstance(e, Encoder) for e in encoders.values()):
+        raise UsageError(f"provider '{provider}': build_encoders must return {{name: mimo.Encoder}}, "
+                         f"got {type(encoders).__name__}")
+    if not isinstance(language, ModuleSpec):
+        raise UsageError(f"provider '{provider}': build_language_model must return a ModuleSpec, "
+                         f"got {type(language).__name__}")
+    if set(encoders) | {LANGUAGE} != set(topology.parallelism):
+        raise UsageError(f"provider '{provider}': build_encoders returned modules {sorted(encoders)} but "
+                         f"model_shape declared {sorted(set(topology.parallelism) - {LANGUAGE})}")
+    config = MimoModelConfig(
+        language_model_spec=language,
+        modality_submodules_spec={name: e.spec for name, e in encoders.items()},
+        special_token_ids={name: e.placeholder_token_id for name, e in encoders.items()},
+        module_to_grid_map=topology.grids,
+    )
+    model_class = _seeded_mimo_model_class()
+    model_class.init_seed = seed
+    # With sequence parallelism MimoModel scatters the LLM's combined embeddings over its TP group itself.
+    llm_tp = topology.pg_collections[LANGUAGE].tp if topology.holds(LANGUAGE) else None
+    model = model_class(config, tp_group=llm_tp).to(device)
+    model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
+    freeze(model, hooks.frozen_parameters(settings=settings), provider, device)
+    _attach_tp_groups(model, topology)
+    overlap_grads = bool(performance and performance.overlap_grad_reduce)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grads, use_distributed_optimizer=distributed_optimizer,
+        overlap_param_gather=bool(performance and performance.overlap_param_gather),
+        # buckets let the reduction of late layers start while early layers still run backward
+        bucket_size=40_000_000 if overlap_grads else None)
+    for name, module in held_modules(model):
+        if context.params_dtype != torch.float32:
+            module = module.to(context.params_dtype)  # conv and embedding layers are created in fp32
+        wrapped = DistributedDataParallel(_transformer_config(module), ddp_config, module,
+                                          pg_collection=topology.pg_collections[name])
+        if name == LANGUAGE:
+            model.language_model = wrapped
+        else:
+            model.modality_submodules[name] = wrapped
+    return model
+
+
+@contextmanager
+def parameters_gathered(model):
+    """With --overlap-param-gather the distributed optimizer's updated shards reach the other data-parallel ranks
+    only in the next forward: gather them now (a save must hold the updated weights; evaluation must not take the
+    next training forward's gather), and gather in forwards again afterwards."""
+    model.disable_forward_pre_hook(param_sync=True)
+    try:
+        yield
+    finally:
+        model.enable_forward_pre_hook()
+
+
+def _attach_tp_groups(model, topology: Topology) -> None:
+    """Give every megatron module its module's TP group. Some (CLIPViTModel) keep none, and their
+    `sharded_state_dict` would then ask the global parallel_state, which mimo never sets up."""
+    from megatron.core.transformer.module import MegatronModule
+
+    for name, module in held_modules(model):
+        tp = topology.pg_collections[name].tp
+        for sub in module.modules():
+            if isinstance(sub, MegatronModule) and getattr(sub, "tp_group", None) is None:
+                sub.tp_group = tp
+
+
+def freeze(model, prefixes: list[str], provider_name: str, device: torch.device) -> None:
+    """Stop the parameters under `prefixes` from training. A prefix must match on some rank (world collective):
+    in a heterogeneous layout each rank holds only its own modules."""
+    import torch.distributed as dist
+
+    matches = torch.zeros(len(prefixes), dtype=torch.int64, device=device)
+    for name, param in model.named_parameters():
+        for i, prefix in enumerate(prefixes):
+            if name.startswith(prefix):
+                param.requires_grad_(False)
+                matches[i] += 1
+    if prefixes:
+        dist.all_reduce(matches)
+    unmatched = [p for p, n in zip(prefixes, matches.tolist()) if n == 0]
+    if unmatched:
+        raise UsageError(f"provider '{provider_name}': frozen_parameters names '{unmatched[0]}', which matches no "
+                         f"parameter (names start with language_model. or modality_submodules.<modality>.)")
+
+
+def _transformer_config(module):
+    """The module's TransformerConfig; a ModalitySubmodules container has none, so take its first encoder's."""
+    from megatron.core.transformer.module import MegatronModule
+
+    return next(m.config for m in module.modules() if isinstance(m, MegatronModule))
+
+
+def held_modules(model) -> list[tuple[str, torch.nn.Module]]:
+    """(name, module) of each module this rank holds, the language model last."""
+    held = [(name, m) for name, m in model.modality_submodules.items() if m is not None]
+    if model.language_model is not None:
+        held.append((LANGUAGE, model.language_model))
+    return held
+
+
+def count_parameters(model) -> dict[str, int]:
+    """This rank's parameters per module (a TP/PP shard's, not the whole module's)."""
+    return {name: sum(p.numel() for p in module.parameters()) for name, module in held_modules(model)}

@@ -1,0 +1,103 @@
+"""megatron-core's optimizer (through MimoOptimizer: global grad norm and clipping across modules) and its
+learning-rate scheduler, which counts in samples as Megatron's does."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import OptimizerOptions, SchedulerOptions
+
+
+def _recording_optimizer_class():
+    from megatron.core.models.mimo.optimizer import MimoOptimizer
+
+    class RecordingMimoOptimizer(MimoOptimizer):
+        """MimoOptimizer that keeps each module's gradient norm (before clipping) for the logs and skips the
+        update when the global norm is not finite (megatron-core only does that for fp16's loss scaler).
+
+        Same reduction as megatron-core's: every rank computes its modules' norms, a world MAX shares them."""
+
+        module_grad_norms: dict[str, float] = {}
+        grad_norm: float = 0.0
+
+        @torch.no_grad()
+        def prepare_grads(self) -> bool:
+            found_inf = super().prepare_grads()
+            self.grad_norm = self._module_norms()
+            return found_inf or not math.isfinite(self.grad_norm)  # step() then skips the update on every rank
+
+        def get_grad_norm(self) -> float:
+            return self.grad_norm  # computed once, in prepare_grads
+
+        @torch.no_grad()
+        def _module_norms(self) -> float:
+            names = sorted(self.module_infos)
+            norm_sq = torch.zeros(len(names), device="cuda", dtype=torch.float32)
+            for i, name in enumerate(names):
+                info = self.module_infos[name]
+                if info.is_active and info.optimizer:
+                    norm_sq[i] = (info.optimizer.get_grad_norm() or 0.0) ** 2
+            torch.distributed.all_reduce(norm_sq, op=torch.distributed.ReduceOp.MAX)
+            self.module_grad_norms = dict(zip(names, norm_sq.sqrt().tolist()))
+            return torch.sqrt(norm_sq.sum()).item()
+
+    return RecordingMimoOptimizer
+
+
+def build_optimizer(options: OptimizerOptions, *, model, params_dtype: torch.dtype):
+    from megatron.core.models.mimo.optimizer import get_mimo_optimizer
+    from megatron.core.optimizer import OptimizerConfig
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=options.lr, min_lr=options.min_lr, weight_decay=options.weight_decay,
+        adam_beta1=options.adam_beta1, adam_beta2=options.adam_beta2, adam_eps=options.adam_eps,
+        clip_grad=options.clip_grad, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
+        use_distributed_optimizer=options.use_distributed_optimizer,
+    )
+    # megatron-core builds one optimizer per module grid; the global grad norm and clipping span all of them.
+    built = get_mimo_optimizer(model, config)
+    for name in _frozen_everywhere(model, sorted(built.module_infos)):
+        built.module_infos[name].optimizer = None  # nothing to step, no state to keep or checkpoint
+    return _recording_optimizer_class()(built.module_infos, built.config)
+
+
+def _frozen_everywhere(model, names: list[str]) -> list[str]:
+    """Modules with no trainable parameter on any rank (world collective)."""
+    from .model import held_modules
+
+    trainable = dict.fromkeys(names, 0)
+    for name, module in held_modules(model):
+        trainable[name] = sum(p.numel() for p in module.parameters() if p.requires_grad)
+    counts = torch.tensor([trainable[n] for n in names], dtype=torch.int64,
+                          device=next(model.parameters()).device)
+    torch.distributed.all_reduce(counts)
+    return [n for n, c in zip(names, counts.tolist()) if c == 0]
+
+
+def build_scheduler(options: SchedulerOptions, *, optimizer, optimizer_options: OptimizerOptions,
+                    global_batch_size: int, train_samples: int):
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    def samples(iters, count, default=0):
+        return count if count else (iters * global_batch_size if iters else default)
+
+    decay = samples(options.lr_decay_iters, options.lr_decay_samples, train_samples)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=optimizer_options.lr,
+        min_lr=optimizer_options.min_lr,
+        lr_warmup_steps=samples(options.lr_warmup_iters, options.lr_warmup_samples),
+        lr_decay_steps=max(decay, 1),
+        lr_decay_style=options.lr_decay_style,
+        start_wd=optimizer_options.weight_decay,
+        end_wd=optimizer_options.weight_decay,
+        wd_incr_steps=max(train_samples, 1),
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=False,
+        wsd_decay_steps=samples(options.lr_wsd_decay_iters, options.lr_wsd_decay_samples) or None,
+        lr_wsd_decay_style=options.lr_wsd_decay_style,
+    )

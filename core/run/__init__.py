@@ -1,0 +1,1 @@
+"""One run from the options to the last iteration: plan, start-up checks, launch, the world, the loop and its step."""

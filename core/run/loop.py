@@ -1,0 +1,114 @@
+"""The training loop: start the session (session.py), then step, log, evaluate and save until the last
+iteration or a signal, and leave the world. The path of a run: config -> plan (plan.py) -> start-up checks
+(preflight.py) -> workers (launch.py) -> world (world.py) -> session -> loop -> step (step.py)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from mimo.errors import UsageError
+from mimo.plugins import Registry
+
+from ..config import RunConfig
+from ..telemetry.skip_report import check_skip_fraction
+from ..telemetry.summary import summary_lines
+from . import signals
+from .plan import Plan, prepare
+from .session import Session, start
+
+
+def advance(session: Session, iterations: int) -> None:
+    """Train `iterations` more iterations (at most to the end of the run): step, log, save."""
+    plan, s = session.plan, session
+    c, flop_check = plan.config.checkpoint, plan.config.logging.flop_check_iteration
+    for iteration in range(s.iteration + 1, min(s.iteration + iterations, plan.train_iters) + 1):
+        s.profiler.before(iteration)
+        if iteration == flop_check:
+            result = _counted_step(s.step, s.data, s.logger, s.device)
+        else:
+            result = s.step(s.data)
+        s.profiler.after(iteration)
+        s.iteration, s.consumed = iteration, s.consumed + plan.global_batch_size
+        s.skips.report()
+        s.logger.update(iteration, result, s.consumed)
+        if s.evaluations:
+            s.evaluations.after_iteration(iteration, s.consumed)
+        if plan.config.data.data is not None:
+            check_skip_fraction(result.skipped_samples, s.consumed, plan.config.data.max_skip_fraction,
+                                plan.config.data.data)
+        if s.checkpointer and c.save:
+            s.checkpointer.wait(blocking=False)
+            if iteration == plan.train_iters or (c.save_interval and iteration % c.save_interval == 0):
+                s.checkpointer.save(iteration, s.consumed)
+        if s.signal_watch is not None and (received := s.signal_watch.agreed(s.device)):
+            signals.stop(s, received)
+
+
+def finish(session: Session) -> list[dict]:
+    """Close the logs, let background saves land, leave the world. Returns the logged records (logging rank)."""
+    session.logger.close()
+    session.skips.close()
+    if session.checkpointer:
+        session.checkpointer.wait(blocking=True)
+    if hasattr(session.source, "close"):  # a read-ahead thread, or a loader's worker processes
+        session.source.close()
+    dist.barrier()
+    # Tear the groups down while every rank is still here: gloo's threads abort a process that exits with them.
+    dist.destroy_process_group()
+    return session.logger.records if session.logger.enabled else []
+
+
+def train(plan: Plan) -> list[dict]:
+    """Run the plan in this process (one rank of the world). Returns the logged records on the logging rank."""
+    started = time.perf_counter()
+    with signals.SignalWatch(plan.config.launch.exit_signal) as watch:
+        session = start(plan)
+        session.signal_watch = watch
+        first_iteration = session.iteration
+        if first_iteration >= plan.train_iters:  # loaded (so checked) and at its end already
+            if session.logger.enabled:
+                print(f"nothing to train: the checkpoint in {plan.config.checkpoint.load} is at iteration "
+                      f"{first_iteration} and this run ends at iteration {plan.train_iters}; raise --train-iters "
+                      f"to train further", flush=True)
+            return finish(session)
+        try:
+            if session.evaluations:
+                session.evaluations.at_start(session.iteration, session.consumed)
+            advance(session, plan.train_iters - session.iteration)
+        except BaseException:
+            session.logger.close()
+            session.skips.close()
+            raise
+        records = finish(session)
+        if session.logger.enabled:
+            print("\n".join(summary_lines(session, first_iteration, time.perf_counter() - started)), flush=True)
+        return records
+
+
+def _counted_step(step, data, logger, device):
+    """One step under torch's FLOP counter (forward and backward, every rank's share summed), compared with the
+    provider's model_flops figure the logs use for TFLOP/s and MFU."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        with FlopCounterMode(display=False) as counter:
+            result = step(data)
+    except Exception as err:  # noqa: BLE001 - torch's counter rejects some operator uses (e.g. SDPA with GQA)
+        raise UsageError(f"--flop-check-iteration: torch's FLOP counter failed on this model "
+                         f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); run without "
+                         f"--flop-check-iteration") from None
+    counted = torch.tensor([float(counter.get_total_flops())], dtype=torch.float64, device=device)
+    dist.all_reduce(counted)
+    if logger.enabled:
+        reported = logger.flops_per_iteration
+        ratio = f"{reported / counted.item():.3f}" if reported and counted.item() else "n/a"
+        print(f"FLOP check: torch's counter {counted.item():.4e} FLOPs this iteration, model_flops x 3 "
+              f"{reported or 0:.4e} (ratio {ratio})", flush=True)
+    return result
+
+
+def run(config: RunConfig, registry: Registry | None = None) -> list[dict]:
+    return train(prepare(config, registry))

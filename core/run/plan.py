@@ -1,0 +1,74 @@
+"""Everything decided about a run before any process exists: the options checked, the provider and its settings
+built, the layout validated. Workers only execute a Plan; every rank derives the same one from the same options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mimo.errors import UsageError
+from mimo.plugins import LANGUAGE, ModuleParallelism, Provider, Registry
+from mimo.plugins.settings import build_settings
+
+from .. import run_file
+from ..config import DEFAULT_TRAIN_ITERS, RunConfig
+from ..parallel import topology
+from . import launch
+
+
+@dataclass
+class Plan:
+    """Everything decided about a run before any process exists: validated, so workers only execute it."""
+
+    config: RunConfig
+    provider: Provider
+    hooks: object
+    settings: object
+    shapes: dict
+    parallelism: dict[str, ModuleParallelism]
+    world_size: int
+    global_batch_size: int
+    num_microbatches: int
+    train_iters: int
+
+    @property
+    def num_lanes(self) -> int:
+        return self.parallelism[LANGUAGE].dp
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.config.training.precision == "bf16" else torch.float32
+
+
+def prepare(config: RunConfig, registry: Registry | None = None, world_size: int | None = None) -> Plan:
+    """Check the options, the provider and its settings, and the layout; raise UsageError on the first problem."""
+    config.validate()
+    registry = registry or Registry()
+    provider, _ = registry.get(config.provider)
+    hooks = registry.hooks(config.provider)
+    if config.provider_config is not None:
+        run_file.refuse_loop_options(config.provider_config, provider.settings)
+    settings = build_settings(provider, config.provider_settings, config.provider_config, config.provider_values,
+                              config.config_file)
+    shapes = hooks.model_shape(settings=settings)
+    t = config.training
+    if world_size is None:
+        world_size = launch.world_size(config.launch)  # a launcher's world (torchrun, srun), or the options
+    parallelism = topology.plan(config.layout, world_size, shapes, t.micro_batch_size,
+                                config.performance.sequence_parallel)
+    unknown = sorted(set(config.performance.recompute_modes()) - set(shapes) - {"*"})
+    if unknown:
+        raise UsageError(f"--recompute names module '{unknown[0]}', which provider '{config.provider}' does not "
+                         f"have: use {', '.join(sorted(shapes))}")
+    lanes = parallelism[LANGUAGE].dp
+    per_microbatch = t.micro_batch_size * lanes
+    global_batch = t.global_batch_size or per_microbatch * (t.num_microbatches or 1)
+    if global_batch % per_microbatch:
+        raise UsageError(f"--global-batch-size {global_batch} is not a multiple of --micro-batch-size x LLM "
+                         f"data-parallel size = {t.micro_batch_size} x {lanes}")
+    train_iters = t.train_iters or (t.train_samples // global_batch if t.train_samples else DEFAULT_TRAIN_ITERS)
+    if train_iters < 1:
+        raise UsageError(f"--train-samples {t.train_samples} is less than one global batch ({global_batch})")
+    return Plan(config, provider, hooks, settings, shapes, parallelism, world_size, global_batch,
+                global_batch // per_microbatch, train_iters)

@@ -1,0 +1,51 @@
+"""Every start-up check of a command, in one call, before any worker starts: a problem is one line (exit 2) from
+the process the user started, not a traceback from a worker.
+
+    with preflight.for_run(config) as plan:     # `mimo run`
+        ...start the workers, or train in this process
+    with preflight.for_eval(config, split) as plan:   # `mimo eval`
+
+For `mimo run`: the plan (options, provider, settings, layout), the memory estimate against the GPU, the paths
+the run writes, the save directory's lock, what `--load` means, and `--pretrained HF_DIR` converted to a mimo
+checkpoint (removed when the block ends). Workers that mimo's launcher started repeat the plan and the cheap
+checks; the memory check was made for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+from ..checkpoint.hf import pretrained_from_hf
+from ..checkpoint.resume import check_resume
+from ..checkpoint.save_lock import lock_save_directory
+from ..config import RunConfig
+from ..evaluation.standalone import eval_config
+from ..memory import fit
+from . import launch
+from .output_paths import check_output_paths
+from .plan import Plan, prepare
+
+
+@contextlib.contextmanager
+def for_run(config: RunConfig) -> Iterator[Plan]:
+    """The checked plan of `mimo run`; raises UsageError at the first problem."""
+    plan = prepare(config)  # every check that needs no process group, before any worker starts
+    if not os.environ.get(launch.LAUNCHED_BY_MIMO):  # mimo's launcher checked this plan for its workers
+        fit.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
+    check_output_paths(config)  # likewise every path the run writes: created and test-written now
+    speaks = launch.speaks_for_run(config.launch)
+    if speaks and config.checkpoint.save is not None:
+        lock_save_directory(config.checkpoint.save)  # held until this process exits
+    check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
+    with pretrained_from_hf(plan) as plan:  # --pretrained HF_DIR: converted before the workers start
+        yield plan
+
+
+@contextlib.contextmanager
+def for_eval(config: RunConfig, split: str) -> Iterator[Plan]:
+    """The checked plan of `mimo eval`: the checkpoint's weights only, `--eval-iters` batches of `split`."""
+    plan = prepare(eval_config(config, split))
+    with pretrained_from_hf(plan) as plan:
+        yield plan

@@ -1,0 +1,154 @@
+"""One rank's built run: the world joined, then the optimizer and schedule, the checkpoint restored, the data
+opened, the training step, the logs, the profiler and the evaluations, ready for the loop (loop.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mimo.errors import UsageError
+
+from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.foreign import load_foreign
+from ..checkpoint.layout import run_info
+from ..evaluation.evaluator import EvalSchedule, Evaluator, eval_context, eval_data_path
+from ..parallel.model import count_parameters
+from ..parallel.optim import build_optimizer, build_scheduler
+from ..parallel.topology import Topology, is_token_source
+from ..telemetry.metrics import MetricsLogger
+from ..telemetry.profiler import StepProfiler
+from ..telemetry.skip_report import SkipReporter
+from ..telemetry.timers import StepTimers
+from . import signals
+from .cuda_graphs import LayerGraphs
+from .plan import Plan
+from .prefetch import read_ahead
+from .step import TrainStep
+from .world import World, join
+
+
+@dataclass
+class Session:
+    """One rank's built run: what the loop steps, logs and saves. `iteration` and `consumed` count what is done."""
+
+    plan: Plan
+    world: World
+    model: object
+    optimizer: object
+    scheduler: object
+    step: TrainStep
+    logger: MetricsLogger
+    profiler: StepProfiler
+    checkpointer: Checkpointer | None
+    data: object  # what the step reads: the first batch, then `source`
+    source: object  # the data iterator (read ahead, or the provider's own); closed at the end
+    skips: SkipReporter  # one line per skipped --data sample, on the rank that counts it
+    iteration: int = 0
+    consumed: int = 0
+    evaluations: EvalSchedule | None = None  # --eval-iters: held-out loss during the run
+    signal_watch: signals.SignalWatch | None = None  # --exit-signal and SIGINT: stop at an iteration boundary
+
+    @property
+    def device(self) -> torch.device:
+        return self.world.device
+
+    @property
+    def topology(self) -> Topology:
+        return self.world.topology
+
+
+def start(plan: Plan) -> Session:
+    """Join the world, build the groups, model, optimizer and schedule, restore a checkpoint, open the data."""
+    config, t, c = plan.config, plan.config.training, plan.config.checkpoint
+    world = join(plan)
+    device, topo, params_dtype = world.device, world.topology, world.params_dtype
+    model = world.build_model()
+    optimizer = build_optimizer(config.optimizer, model=model, params_dtype=params_dtype)
+    scheduler = build_scheduler(config.scheduler, optimizer=optimizer, optimizer_options=config.optimizer,
+                                global_batch_size=plan.global_batch_size,
+                                train_samples=plan.train_iters * plan.global_batch_size)
+
+    checkpointer, start_iteration, consumed, data_state, source = None, 0, 0, None, None
+    if c.save or c.load or c.pretrained:
+        info = run_info(plan, plan.settings, lane_data_state=False)  # known once the data is open, below
+        checkpointer = Checkpointer(
+            c, model=model, topology=topo, run_info=info, optimizer=optimizer, scheduler=scheduler,
+            data_state=lambda: {"loader": source.state_dict() if hasattr(source, "state_dict") else None},
+            load_foreign=lambda path, directory: load_foreign(plan.hooks, plan.settings, model, path, directory))
+        start_iteration, consumed, data_state = checkpointer.load()
+    # Index-addressed data continues from the samples already seen; a loader with its own state restores it.
+    data_ctx = world.data_context(consumed)
+    source = iter(plan.hooks.data_provider(settings=plan.settings, ctx=data_ctx))
+    if checkpointer:
+        checkpointer.run_info["lane_data_state"] = hasattr(source, "state_dict")  # then tied to its lane
+    if data_state and data_state.get("loader") is not None:
+        if not hasattr(source, "load_state_dict"):
+            raise UsageError(f"the checkpoint in {c.load} holds a data loader's position (it was saved with "
+                             f"--data): resume with the same --data, or pass --finetune")
+        source.load_state_dict(data_state["loader"])
+    first_batch = next(source)
+    if data_ctx.data_path and not data_ctx.opened_loaders:  # never train on synthetic data in place of --data
+        raise UsageError(f"--data {data_ctx.data_path}: provider '{config.provider}' does not read datasets (its "
+                         f"data_provider opened no ctx.energon_loader): drop --data, or use a provider that reads it")
+    seq_length = first_batch["input_ids"].numel() // data_ctx.rows  # packed rows arrive laid end to end
+    timers = StepTimers(config.logging.log_timers, modules=list(plan.parallelism), held=list(topo.pg_collections),
+                        device=device)
+    graphs = (LayerGraphs(model=model, optimizer=optimizer, topology=topo, seq_length=seq_length,
+                          micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches)
+              if config.performance.cuda_graphs else None)
+    step = TrainStep(t, world=world, model=model, optimizer=optimizer, scheduler=scheduler, seq_length=seq_length,
+                     skipped_samples=lambda: getattr(source, "skipped_samples", 0), timers=timers,
+                     layer_graphs=graphs)
+
+    logging_rank = world.logging_rank  # lane 0 logs
+    flops = plan.hooks.model_flops(settings=plan.settings)
+    logger = MetricsLogger(config.logging, total_iters=plan.train_iters, enabled=logging_rank,
+                           global_batch_size=plan.global_batch_size,
+                           tokens_per_iteration=plan.global_batch_size * seq_length,
+                           flops_per_iteration=(3 * sum(flops.values()) * plan.global_batch_size  # fwd + 2x bwd
+                                                if flops else None),
+                           world_size=plan.world_size, device=device, timers=timers)
+    if logging_rank:
+        print(describe_run(plan, count_parameters(model), device, t.precision), flush=True)
+        if start_iteration:
+            print(f"resumed from {c.load} at iteration {start_iteration} ({consumed} samples consumed)", flush=True)
+    profiler = StepProfiler(config.logging, rank=dist.get_rank(), device=device, report=logging_rank)
+    model.train()
+    reader = read_ahead(source, config.data.prefetch_microbatches, device)
+    skips = SkipReporter(source, enabled=is_token_source(topo),  # the rank whose count enters the total
+                         rank=dist.get_rank() if plan.world_size > 1 else None)
+    evaluations = None
+    if config.evaluation.eval_iters:
+        evaluator = Evaluator(config.evaluation, world=world, model=model,
+                              data_ctx=eval_context(data_ctx, "val", eval_data_path(config)))
+        evaluations = EvalSchedule(config.evaluation, evaluator=evaluator, train_iters=plan.train_iters,
+                                   logger=logger)
+    return Session(plan, world, model, optimizer, scheduler, step, logger, profiler, checkpointer,
+                   _chain(first_batch, reader), reader, skips, start_iteration, consumed, evaluations)
+
+
+def describe_run(plan: Plan, held: dict[str, int], device: torch.device, precision: str) -> str:
+    """The run's opening line: what runs where, with how many parameters (each module's whole count as the
+    provider's model_shape gives it, whatever the layout; else this rank's shard of the modules it holds), at
+    which batch."""
+    def count(name: str) -> str:
+        total = plan.shapes[name].num_parameters
+        if total is not None:
+            return f", {total:,} params"
+        return f", {held[name]:,} params on this rank" if name in held else ""
+
+    modules = " | ".join(
+        f"{name}: ranks {p.first_rank}-{p.first_rank + p.num_ranks - 1} TP{p.tp} PP{p.pp} DP{p.dp}"
+        + (f" EP{p.ep}" if p.ep > 1 else "") + count(name)
+        for name, p in plan.parallelism.items()
+    )
+    return (f"mimo run: provider {plan.config.provider} | {modules} | global batch {plan.global_batch_size} = "
+            f"{plan.num_microbatches} micro-batches x {plan.config.training.micro_batch_size} x {plan.num_lanes} "
+            f"lanes | {plan.train_iters} iterations | {device.type} {precision}")
+
+
+def _chain(first, rest):
+    yield first
+    yield from rest

@@ -1,0 +1,210 @@
+"""One training iteration: megatron-core's forward/backward schedule over the micro-batches, per-module gradient
+finalization with one per-token normalization for every grid, then the optimizer and scheduler step.
+
+`ForwardLoss` (one micro-batch's forward and the provider's loss, summed for the global normalization) and
+`schedule_for` (megatron-core's schedule for the layout) serve evaluation too, which runs the same forward and
+loss with `forward_only=True`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+from mimo.plugins import LANGUAGE
+
+from ..parallel.model import held_modules
+from ..parallel.topology import Topology, is_token_source
+from ..telemetry.timers import StepTimers
+
+if TYPE_CHECKING:
+    from ..config import TrainingOptions
+    from .world import World
+
+
+@dataclass
+class StepResult:
+    lm_loss: float  # per-token loss over the whole global batch
+    num_tokens: int  # tokens that counted in the loss, whole global batch
+    grad_norm: float | None
+    skipped: bool  # no update was made (non-finite loss or gradients)
+    lr: float  # the learning rate this iteration's update used
+    module_grad_norms: dict[str, float]
+    skipped_samples: int = 0  # unreadable samples the data dropped so far, all lanes
+    loss_scale: float = 1.0
+    num_zeros: int | None = None
+    moe_losses: dict[str, float] = field(default_factory=dict)  # each auxiliary loss, mean over MoE layers
+
+
+def to_device(value, device: torch.device, float_dtype: torch.dtype):
+    """Move a (nested) batch to the device; floating-point model inputs take the model's dtype."""
+    if isinstance(value, torch.Tensor):
+        cast = float_dtype if value.is_floating_point() else value.dtype
+        return value.to(device=device, dtype=cast, non_blocking=True)
+    if isinstance(value, dict):
+        return {k: to_device(v, device, float_dtype) for k, v in value.items()}
+    return value
+
+
+class ForwardLoss:
+    """megatron-core's `forward_step_func` for MimoModel: one micro-batch to the device, the forward, and the
+    provider's loss hook over the training loss mask. Each micro-batch's loss sum and token count are added to
+    `totals` ([loss sum, tokens], float64), which the caller reduces over the lanes and divides once.
+
+    `timers` (training's StepTimers) time and label the data and forward phases; evaluation passes none."""
+
+    def __init__(self, hooks, settings, device: torch.device, params_dtype: torch.dtype, totals: torch.Tensor,
+                 timers: StepTimers | None = None):
+        self.hooks, self.settings, self.device, self.params_dtype = hooks, settings, device, params_dtype
+        self.totals, self.timers = totals, timers
+
+    def _phase(self, name: str):
+        return self.timers.phase(name) if self.timers is not None else contextlib.nullcontext()
+
+    def _label(self, name: str):
+        return record_function(name) if self.timers is not None else contextlib.nullcontext()
+
+    def __call__(self, data_iterator, model):
+        with self._phase("data"):
+            batch = next(data_iterator)
+        with self._label("mimo/to-device"):
+            model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
+            model_inputs = to_device(model_inputs, self.device, torch.float32)
+            modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
+        with self._phase("forward"):
+            output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None)
+        return output, partial(self.loss, loss_mask=loss_mask)
+
+    def loss(self, output_tensor, loss_mask):
+        # the provider's loss hook; summed here, divided once by all lanes' tokens
+        loss_sum, num_tokens = self.hooks.loss(settings=self.settings, output_tensor=output_tensor,
+                                               loss_mask=loss_mask)
+        self.totals += torch.stack([loss_sum.detach().double(), num_tokens.double()])
+        return loss_sum, num_tokens, {}
+
+
+class TrainStep:
+    """One training iteration, callable as `step(data_iterator)`: holds what an iteration needs; the loop owns
+    everything around it (when to step, log, evaluate and save)."""
+
+    def __init__(self, options: TrainingOptions, *, world: World, model, optimizer, scheduler, seq_length: int,
+                 skipped_samples=lambda: 0, timers: StepTimers | None = None, layer_graphs=None):
+        """`world`: this rank's joined world (its plan, device, grids); `seq_length`: the tokens of a row;
+        `skipped_samples()`: the samples the data dropped so far; `layer_graphs`: --cuda-graphs' LayerGraphs."""
+        plan = world.plan
+        hooks, settings, topology, device = plan.hooks, plan.settings, world.topology, world.device
+        params_dtype, micro_batch_size = world.params_dtype, options.micro_batch_size
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.hooks, self.settings, self.topology = hooks, settings, topology
+        self.device, self.params_dtype = device, params_dtype
+        self.num_microbatches, self.global_batch_size = plan.num_microbatches, plan.global_batch_size
+        self._token_source = is_token_source(topology)
+        self._totals = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, tokens, skipped samples]
+        self._skipped_samples = skipped_samples
+        config = model.config  # the language model's TransformerConfig; the schedule reads it
+        config.finalize_model_grads_func = self._finalize_grads
+        # The schedule holds back overlapped gradient reduction until the last micro-batch's backward.
+        config.no_sync_func = model.no_sync
+        self._schedule, communicator = schedule_for(topology, config)
+        self.timers = timers or StepTimers(False, modules=[], held=[], device=device)
+        if communicator is not None:
+            self.timers.watch_bridge(communicator)
+        self._shape = {"seq_length": seq_length, "micro_batch_size": micro_batch_size}
+        self.layer_graphs = layer_graphs  # --cuda-graphs
+        # the forward and loss of each micro-batch, summing into [loss sum, tokens] of the totals
+        self.forward_step = ForwardLoss(hooks, settings, device, params_dtype, self._totals[:2], self.timers)
+
+    @record_function("mimo/finalize-grads")
+    def _finalize_grads(self, model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
+        """Reduce each module's gradients over its own grid, then divide all by the global token count."""
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        # Only one rank per LLM data lane contributes, so every rank of every grid learns the same totals.
+        self._totals[2] = self._skipped_samples()
+        totals = self._totals if self._token_source else torch.zeros_like(self._totals)
+        dist.all_reduce(totals)
+        self._global_totals = totals.tolist()
+        scale = 1.0 / totals[1].item() if totals[1].item() > 0 else 0.0
+        for name, module in held_modules(self.model):
+            finalize_model_grads([module], num_tokens=None, pg_collection=self.topology.pg_collections[name],
+                                 force_all_reduce=force_all_reduce)
+            module.scale_gradients(scale)
+
+    @record_function("mimo/step")
+    def __call__(self, data_iterator) -> StepResult:
+        if self.layer_graphs is not None:
+            self.layer_graphs.before_step()
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self._totals.zero_()
+        from megatron.core.pipeline_parallel import schedules
+
+        with self.timers.backward_of(schedules):
+            self._schedule(
+                forward_step_func=self.forward_step, data_iterator=data_iterator, model=[self.model],
+                num_microbatches=self.num_microbatches, forward_only=False, **self._shape,
+            )
+        loss_sum, tokens, skipped_samples = self._global_totals  # the same on every rank
+        moe_losses = _moe_losses()
+        lm_loss = loss_sum / max(tokens, 1)
+        # a rank whose modules are all frozen (an LLM rank in stage1) has no parameter groups: the schedule says
+        groups = self.optimizer.param_groups
+        lr = groups[0]["lr"] if groups else self.scheduler.get_lr({})
+        ok, num_zeros, grad_norm = False, None, None
+        if math.isfinite(lm_loss):  # every rank agrees, so all skip the optimizer's collectives together
+            with self.timers.phase("optimizer"):
+                ok, _, num_zeros = self.optimizer.step()
+            grad_norm = self.optimizer.grad_norm
+        if ok:
+            self.scheduler.step(increment=self.global_batch_size)
+        return StepResult(lm_loss=lm_loss, num_tokens=int(tokens), grad_norm=grad_norm,
+                          skipped=not ok, lr=lr, module_grad_norms=dict(self.optimizer.module_grad_norms),
+                          skipped_samples=int(skipped_samples), loss_scale=float(self.optimizer.get_loss_scale()),
+                          num_zeros=num_zeros, moe_losses=moe_losses)
+
+
+def schedule_for(topology: Topology, config):
+    """megatron-core's schedule for the layout: no pipelining when colocated; the multimodule 1F1B schedule with
+    the bridge communicator when the encoders and the LLM have ranks of their own."""
+    from megatron.core.pipeline_parallel import schedules
+
+    if topology.colocated:
+        return partial(schedules.forward_backward_no_pipelining,
+                       pg_collection=topology.pg_collections[LANGUAGE]), None
+    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
+    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
+
+    encoders = [name for name in topology.parallelism if name != LANGUAGE]
+    communicator = MultiModulePipelineCommunicator(
+        topology.grids, {**{name: [LANGUAGE] for name in encoders}, LANGUAGE: []}, config,
+        dim_mapping={"s": 0, "b": 1, "h": 2},  # MimoModel's LLM activations are [s, b, h]
+        module_output_ndim={name: 2 for name in encoders},  # encoder outputs are [tokens, h]
+    )
+    pgs = MultiModuleProcessGroupCollection(
+        module_pgs=dict(topology.pg_collections),
+        language_model_module_name=LANGUAGE if topology.holds(LANGUAGE) else None,
+    )
+    return partial(schedules.forward_backward_pipelining_without_interleaving, p2p_communicator=communicator,
+                   pg_collection=pgs), communicator
+
+
+def _moe_losses() -> dict[str, float]:
+    """This rank's MoE auxiliary losses of the step (megatron-core's tracker), each averaged over the MoE layers
+    that reported it; the tracker is cleared for the next step."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    losses = {}
+    for name, entry in get_moe_layer_wise_logging_tracker().items():
+        values = entry["values"].float()
+        reported = values[values != 0]
+        if reported.numel():
+            losses[name.replace("_", "-")] = reported.mean().item()
+    clear_aux_losses_tracker()
+    return losses

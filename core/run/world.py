@@ -1,0 +1,93 @@
+"""This process's part of the run, started the same way for every command that builds a model (`mimo run`,
+`mimo eval`, `mimo ckpt import-hf/export-hf`, the contract kit's worker): join the world, build the grids, seed,
+describe the layout and the performance options to the provider's hooks, then build the model.
+
+    world = join(plan)                  # the process group, grids, seeds and BuildContext of this rank
+    model = world.build_model()         # the provider's MimoModel, seeded per module, wrapped for its grids
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from mimo.errors import UsageError
+from mimo.plugins import LANGUAGE, BuildContext, DataContext
+
+from ..parallel import topology
+from ..parallel.model import build_model
+from . import launch
+from .cuda_graphs import train_on_capture_stream
+from .plan import Plan
+
+
+@dataclass
+class World:
+    """One rank of a planned run, joined: its device, grids and groups, and what the build hooks are told."""
+
+    plan: Plan
+    device: torch.device
+    topology: topology.Topology
+    context: BuildContext
+    seed: int
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return self.context.params_dtype
+
+    def build_model(self, seed: int | None = None):
+        """The provider's MimoModel for the modules this rank holds (every rank calls it: collective)."""
+        config = self.plan.config
+        return build_model(config.performance, hooks=self.plan.hooks, settings=self.plan.settings,
+                           provider=config.provider, topology=self.topology, context=self.context, device=self.device,
+                           seed=self.seed if seed is None else seed,
+                           distributed_optimizer=config.optimizer.use_distributed_optimizer)
+
+    def data_context(self, start_sample: int = 0) -> DataContext:
+        """What this rank's data iterator reads: its positions of every micro-batch, from `start_sample` on."""
+        plan, t, data = self.plan, self.plan.config.training, self.plan.config.data
+        first, count = topology.data_positions(plan.parallelism, dist.get_rank(), t.micro_batch_size)
+        return DataContext(micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches,
+                           num_lanes=plan.num_lanes, seed=t.seed, first_position=first, num_positions=count,
+                           start_sample=start_sample, data_path=str(data.data) if data.data else None,
+                           num_workers=data.num_workers, pack_sequences=data.pack_sequences,
+                           packing_buffer_size=data.packing_buffer_size)
+
+    @property
+    def logging_rank(self) -> bool:
+        """The one rank that reports for the run: the token source of the first LLM lane."""
+        first, _ = topology.data_positions(self.plan.parallelism, dist.get_rank(),
+                                           self.plan.config.training.micro_batch_size)
+        return topology.is_token_source(self.topology) and first == 0
+
+
+def join(plan: Plan, *, seed: int | None = None) -> World:
+    """Join the run's world (or make a world of one), build every module's grid and groups, seed torch and
+    megatron-core's RNG tracker, and describe the layout and performance options for the build hooks.
+
+    `seed` (default: the run's --seed) seeds the RNGs and the model's initial weights."""
+    config, perf = plan.config, plan.config.performance
+    device = launch.init_process(config.training.device, config.launch.distributed_timeout_minutes)
+    if dist.get_world_size() != plan.world_size:
+        raise UsageError(f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} joined")
+    if device.type != "cuda" and (perf.fp8 != "none" or perf.cuda_graphs):
+        raise UsageError(f"--{'fp8' if perf.fp8 != 'none' else 'cuda-graphs'} needs a GPU; this run is on the CPU")
+    if perf.cuda_graphs:
+        train_on_capture_stream()
+    topo = topology.build(plan.parallelism, backend="nccl" if device.type == "cuda" else "gloo")
+    seed = config.training.seed if seed is None else seed
+    seed_pgs = topo.pg_collections.get(LANGUAGE) or next(iter(topo.pg_collections.values()))
+    launch.seed_everything(seed, seed_pgs.tp.rank(), seed_pgs.ep.rank(), seed_pgs.expt_tp.rank(),
+                           te_rng_tracker=perf.cuda_graphs)  # graph capture needs transformer-engine's tracker
+    return World(plan, device, topo, build_context(plan, topo), seed)
+
+
+def build_context(plan: Plan, topo: topology.Topology) -> BuildContext:
+    """What `build_encoders` and `build_language_model` are told: layout, precision, groups, performance options."""
+    perf = plan.config.performance
+    return BuildContext(params_dtype=plan.params_dtype, parallelism=plan.parallelism,
+                        pg_collections=topo.pg_collections,
+                        recompute={name: perf.recompute_for(name) for name in plan.parallelism},
+                        sequence_parallel=perf.sequence_parallel, fp8=perf.fp8, cuda_graphs=perf.cuda_graphs)

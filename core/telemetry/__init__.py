@@ -1,0 +1,1 @@
+"""What a run reports: metrics and throughput, step timers, the profiler, skipped samples."""

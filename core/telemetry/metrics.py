@@ -1,0 +1,218 @@
+"""What a run reports, once per log interval, from one rank: the log line (or a progress bar on a terminal),
+the metrics file, TensorBoard (Megatron's scalar names), and throughput as tokens/s, TFLOP/s and MFU per GPU."""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from mimo.errors import TrainingStopped
+
+from .timers import format_timers
+
+# Dense bf16 peak TFLOP/s per GPU, for MFU (override with --peak-tflops).
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "GH200": 989.4, "A100": 312.0, "A800": 312.0,
+                    "B200": 2250.0, "B100": 1750.0, "L40S": 362.0, "L40": 181.0, "A10": 125.0}
+
+
+def peak_tflops(device: torch.device, override: float | None) -> float | None:
+    if override:
+        return override
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops for key, tflops in PEAK_BF16_TFLOPS.items() if key in name.split()), None)
+
+
+class MetricsLogger:
+    def __init__(self, options, *, total_iters: int, enabled: bool, global_batch_size: int,
+                 tokens_per_iteration: int, flops_per_iteration: float | None, world_size: int, device: torch.device,
+                 timers):
+        """`options`: the run's LoggingOptions; `enabled`: this rank logs (one rank of the run)."""
+        self.options, self.total_iters, self.enabled = options, total_iters, enabled
+        self.global_batch_size = global_batch_size
+        self.tokens_per_iteration, self.flops_per_iteration = tokens_per_iteration, flops_per_iteration
+        self.world_size, self.device, self.timers = world_size, device, timers
+        self.peak = peak_tflops(device, options.peak_tflops)
+        self.metrics_file = Path(options.metrics_file) if options.metrics_file and enabled else None
+        if self.metrics_file:
+            self.metrics_file.parent.mkdir(parents=True, exist_ok=True)
+        self.tensorboard = _tensorboard(options.tensorboard_dir) if enabled else None
+        self.progress = _progress(total_iters) if enabled and sys.stdout.isatty() else None
+        self.records: list[dict] = []
+        self.skipped_total = self.nan_total = self.nan_in_a_row = 0
+        self.trained_tokens, self.trained_seconds = 0, 0.0  # the whole run's, for its closing summary
+        self._reset()
+
+    def _reset(self):
+        self._loss_sum = self._tokens = self._iters = 0
+        self._start = time.perf_counter()
+
+    def exclude(self, seconds: float) -> None:
+        """Leave `seconds` (an evaluation) out of the interval's time, so throughput counts training alone."""
+        self._start += seconds
+
+    def update(self, iteration: int, result, consumed_samples: int) -> dict | None:
+        """Account one iteration (on every rank: the NaN limit and the timers are collective)."""
+        finite = math.isfinite(result.lm_loss) and (result.grad_norm is None or math.isfinite(result.grad_norm))
+        self.nan_in_a_row = 0 if finite else self.nan_in_a_row + 1
+        self.nan_total += not finite
+        self.skipped_total += result.skipped
+        if finite:
+            self._loss_sum += result.lm_loss * result.num_tokens
+            self._tokens += result.num_tokens
+        self._iters += 1
+        if self.tensorboard:
+            self._per_iteration_scalars(iteration, result, consumed_samples)
+        if self.progress:
+            self.progress.advance(self.progress.task_ids[0])
+        if self.nan_in_a_row >= self.options.max_nan_iters:
+            raise TrainingStopped(f"{self.nan_in_a_row} iterations in a row had a non-finite loss or gradient norm "
+                                  f"(the last: iteration {iteration}), so training stopped; lower --lr, check the "
+                                  f"data, or raise --max-nan-iters")
+        if iteration % self.options.log_interval and iteration != self.total_iters:
+            return None
+        timers = self.timers.collect(self._iters)
+        record = self._record(iteration, result, consumed_samples, timers)
+        self._reset()
+        self.records.append(record)
+        if self.enabled:
+            self._emit(record, timers)
+        return record
+
+    def _record(self, iteration, result, consumed_samples, timers) -> dict:
+        elapsed_ms = (time.perf_counter() - self._start) * 1000 / self._iters
+        seconds = elapsed_ms / 1000
+        self.trained_tokens += self.tokens_per_iteration * self._iters
+        self.trained_seconds += seconds * self._iters
+        record = {
+            "split": "train",
+            "iteration": iteration,
+            "lm_loss": self._loss_sum / self._tokens if self._tokens else float("nan"),
+            "lr": result.lr,
+            "grad_norm": result.grad_norm,
+            "loss_scale": result.loss_scale,
+            "consumed_samples": consumed_samples,
+            "batch_size": self.global_batch_size,
+            "elapsed_ms": elapsed_ms,
+            "tokens_per_sec": self.tokens_per_iteration / seconds,
+            "tokens_per_sec_per_gpu": self.tokens_per_iteration / seconds / self.world_size,
+            "skipped_iterations": self.skipped_total,
+            "nan_iterations": self.nan_total,
+            "skipped_samples": result.skipped_samples,
+            "peak_memory_gib": _peak_memory_gib(self.device),
+            **_peaks_per_rank(self.device),
+            **{f"grad_norm_{name}": norm for name, norm in result.module_grad_norms.items()},
+        }
+        if self.flops_per_iteration:
+            record["tflops_per_gpu"] = self.flops_per_iteration / seconds / self.world_size / 1e12
+            if self.peak:
+                record["mfu"] = record["tflops_per_gpu"] / self.peak
+        if timers:
+            record["timers_ms"] = timers
+        return record
+
+    def _emit(self, record: dict, timers) -> None:
+        line = format_line(record, self.total_iters, "GPU" if self.device.type == "cuda" else "rank")
+        (self.progress.console.print if self.progress else print)(line)
+        if timers:
+            (self.progress.console.print if self.progress else print)(format_timers(timers))
+        sys.stdout.flush()
+        if self.metrics_file:
+            with self.metrics_file.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        if self.tensorboard:
+            samples = record["consumed_samples"]
+            for key, name in (("tokens_per_sec", "throughput/tokens-per-sec"),
+                              ("tflops_per_gpu", "throughput/tflops-per-gpu"), ("mfu", "throughput/mfu")):
+                if key in record:
+                    self.tensorboard.add_scalar(name, record[key], record["iteration"])
+                    self.tensorboard.add_scalar(f"{name} vs samples", record[key], samples)
+            self.tensorboard.flush()
+
+    def _per_iteration_scalars(self, iteration: int, result, samples: int) -> None:
+        values = {"lm loss": result.lm_loss, "learning-rate": result.lr, "grad-norm": result.grad_norm,
+                  "batch-size": self.global_batch_size, "loss-scale": result.loss_scale,
+                  "num-zeros": result.num_zeros, "iteration-time": time.perf_counter() - self._start}
+        values["iteration-time"] /= self._iters  # mean over the interval so far
+        for name, value in values.items():
+            if value is not None:
+                self.tensorboard.add_scalar(name, value, iteration)
+                self.tensorboard.add_scalar(f"{name} vs samples", value, samples)
+        for name, value in result.moe_losses.items():
+            self.tensorboard.add_scalar(name, value, iteration)
+            self.tensorboard.add_scalar(f"{name} vs samples", value, samples)
+
+    def close(self) -> None:
+        if self.progress:
+            self.progress.stop()
+        if self.tensorboard:
+            self.tensorboard.close()
+
+
+def format_line(r: dict, total_iters: int, per: str = "GPU") -> str:
+    """One log line; `per` names what the per-device figures divide by: "GPU", or "rank" for CPU processes (whose
+    TFLOP/s would only mislead, so they are left to the metrics file)."""
+    def number(value, spec):
+        return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
+
+    parts = [
+        f"iteration {r['iteration']:>6}/{total_iters}", f"consumed samples {r['consumed_samples']:>8}",
+        f"elapsed ms/iter {r['elapsed_ms']:8.1f}", f"tokens/s/{per} {r['tokens_per_sec_per_gpu']:9.0f}",
+    ]
+    if "tflops_per_gpu" in r and per == "GPU":
+        parts.append(f"TFLOP/s/GPU {r['tflops_per_gpu']:.3g}" + (f" (MFU {r['mfu']:.1%})" if "mfu" in r else ""))
+    parts += [f"lr {r['lr']:.3E}", f"lm loss {number(r['lm_loss'], '.6E')}", f"grad norm {number(r['grad_norm'], '.3f')}",
+              f"loss scale {r['loss_scale']:g}", f"skipped {r['skipped_iterations']}", f"nan {r['nan_iterations']}"]
+    if r["peak_memory_gib"] is not None:
+        parts.append(f"peak mem {r['peak_memory_gib']:.2f} GiB")
+    if r["skipped_samples"]:
+        parts.append(f"unreadable samples skipped {r['skipped_samples']}")
+    return " | ".join(parts)
+
+
+def _peak_memory_gib(device: torch.device) -> float | None:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # CPU: the process's peak RSS (KiB)
+
+
+def _peaks_per_rank(device: torch.device) -> dict:
+    """Every rank's peak allocated and reserved GiB (a gather over the world), to compare with `mimo plan`'s
+    estimate per rank; nothing on the CPU. Collective: every rank records the same interval."""
+    if device.type != "cuda":
+        return {}
+    import torch.distributed as dist
+
+    mine = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
+                        dtype=torch.float64, device=device) / 2**30
+    if not (dist.is_available() and dist.is_initialized()):
+        return {"peak_memory_gib_ranks": [mine[0].item()], "peak_reserved_gib_ranks": [mine[1].item()]}
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return {"peak_memory_gib_ranks": [t[0].item() for t in every],
+            "peak_reserved_gib_ranks": [t[1].item() for t in every]}
+
+
+def _tensorboard(directory):
+    if not directory:
+        return None
+    from torch.utils.tensorboard import SummaryWriter
+
+    return SummaryWriter(log_dir=str(directory))
+
+
+def _progress(total_iters: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    progress = Progress(TextColumn("training"), BarColumn(), MofNCompleteColumn(), TextColumn("eta"),
+                        TimeRemainingColumn())
+    progress.add_task("train", total=total_iters)
+    progress.start()
+    return progress
