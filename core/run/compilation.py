@@ -108,6 +108,8 @@ class FirstIterations:
                 print(f"first iteration {seconds:.1f} s: {self.report.line(self.pinned, self._compiles())}; kernel "
                       f"cache {cache_dir(self.options)}{note}", flush=True)
             self.save()
+        if iteration == self.first + 1 and self.report is not None:
+            self.report.stop()  # its wrappers would cost every later launch of an autotuned kernel a little
         if self._dumping and iteration >= self.first + 1:
             faulthandler.cancel_dump_traceback_later()
             self._dumping = False
