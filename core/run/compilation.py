@@ -76,13 +76,19 @@ class FirstIterations:
             self._dumping = True
         if self.device.type != "cuda":
             return
-        tuners = kernel_tuning.autotuners()
-        if os.environ.get("TRITON_CACHE_AUTOTUNING") == "1":  # kernels made before configure() read it at import
-            for tuner in tuners.values():
-                tuner.cache_results = True
-        gpu, capability = _gpu(self.device)
-        self.pinned, self.notes = kernel_tuning.pin(self._tables(), gpu, capability, tuners)
-        self.report = kernel_tuning.CompileReport().start()
+        try:
+            tuners = kernel_tuning.autotuners()
+            if os.environ.get("TRITON_CACHE_AUTOTUNING") == "1":  # kernels made before configure() read it at import
+                for tuner in tuners.values():
+                    tuner.cache_results = True
+            gpu, capability = _gpu(self.device)
+            self.pinned, self.notes = kernel_tuning.pin(self._tables(), gpu, capability, tuners)
+            self.report = kernel_tuning.CompileReport().start()
+        except Exception as err:  # noqa: BLE001 - an unexpected Triton or table costs the pins, not the run
+            if self.speaks:
+                print(f"kernel choices not pinned ({type(err).__name__}: {err}); kernels autotune at first use",
+                      flush=True)
+            return
         triton_dir = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
         if self.speaks and not (triton_dir.is_dir() and any(triton_dir.iterdir())):
             print(f"iteration {iteration} compiles GPU kernels into an empty cache ({triton_dir}); later runs load "
@@ -123,9 +129,10 @@ class FirstIterations:
             return
         try:
             kernel_tuning.write_table(self.table, kernel_tuning.record(*_gpu(self.device)))
-        except OSError as err:  # a read-only cache: the run goes on, the next one autotunes again
+        except (OSError, TypeError, ValueError) as err:  # a read-only cache: the run goes on, the next autotunes
             if self.speaks:
-                print(f"kernel choices not recorded in {self.table}: {err.strerror or err}", flush=True)
+                print(f"kernel choices not recorded in {self.table}: {getattr(err, 'strerror', None) or err}",
+                      flush=True)
 
     def close(self) -> None:
         if self._dumping:
