@@ -13,8 +13,11 @@ import os
 import platform
 import re
 import shlex
+import signal
+import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,46 +36,66 @@ class Run:
     output: str
     seconds: float
     log: Path
+    timeout: float | None = None  # the limit it was stopped at, if it was
+    to_first_iteration_s: float | None = None  # from the start of the process to iteration 1's log line
 
     @property
     def status(self) -> str:
         if self.returncode == 0:
             return "ok"
+        if self.timeout is not None:
+            return f"timeout after {self.timeout:.0f} s"
         return "out of memory" if OOM.search(self.output) else f"failed (exit {self.returncode}, see {self.log})"
 
     def printed(self) -> str:
         return "mimo " + shlex.join(self.command)
 
 
-def mimo_run(args: list[str], out: Path, name: str, timeout: float = 1800) -> Run:
-    """`mimo run ARGS --metrics-file out/name.jsonl`, output teed to out/name.log; a failure is a result."""
+def mimo_run(args: list[str], out: Path, name: str, timeout: float = 1800, env: dict | None = None) -> Run:
+    """`mimo run ARGS --metrics-file out/name.jsonl`, output teed to out/name.log; a failure is a result. Past
+    `timeout` seconds the run's whole process group is killed (a run inside its first iteration ignores SIGTERM
+    until the iteration ends). `env`: variables to set for the run."""
     out.mkdir(parents=True, exist_ok=True)
     metrics, log = out / f"{name}.jsonl", out / f"{name}.log"
     metrics.unlink(missing_ok=True)
     command = ["run", *args, "--metrics-file", str(metrics)]
     print(f"== {name}: mimo {shlex.join(command)}", flush=True)
     started = time.perf_counter()
-    lines = []
+    lines, first, stopped = [], None, None
     with open(log, "w") as sink:
         proc = subprocess.Popen([sys.executable, "-m", "mimo.cli", *command], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})},
+                                start_new_session=True)
+        fired = []
+        timer = threading.Timer(timeout, lambda: (fired.append(True), _kill_group(proc)))
+        timer.start()
         try:
             for line in proc.stdout:
                 sink.write(line)
                 lines.append(line)
+                if first is None and line.startswith("iteration "):
+                    first = time.perf_counter() - started
                 if _worth_echoing(line):
                     print("   " + line.rstrip()[:240], flush=True)
-            returncode = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            returncode = -9
+            returncode = proc.wait()
+        finally:
+            timer.cancel()
+            _kill_group(proc)  # anything the run left behind
+        stopped = timeout if fired else None
     records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
-    return Run(command, returncode, records, "".join(lines), time.perf_counter() - started, log)
+    return Run(command, returncode, records, "".join(lines), time.perf_counter() - started, log, stopped, first)
+
+
+def _kill_group(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _worth_echoing(line: str) -> bool:
     return line.startswith(("iteration", "mimo run:", "saved checkpoint", "loaded checkpoint", "FLOP check",
-                            "profile", "  ", "error")) or bool(OOM.search(line))
+                            "profile", "  ", "error", "first iteration")) or bool(OOM.search(line))
 
 
 def steady(records: list[dict], warmup_records: int = 1) -> dict:
@@ -84,6 +107,14 @@ def steady(records: list[dict], warmup_records: int = 1) -> dict:
         if values:
             result[key] = max(values) if key == "peak_memory_gib" else sum(values) / len(values)
     return result
+
+
+def spread(records: list[dict], key: str) -> dict | None:
+    """min, median and max of `key` over `records` (the steady iterations), and how many there were."""
+    values = sorted(r[key] for r in records if r.get(key) is not None)
+    if not values:
+        return None
+    return {"min": values[0], "median": statistics.median(values), "max": values[-1], "n": len(values)}
 
 
 def device_description() -> dict:
@@ -115,7 +146,7 @@ class Results:
     rows: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
-    def write(self, out: Path, extra: dict | None = None) -> Path:
+    def write(self, out: Path, extra: dict | None = None, show: bool = True) -> Path:
         out.mkdir(parents=True, exist_ok=True)
         document = {
             "benchmark": self.name,
@@ -127,8 +158,9 @@ class Results:
         }
         path = out / f"{self.name}.json"
         path.write_text(json.dumps(document, indent=1))
-        self.print_table()
-        print(f"results: {path}")
+        if show:
+            self.print_table()
+            print(f"results: {path}")
         return path
 
     def print_table(self) -> None:

@@ -156,6 +156,7 @@ class LayoutOptions:
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")
+CUDA_GRAPH_MODULES = ("attn", "mlp", "moe", "moe_router", "moe_preprocess", "mamba")  # megatron's CudaGraphModule
 
 
 @dataclass
@@ -180,6 +181,12 @@ class PerformanceOptions:
                 "forward, E5M2 gradients); needs --precision bf16, a provider backend te and a Hopper or newer GPU")
     cuda_graphs: bool = option(False, "capture each transformer layer's forward and backward as CUDA graphs "
                                       "(megatron-core with transformer-engine; fixed sequence shapes only)")
+    cuda_graph_modules: str | None = option(
+        None, "with --cuda-graphs: which parts of the LLM's layers to capture, megatron-core's names separated by "
+              "commas (attn, mlp, moe, moe_router, moe_preprocess, mamba); default: the provider's choice")
+    grad_accum_fusion: bool = option(
+        True, "transformer-engine layers add their weight gradients into the fp32 gradient buffer inside the GEMM "
+              "(--no-grad-accum-fusion: a separate add per weight)")
 
     def recompute_modes(self) -> dict[str, str]:
         """{module or "*": mode} from --recompute; "*" is every module not named."""
@@ -211,6 +218,21 @@ class PerformanceOptions:
         if self.cuda_graphs and precision != "bf16":
             raise UsageError("--cuda-graphs needs --precision bf16 (megatron-core captures the layers with bf16 "
                              "inputs)")
+        if self.cuda_graph_modules is not None:
+            if not self.cuda_graphs:
+                raise UsageError("--cuda-graph-modules needs --cuda-graphs")
+            self.graph_modules()
+
+    def graph_modules(self) -> tuple[str, ...] | None:
+        """--cuda-graph-modules as megatron-core's capture names, or None for the provider's choice."""
+        if self.cuda_graph_modules is None:
+            return None
+        names = tuple(filter(None, (n.strip() for n in self.cuda_graph_modules.split(","))))
+        unknown = [n for n in names if n not in CUDA_GRAPH_MODULES]
+        if unknown or not names:
+            raise UsageError(f"--cuda-graph-modules: unknown name {unknown[0] if unknown else repr('')}; choose "
+                             f"among {', '.join(CUDA_GRAPH_MODULES)}")
+        return names
 
 
 @dataclass
@@ -218,6 +240,37 @@ class MemoryOptions:
     gpu_memory: float | None = option(
         None, "GiB of memory per GPU the run may use: a layout whose estimate does not fit is refused before "
               "start (default: the visible GPU's, else 80)")
+    image_patches: str = option(
+        "max", "image tokens per sample the memory estimate assumes for the encoders: max (every image at its "
+               "largest, the default: never too low), mean (the provider's average image), or a number")
+
+    def encoder_tokens(self) -> str | float:
+        """--image-patches as "max", "mean" or a positive number of tokens per sample."""
+        if self.image_patches in ("max", "mean"):
+            return self.image_patches
+        try:
+            value = float(self.image_patches)
+        except ValueError:
+            value = -1.0
+        if not value > 0 or not math.isfinite(value):
+            raise UsageError(f"--image-patches must be max, mean or a positive number, got {self.image_patches!r}")
+        return value
+
+
+@dataclass
+class CompileOptions:
+    """What is compiled at the first iterations, and where it is kept for the next run."""
+
+    torch_compile: Literal["off", "on"] = option(
+        "off", "run megatron-core's fused functions through torch.compile (on) or eagerly (off: measured faster "
+               "on an H100, and no inductor compile at the first iterations)")
+    compile_cache: Path | None = option(
+        None, "keep compiled GPU kernels here for later runs: Triton's (with its autotuning), inductor's, and the "
+              "kernel choices mimo pins (default: $MIMO_COMPILE_CACHE, else ~/.cache/mimo/compile; the nodes of a "
+              "cluster job may share one)")
+    kernel_configs: str | None = option(
+        None, "a JSON table of Triton autotune choices to pin besides the provider's and the cache's; none: pin "
+              "nothing, every kernel autotunes")
 
 
 DEFAULT_TRAIN_ITERS = 100
@@ -246,6 +299,7 @@ COMPONENTS = (
     Component("layout", "Parallel layout", LayoutOptions),
     Component("performance", "Performance", PerformanceOptions),
     Component("memory", "Memory", MemoryOptions),
+    Component("compile", "Compilation", CompileOptions),
 )
 
 
@@ -304,6 +358,10 @@ class RunConfig:
         self.performance.validate(self.optimizer, t.precision)
         if self.memory.gpu_memory is not None and not self.memory.gpu_memory > 0:
             raise UsageError(f"--gpu-memory must be a positive number of GiB, got {self.memory.gpu_memory}")
+        self.memory.encoder_tokens()
+        kc = self.compile.kernel_configs
+        if kc is not None and kc != "none" and not Path(kc).is_file():
+            raise UsageError(f"--kernel-configs {kc}: no such file (a table mimo wrote, or none)")
         c = self.checkpoint
         for name, value in (("--save-interval", c.save_interval), ("--keep-last", c.keep_last)):
             if value is not None and value < 1:

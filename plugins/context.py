@@ -64,6 +64,11 @@ class BuildContext:
     sequence_parallel: bool = False  # applies to the language model, when its TP > 1
     fp8: str = "none"  # transformer-engine recipe name for the language model, or none
     cuda_graphs: bool = False  # the language model's layers are captured as CUDA graphs after warm-up
+    # --cuda-graph-modules: which parts of the language model's layers to capture (megatron-core's names), or
+    # None for the provider's choice (a `cuda_graph_modules` in its shape; else whole layers)
+    cuda_graph_modules: tuple[str, ...] | None = None
+    # the language model's input is packed (THD, variable-length samples): its shapes change every micro-batch
+    llm_input_packed: bool = False
 
     def transformer_config(self, module: str, **shape) -> TransformerConfig:
         """A TransformerConfig for `module` with the model's `shape` and the loop's layout and precision."""
@@ -73,6 +78,8 @@ class BuildContext:
         if clash:
             raise TypeError(f"transformer_config: {', '.join(clash)} are set by the loop, not the provider")
         par = self.parallelism[module]
+        if self.cuda_graph_modules is not None and module == LANGUAGE:  # the user's choice over the provider's
+            shape.pop("cuda_graph_modules", None)
         shape.setdefault("moe_token_dispatcher_type", "alltoall")  # the only one variable_seq_lengths allows
         return TransformerConfig(
             tensor_model_parallel_size=par.tp,
@@ -111,6 +118,8 @@ class BuildContext:
             fields.update(use_te_rng_tracker=True)
             if module == LANGUAGE:
                 fields.update(cuda_graph_impl="transformer_engine")
+                if self.cuda_graph_modules is not None:
+                    fields.update(cuda_graph_modules=list(self.cuda_graph_modules))
         return fields
 
     def pg_collection(self, module: str) -> ProcessGroupCollection | None:

@@ -87,6 +87,16 @@ def module_memory(settings):
 
 
 @hookspec(firstresult=True)
+def kernel_configs(settings):
+    """Return a list of Triton autotune tables (JSON objects as mimo records them in its compile cache's
+    `kernel_configs.json`: gpu, capability, triton and, per kernel, key and config) whose choices a GPU run pins
+    before its first iteration instead of autotuning. A table applies to its GPU model and compute capability, a
+    choice only where the installed kernel still offers that config. Optional: without it kernels autotune at first
+    use (and later runs reuse what the cache recorded).
+    """
+
+
+@hookspec(firstresult=True)
 def hf_settings(hf_config):
     """Return this provider's settings (a dict of setting names to values) for a Hugging Face model's config.json
     (`hf_config`, a dict), or None for a model type it does not read. A config it reads but cannot express raises

@@ -81,13 +81,15 @@ class ModuleMemory:
     first stage holds (embeddings, patch embedder, position tables), `last` what only the last stage holds
     (final norm, output layer and loss; an encoder's projection). `tokens_per_sample` is the tokens each layer
     sees per sample at the largest the data makes them (an LLM: its sequence length; an encoder: patches of the
-    largest images a sample can carry, class tokens included).
+    largest images a sample can carry, class tokens included). `mean_tokens_per_sample`, for an encoder whose
+    inputs vary in size: the tokens of an average sample of the provider's data (`--image-patches mean`).
     """
 
     layers: tuple[LayerMemory, ...]
     tokens_per_sample: float
     first: LayerMemory = field(default_factory=lambda: LayerMemory("input", Weights(), nothing_kept))
     last: LayerMemory = field(default_factory=lambda: LayerMemory("output", Weights(), nothing_kept))
+    mean_tokens_per_sample: float | None = None  # None: the same as tokens_per_sample
 
     @property
     def weights(self) -> Weights:

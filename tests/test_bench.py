@@ -69,3 +69,7 @@ def test_te_path_benchmark_writes_the_record_fields(tmp_path):
     assert "mfu" in record and record["mfu"] is None  # a CPU has no peak FLOP/s to divide by
     assert (record["backend"], record["precision"], record["provider"]) == ("local", "bf16", "mock-vlm")
     assert "--recompute selective" in record["command"] and record["ms_per_iter"] > 0
+    # the first iteration apart, the steady ones as min/median/max
+    assert record["first_iteration_s"] > 0 and record["to_first_iteration_end_s"] > record["first_iteration_s"]
+    spread = record["ms_per_iter_spread"]
+    assert spread["n"] == 3 and spread["min"] <= spread["median"] <= spread["max"]

@@ -79,6 +79,7 @@ class Options:
     num_microbatches: int
     recompute: dict  # module -> none | selective | full
     frozen: frozenset = frozenset()  # modules with nothing to train (no gradients, no optimizer state)
+    encoder_tokens: str | float = "max"  # --image-patches: max, mean or tokens per sample for the encoders
 
 
 def options_of(plan) -> Options:
@@ -89,7 +90,8 @@ def options_of(plan) -> Options:
                    sequence_parallel=config.performance.sequence_parallel,
                    micro_batch_size=config.training.micro_batch_size, num_microbatches=plan.num_microbatches,
                    recompute={name: config.performance.recompute_for(name) for name in plan.parallelism},
-                   frozen=frozenset(name for name in plan.parallelism if _frozen(name, frozen)))
+                   frozen=frozenset(name for name in plan.parallelism if _frozen(name, frozen)),
+                   encoder_tokens=config.memory.encoder_tokens())
 
 
 def _frozen(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -153,7 +155,8 @@ def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int,
     else:
         optimizer = state * count
     mode = options.recompute.get(name, "none")
-    tokens = options.micro_batch_size * memory.tokens_per_sample if rows is None else rows * memory.tokens_per_sample
+    per_sample = tokens_per_sample(name, memory, options.encoder_tokens)
+    tokens = options.micro_batch_size * per_sample if rows is None else rows * per_sample
     sp = options.sequence_parallel and par.tp > 1 and name == LANGUAGE
 
     def per_rank(b: TokenBytes) -> float:
@@ -164,3 +167,13 @@ def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int,
     return ModuleTerms(name, stage, len(layers), mode, tokens, in_flight, parameters=value * count,
                        gradients=4 * count if trainable else 0, optimizer=optimizer,
                        activations=in_flight * kept + working, parameter_count=count)
+
+
+def tokens_per_sample(name: str, memory: ModuleMemory, encoder_tokens: str | float) -> float:
+    """The tokens per sample the estimate assumes for module `name`: the LLM's always its sequence; an encoder's
+    by --image-patches (max: the provider's largest; mean: its average; a number: that)."""
+    if name == LANGUAGE or encoder_tokens == "max" or not memory.tokens_per_sample:
+        return memory.tokens_per_sample
+    if encoder_tokens == "mean":
+        return memory.tokens_per_sample if memory.mean_tokens_per_sample is None else memory.mean_tokens_per_sample
+    return float(encoder_tokens)

@@ -7,6 +7,7 @@ or `auto` without a visible GPU) is checked only against an explicit `--gpu-memo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -91,10 +92,32 @@ def check(plan, estimates: list[RankEstimate] | None = None, planning: bool = Fa
     if worst.total <= gib * GIB:
         return
     term, module, size = worst.largest()
+    varying = plan.config.memory.image_patches == "max" and _images_vary(plan)
     raise UsageError(
-        f"memory: {worst.kind} {worst.ranks[0]}-{worst.ranks[1]} need about {worst.total / GIB:.1f} GiB per GPU, "
-        f"above the {gib:.0f} GiB limit ({source}); largest term: {module} {term} {size / GIB:.1f} GiB; "
-        f"{advice(plan, term, module)} (mimo plan --suggest --gpus N lists layouts that fit)")
+        f"memory: {worst.kind} {worst.ranks[0]}-{worst.ranks[1]} need about {worst.total / GIB:.1f} GiB per GPU"
+        f"{' with every image at its largest' if varying else ''}, above the {gib:.0f} GiB limit ({source}); "
+        f"largest term: {module} {term} {size / GIB:.1f} GiB; {advice(plan, term, module)} (mimo plan --suggest "
+        f"--gpus N lists layouts that fit){_with_mean_images(plan, gib) if varying else ''}")
+
+
+def _images_vary(plan) -> bool:
+    """Whether an encoder's average sample has fewer tokens than its largest (images of varying size)."""
+    described = plan.hooks.module_memory(settings=plan.settings) or {}
+    return any(m.mean_tokens_per_sample is not None and m.mean_tokens_per_sample < m.tokens_per_sample
+               for name, m in described.items() if name != topology.LANGUAGE)
+
+
+def _with_mean_images(plan, gib: float) -> str:
+    """What the estimate says with images of the provider's average size, when that fits (--image-patches)."""
+    options = dataclasses.replace(memory.options_of(plan), encoder_tokens="mean")
+    rows = encoder_rows(plan.parallelism, plan.config.training.micro_batch_size)
+    described = plan.hooks.module_memory(settings=plan.settings)
+    mean = max(r.total for r in memory.estimate(described, plan.parallelism, options, rows))
+    if mean > gib * GIB:
+        return ""
+    return (f"; with images of the provider's average size it needs about {mean / GIB:.1f} GiB: --image-patches "
+            f"mean accepts that (a batch of larger images can then run out of memory), --image-patches N sets "
+            f"your data's image tokens per sample")
 
 
 def advice(plan, term: str, module: str) -> str:

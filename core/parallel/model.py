@@ -8,7 +8,9 @@ import torch
 
 from mimo.errors import UsageError
 from mimo.plugins import BuildContext, Encoder
+from mimo.plugins.kit.te_extras import te_extras_enabled
 
+from . import embedding_merge
 from .topology import LANGUAGE, Topology
 
 
@@ -16,9 +18,14 @@ def _seeded_mimo_model_class():
     """MimoModel that reseeds before building the encoders and before building the LLM, so each module's
     initial weights are the same whichever modules a rank builds (colocated, heterogeneous, any TP)."""
     from megatron.core.models.mimo import MimoModel
+    from megatron.core.utils import unwrap_model
 
     class SeededMimoModel(MimoModel):
+        """Also merges text and encoder embeddings without synchronizing when the caller hands over where the
+        placeholders are (`placeholder_rows`, embedding_merge.py); without them, megatron-core's merge."""
+
         init_seed = 0
+        _rows = None
 
         def _initialize_submodules(self):
             torch.manual_seed(self.init_seed)
@@ -27,6 +34,26 @@ def _seeded_mimo_model_class():
         def _initialize_language_model(self):
             torch.manual_seed(self.init_seed + 1)
             super()._initialize_language_model()
+
+        def forward(self, *args, placeholder_rows=None, **kwargs):
+            self._rows = placeholder_rows
+            try:
+                return super().forward(*args, **kwargs)
+            finally:
+                self._rows = None
+
+        def get_text_embeddings(self, input_ids, position_ids, special_token_ids):
+            if self._rows is None:
+                return super().get_text_embeddings(input_ids, position_ids, special_token_ids)
+            embedding = unwrap_model(self.language_model).embedding
+            return embedding_merge.embed_every_position(embedding, input_ids, position_ids, special_token_ids)
+
+        def align_embeddings_by_token_positions(self, modality_embeddings, input_ids, special_token_ids):
+            if self._rows is None:
+                return super().align_embeddings_by_token_positions(modality_embeddings, input_ids,
+                                                                   special_token_ids)
+            dense = modality_embeddings["text"]  # every position's, from get_text_embeddings above
+            return embedding_merge.merge(dense, modality_embeddings, self._rows)
 
     return SeededMimoModel
 
@@ -84,7 +111,28 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
             model.language_model = wrapped
         else:
             model.modality_submodules[name] = wrapped
+    if performance is not None and performance.grad_accum_fusion and te_extras_enabled():
+        fuse_weight_gradient_accumulation(model)
     return model
+
+
+def fuse_weight_gradient_accumulation(model) -> int:
+    """Let transformer-engine's modules add each weight gradient into DDP's fp32 `main_grad` inside the GEMM
+    (one fewer read and write of every weight's gradient per micro-batch). Set after DDP gave the weights their
+    `main_grad`: megatron-core's config flag would also ask the non-TE layers (output layer, projections) for
+    Apex's kernel. Returns the modules changed (none without transformer-engine)."""
+    try:
+        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+    except ImportError:
+        return 0
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
+            trained = [p for p in module.parameters(recurse=False) if p.requires_grad]
+            if trained and all(hasattr(p, "main_grad") for p in trained):
+                module.fuse_wgrad_accumulation = True
+                changed += 1
+    return changed
 
 
 @contextmanager

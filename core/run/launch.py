@@ -99,11 +99,6 @@ def init_process(requested_device: str, timeout_minutes: float = 10.0) -> torch.
         torch.cuda.set_device(device)
     else:
         cpu_redirect.enable()
-        # megatron-core torch.compile's its fused functions (jit_fuser): on the CPU inductor spends 30-70 s
-        # compiling them into C++ at the first iterations and gains nothing, so they run eager.
-        import torch._dynamo
-
-        torch._dynamo.config.disable = True
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         timeout = timedelta(minutes=timeout_minutes)
@@ -121,6 +116,14 @@ def init_process(requested_device: str, timeout_minutes: float = 10.0) -> torch.
     if parallel_state._GLOBAL_MEMORY_BUFFER is None:
         parallel_state._set_global_memory_buffer()
     return device
+
+
+def limit_device_connections(parallelism) -> None:
+    """With tensor or context parallelism, one hardware queue per GPU (CUDA_DEVICE_MAX_CONNECTIONS=1), so that
+    the GPU runs a layer's communication kernels in the order they were launched and overlaps them with compute
+    as megatron-core schedules it (Megatron-Bridge's rule for Hopper). Before CUDA starts; a value set wins."""
+    if any(p.tp > 1 or p.cp > 1 for p in parallelism.values()):
+        os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 
 def seed_everything(seed: int, tp_rank: int, ep_rank: int, etp_rank: int, te_rng_tracker: bool = False) -> None:

@@ -26,10 +26,15 @@ def advance(session: Session, iterations: int) -> None:
     c, flop_check = plan.config.checkpoint, plan.config.logging.flop_check_iteration
     for iteration in range(s.iteration + 1, min(s.iteration + iterations, plan.train_iters) + 1):
         s.profiler.before(iteration)
+        if s.compiles:
+            s.compiles.before(iteration)
+        started = time.perf_counter()
         if iteration == flop_check:
             result = _counted_step(s.step, s.data, s.logger, s.device)
         else:
             result = s.step(s.data)
+        if s.compiles:
+            s.compiles.after(iteration, time.perf_counter() - started)
         s.profiler.after(iteration)
         s.iteration, s.consumed = iteration, s.consumed + plan.global_batch_size
         s.skips.report()
@@ -51,6 +56,8 @@ def finish(session: Session) -> list[dict]:
     """Close the logs, let background saves land, leave the world. Returns the logged records (logging rank)."""
     session.logger.close()
     session.skips.close()
+    if session.compiles:
+        session.compiles.close()
     if session.checkpointer:
         session.checkpointer.wait(blocking=True)
     if hasattr(session.source, "close"):  # a read-ahead thread, or a loader's worker processes
@@ -81,6 +88,8 @@ def train(plan: Plan) -> list[dict]:
         except BaseException:
             session.logger.close()
             session.skips.close()
+            if session.compiles:
+                session.compiles.close()
             raise
         records = finish(session)
         if session.logger.enabled:

@@ -22,6 +22,7 @@ from ..telemetry.profiler import StepProfiler
 from ..telemetry.skip_report import SkipReporter
 from ..telemetry.timers import StepTimers
 from . import signals
+from .compilation import FirstIterations
 from .cuda_graphs import LayerGraphs
 from .plan import Plan
 from .prefetch import read_ahead
@@ -49,6 +50,7 @@ class Session:
     consumed: int = 0
     evaluations: EvalSchedule | None = None  # --eval-iters: held-out loss during the run
     signal_watch: signals.SignalWatch | None = None  # --exit-signal and SIGINT: stop at an iteration boundary
+    compiles: FirstIterations | None = None  # Triton pins and the compile report around the first iterations
 
     @property
     def device(self) -> torch.device:
@@ -125,8 +127,11 @@ def start(plan: Plan) -> Session:
                               data_ctx=eval_context(data_ctx, "val", eval_data_path(config)))
         evaluations = EvalSchedule(config.evaluation, evaluator=evaluator, train_iters=plan.train_iters,
                                    logger=logger)
+    compiles = FirstIterations(config.compile, hooks=plan.hooks, settings=plan.settings, device=device,
+                               speaks=logging_rank)
     return Session(plan, world, model, optimizer, scheduler, step, logger, profiler, checkpointer,
-                   _chain(first_batch, reader), reader, skips, start_iteration, consumed, evaluations)
+                   _chain(first_batch, reader), reader, skips, start_iteration, consumed, evaluations,
+                   compiles=compiles)
 
 
 def describe_run(plan: Plan, held: dict[str, int], device: torch.device, precision: str) -> str:

@@ -20,6 +20,7 @@ from torch.profiler import record_function
 
 from mimo.plugins import LANGUAGE
 
+from ..parallel.embedding_merge import placeholder_rows
 from ..parallel.model import held_modules
 from ..parallel.topology import Topology, is_token_source
 from ..telemetry.timers import StepTimers
@@ -43,13 +44,18 @@ class StepResult:
     moe_losses: dict[str, float] = field(default_factory=dict)  # each auxiliary loss, mean over MoE layers
 
 
+# Encoder arguments that describe the batch rather than feed a kernel: they stay on the host, where the encoder
+# reads them without waiting for the GPU (mimo.plugins.data's dynamic-resolution images).
+HOST_ARGUMENTS = ("imgs_sizes",)
+
+
 def to_device(value, device: torch.device, float_dtype: torch.dtype):
     """Move a (nested) batch to the device; floating-point model inputs take the model's dtype."""
     if isinstance(value, torch.Tensor):
         cast = float_dtype if value.is_floating_point() else value.dtype
         return value.to(device=device, dtype=cast, non_blocking=True)
     if isinstance(value, dict):
-        return {k: to_device(v, device, float_dtype) for k, v in value.items()}
+        return {k: v if k in HOST_ARGUMENTS else to_device(v, device, float_dtype) for k, v in value.items()}
     return value
 
 
@@ -76,10 +82,13 @@ class ForwardLoss:
             batch = next(data_iterator)
         with self._label("mimo/to-device"):
             model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
+            # where each encoder's placeholders are, found on the host: the merge then never waits for the GPU
+            rows = placeholder_rows(batch["input_ids"], model.special_token_ids, self.device)
             model_inputs = to_device(model_inputs, self.device, torch.float32)
             modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
         with self._phase("forward"):
-            output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None)
+            output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None,
+                                      placeholder_rows=rows)
         return output, partial(self.loss, loss_mask=loss_mask)
 
     def loss(self, output_tensor, loss_mask):

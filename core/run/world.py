@@ -18,7 +18,7 @@ from mimo.plugins import LANGUAGE, BuildContext, DataContext
 
 from ..parallel import topology
 from ..parallel.model import build_model
-from . import launch
+from . import compilation, launch
 from .cuda_graphs import train_on_capture_stream
 from .plan import Plan
 
@@ -69,7 +69,9 @@ def join(plan: Plan, *, seed: int | None = None) -> World:
 
     `seed` (default: the run's --seed) seeds the RNGs and the model's initial weights."""
     config, perf = plan.config, plan.config.performance
+    launch.limit_device_connections(plan.parallelism)
     device = launch.init_process(config.training.device, config.launch.distributed_timeout_minutes)
+    compilation.configure(config.compile, device)  # before the model: torch.compile off, the caches' places
     if dist.get_world_size() != plan.world_size:
         raise UsageError(f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} joined")
     if device.type != "cuda" and (perf.fp8 != "none" or perf.cuda_graphs):
@@ -90,4 +92,6 @@ def build_context(plan: Plan, topo: topology.Topology) -> BuildContext:
     return BuildContext(params_dtype=plan.params_dtype, parallelism=plan.parallelism,
                         pg_collections=topo.pg_collections,
                         recompute={name: perf.recompute_for(name) for name in plan.parallelism},
-                        sequence_parallel=perf.sequence_parallel, fp8=perf.fp8, cuda_graphs=perf.cuda_graphs)
+                        sequence_parallel=perf.sequence_parallel, fp8=perf.fp8, cuda_graphs=perf.cuda_graphs,
+                        cuda_graph_modules=perf.graph_modules(),
+                        llm_input_packed=plan.config.data.data is not None and plan.config.data.pack_sequences)

@@ -108,6 +108,7 @@ class MetricsLogger:
             "skipped_samples": result.skipped_samples,
             "peak_memory_gib": _peak_memory_gib(self.device),
             **_peaks_per_rank(self.device),
+            **_alloc_retries(self.device),
             **{f"grad_norm_{name}": norm for name, norm in result.module_grad_norms.items()},
         }
         if self.flops_per_iteration:
@@ -181,6 +182,14 @@ def _peak_memory_gib(device: torch.device) -> float | None:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # CPU: the process's peak RSS (KiB)
+
+
+def _alloc_retries(device: torch.device) -> dict:
+    """The caching allocator's retries so far on this rank: each one freed the cache and synchronized after a
+    failed cudaMalloc, a run at the edge of memory crawls while the count climbs."""
+    if device.type != "cuda":
+        return {}
+    return {"alloc_retries": int(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))}
 
 
 def _peaks_per_rank(device: torch.device) -> dict:

@@ -163,15 +163,17 @@ def embedding(vocab: int, h: int, *, positions: int = 0) -> LayerMemory:
                        lambda mode, v: TokenBytes(replicated=8))
 
 
-def output(vocab: int, h: int, *, final_norm_bias: bool = False, kernels: Kernels = Kernels()) -> LayerMemory:
+def output(vocab: int, h: int, *, final_norm_bias: bool = False, kernels: Kernels = Kernels(),
+           fused_loss: bool = False) -> LayerMemory:
     """Final norm, vocab-parallel output layer and cross-entropy: the loss keeps the exponentiated logits in
     fp32 (backward turns them into the gradient in place); while it runs, the logits in the activations' dtype
     (in backward, their gradient) exist besides. The H100 peaks in docs/verification.md check this term: it
-    dominates a 131k-vocabulary run under full recomputation."""
+    dominates a 131k-vocabulary run under full recomputation. `fused_loss` (transformer-engine's fused
+    cross-entropy): the loss writes the gradient into the logits themselves, in their dtype, and keeps only them."""
     weights = Weights(tp=vocab * h, replicated=h * (2 if final_norm_bias else 1))
 
     def kept(mode: str, v: int) -> TokenBytes:
-        return TokenBytes(replicated=_norm_linear(h, v, kernels), tp=4 * vocab)
+        return TokenBytes(replicated=_norm_linear(h, v, kernels), tp=(v if fused_loss else 4) * vocab)
 
     def working(mode: str, v: int) -> TokenBytes:
         return TokenBytes(tp=vocab * v)  # the logits, or in backward their gradient

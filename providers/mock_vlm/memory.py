@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mimo.plugins import LANGUAGE, LayerMemory, ModuleMemory, TokenBytes, Weights
 from mimo.plugins.kit import memory_layers as ml
+from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from .model import IMAGES, _ffn, resolve_backend
 
@@ -63,5 +64,6 @@ def module_memory(settings) -> dict[str, ModuleMemory]:
                              first=patch_embedder, last=projection),
         LANGUAGE: ModuleMemory(layers=(gpt_layer,) * s.num_layers, tokens_per_sample=s.seq_length,
                                  first=ml.embedding(s.vocab_size, h),
-                                 last=ml.output(s.vocab_size, h, final_norm_bias=True)),
+                                 last=ml.output(s.vocab_size, h, final_norm_bias=True, fused_loss=(
+                                     _backend(s) == "te" and s.fused_cross_entropy and te_extras_enabled()))),
     }

@@ -27,6 +27,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from mimo import LANGUAGE, Encoder, SDPAttention
+from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from .settings import IMAGES
 
@@ -52,6 +53,13 @@ def _kernels(backend: str, ctx) -> dict:
     for wanted, option in ((ctx.fp8 != "none", f"--fp8 {ctx.fp8}"), (ctx.cuda_graphs, "--cuda-graphs")):
         if wanted:
             raise ValueError(f"{option} needs backend te: --set backend=te (transformer-engine and a GPU)")
+    return {}
+
+
+def _fused_loss(settings, backend: str) -> dict:
+    """te: transformer-engine's fused cross-entropy, which never materializes the fp32 logits."""
+    if backend == "te" and settings.fused_cross_entropy and te_extras_enabled():
+        return {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"}
     return {}
 
 
@@ -121,6 +129,7 @@ def language_spec(settings, ctx) -> ModuleSpec:
         LANGUAGE, num_layers=settings.num_layers, hidden_size=settings.hidden_size,
         num_attention_heads=settings.num_attention_heads, ffn_hidden_size=_ffn(settings, settings.hidden_size),
         hidden_dropout=settings.dropout, attention_dropout=settings.dropout, **_kernels(backend, ctx),
+        **_fused_loss(settings, backend),
     )
     if ctx.sequence_parallel and ctx.parallelism[LANGUAGE].tp > 1 and backend != "te":
         raise ValueError("--sequence-parallel needs backend te (megatron-core's torch norms do not split the "

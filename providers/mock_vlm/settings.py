@@ -40,6 +40,8 @@ class MockVLMSettings:
         "auto", "te: megatron-core's transformer-engine layer specs (fused norm+linear, flash attention, fused "
                 "RoPE; FP8-capable); local: megatron-core's local modules (any device); auto: te when "
                 "transformer-engine is installed and a GPU is visible")
+    fused_cross_entropy: bool = setting(
+        True, "backend te: transformer-engine's fused cross-entropy (no fp32 copy of the logits)")
     attention: Literal["sdpa", "local"] = setting(
         "sdpa", "backend local: core attention by torch's fused SDPA (flash on GPUs) or megatron-core's unfused "
                 "DotProductAttention")

@@ -118,6 +118,14 @@ def model_flops(settings: NemotronVLMSettings):
 
 
 @hookimpl
+def kernel_configs(settings: NemotronVLMSettings):
+    """The Triton autotune choices recorded for this family on the GPUs in kernel_configs/ (one JSON per GPU)."""
+    from .kernel_tables import recorded_tables
+
+    return recorded_tables()
+
+
+@hookimpl
 def hf_settings(hf_config: dict):
     from .hf.vlm import hf_settings as settings_of
 

@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import math
+
 from mimo.plugins import LANGUAGE, LayerMemory, ModuleMemory, TokenBytes, Weights
 from mimo.plugins.kit import memory_layers as ml
+from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from .settings import IMAGES, NemotronVLMSettings
 from .specs import resolve_backend
@@ -61,6 +64,15 @@ def vision_tokens(s: NemotronVLMSettings) -> int:
     return patches + s.class_tokens
 
 
+def mean_vision_tokens(s: NemotronVLMSettings) -> float:
+    """Encoder tokens of an average sample of the synthetic data: images with probability image_probability, their
+    patch counts log-uniform in [min_patches, max_patches] (data.py), plus the class tokens."""
+    if not s.dynamic_resolution or s.max_patches == s.min_patches:
+        return s.image_probability * vision_tokens(s)
+    patches = (s.max_patches - s.min_patches) / math.log(s.max_patches / s.min_patches)
+    return s.image_probability * (patches + s.class_tokens)
+
+
 def module_memory(s: NemotronVLMSettings) -> dict[str, ModuleMemory]:
     k, vh = kernels(s), s.vision_hidden_size
     if not k.te and s.dynamic_resolution:  # packed images: mimo's SDPA module writes a new output buffer
@@ -70,8 +82,10 @@ def module_memory(s: NemotronVLMSettings) -> dict[str, ModuleMemory]:
     return {
         IMAGES: ModuleMemory(layers=(vit,) * s.vision_layers,
                              tokens_per_sample=vision_tokens(s) if s.image_probability > 0 else 0,
-                             first=_patch_embedder(s), last=_projection(s)),
+                             first=_patch_embedder(s), last=_projection(s),
+                             mean_tokens_per_sample=mean_vision_tokens(s) if s.image_probability > 0 else 0),
         LANGUAGE: ModuleMemory(layers=tuple(llm_layers(s)), tokens_per_sample=s.seq_length,
                                  first=ml.embedding(s.vocab_size, s.hidden_size),
-                                 last=ml.output(s.vocab_size, s.hidden_size)),
+                                 last=ml.output(s.vocab_size, s.hidden_size,
+                                                fused_loss=k.te and s.fused_cross_entropy and te_extras_enabled())),
     }

@@ -15,10 +15,13 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mimo import LANGUAGE, Encoder
+from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from .settings import ENCODER, IMAGES, NemotronVLMSettings
 from .specs import hybrid_stack_spec, projection_submodules, resolve_backend, vit_layer_spec
 from .tokens import image_token_id
+
+MAX_SEQLEN_STEP = 256  # RADIO's THD max_seqlen is rounded up to a multiple of this (class tokens included)
 
 # `vision_activation`: C-RADIO's exact GELU, or the tanh approximation of Megatron-LM's RADIO recipe.
 VISION_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": fast_gelu}
@@ -58,15 +61,18 @@ class RadioEncoder(RADIOViTModel):
             out = super().forward(x, attention_mask)[:, cls:]  # [N, patches, hidden]
             rows, cols = x.shape[-2] // self.patch_dim, x.shape[-1] // self.patch_dim
             return torch.cat([pixel_shuffle(tile, rows, cols, self.shuffle_side) for tile in out])
-        grids = (torch.as_tensor(imgs_sizes) // self.patch_dim).tolist()
+        # The sizes stay on the host (the loop leaves imgs_sizes there): read on the GPU, every image's size would
+        # be a device-to-host synchronization in each forward.
+        sizes = [tuple(size) for size in torch.as_tensor(imgs_sizes).cpu().tolist()]
+        grids = [(h // self.patch_dim, w // self.patch_dim) for h, w in sizes]
         lengths = [r * c for r, c in grids]
         # RADIOViTModel shifts the THD boundaries in place for its class tokens: give it a copy it may change.
-        packed_seq_params = _packed_params(lengths, packed_seq_params, x.device)
+        packed_seq_params = _packed_params(lengths, packed_seq_params, x.device, cls)
         if self.temporal_patch_dim > 1:  # RADIOViTModel then also returns the sizes and frame counts
-            out = super().forward(x, attention_mask, torch.as_tensor(imgs_sizes), packed_seq_params,
+            out = super().forward(x, attention_mask, torch.tensor(sizes), packed_seq_params,
                                   num_frames=[1] * len(grids))[0][0]
         else:
-            out = super().forward(x, attention_mask, imgs_sizes, packed_seq_params)[0]  # [patches + N * cls, h]
+            out = super().forward(x, attention_mask, sizes, packed_seq_params)[0]  # [patches + N * cls, h]
         tokens, start = [], 0
         for (rows, cols), n in zip(grids, lengths):
             tokens.append(pixel_shuffle(out[start + cls:start + cls + n], rows, cols, self.shuffle_side))
@@ -74,17 +80,23 @@ class RadioEncoder(RADIOViTModel):
         return torch.cat(tokens)
 
 
-def _packed_params(lengths: list[int], given: PackedSeqParams | None, device) -> PackedSeqParams:
-    """A fresh THD PackedSeqParams for images of `lengths` patches (checked against the one given)."""
+def _packed_params(lengths: list[int], given: PackedSeqParams | None, device, class_tokens: int = 0) -> PackedSeqParams:
+    """A fresh THD PackedSeqParams for images of `lengths` patches (checked against the one given), its boundaries
+    copied to `device` without a synchronization. `max_seqlen` is an upper bound rounded so that, with the
+    `class_tokens` RADIO adds, it is a multiple of MAX_SEQLEN_STEP: attention kernels (cuDNN's) build an execution
+    plan per value, and the longest image of a micro-batch is nearly unique each time."""
     cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if given is not None and not torch.equal(given.cu_seqlens_q.cpu().to(torch.int32), cu):
+        raise ValueError(f"packed_seq_params.cu_seqlens_q {given.cu_seqlens_q.tolist()} does not match the "
+                         f"images' patch counts {lengths}")
+    if torch.device(device).type == "cuda":
+        cu = cu.pin_memory()
+    on_device = cu.to(device, non_blocking=True)
+    bound = -(-(max(lengths) + class_tokens) // MAX_SEQLEN_STEP) * MAX_SEQLEN_STEP - class_tokens
+    fields = dict(cu_seqlens_q=on_device, cu_seqlens_kv=on_device.clone(), max_seqlen_q=bound, max_seqlen_kv=bound)
     if given is not None:
-        if not torch.equal(given.cu_seqlens_q.cpu().to(torch.int32), cu):
-            raise ValueError(f"packed_seq_params.cu_seqlens_q {given.cu_seqlens_q.tolist()} does not match the "
-                             f"images' patch counts {lengths}")
-        return dataclasses.replace(given, cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device))
-    longest = max(lengths)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu.to(device), cu_seqlens_kv=cu.to(device),
-                           max_seqlen_q=longest, max_seqlen_kv=longest)
+        return dataclasses.replace(given, **fields)
+    return PackedSeqParams(qkv_format="thd", **fields)
 
 
 # ----------------------------------------------------------------------------------------------------- specs
@@ -135,9 +147,7 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         raise ValueError("--llm-tp > 1: megatron-core trains MoE layers under tensor parallelism only with "
                          "sequence parallelism: add --sequence-parallel, or use --llm-tp 1 (and --llm-ep to split "
                          "the experts)")
-    if ctx.cuda_graphs:
-        raise ValueError("--cuda-graphs: this LLM's packed variable-length sequences and MoE routing change shape "
-                         "every micro-batch, which captured graphs cannot replay; leave --cuda-graphs off")
+    graphs = _cuda_graph_fields(s, ctx, backend)
     if ctx.fp8 != "none" and backend != "te":
         raise ValueError(f"--fp8 {ctx.fp8} needs backend te: --set backend=te (transformer-engine, mamba-ssm, a GPU)")
     if ctx.sequence_parallel and ctx.parallelism[LANGUAGE].tp > 1 and backend != "te":
@@ -153,7 +163,7 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         **(_moe_config(s, backend) if num_experts else {}),
         # FP8 GEMMs need token counts in multiples of 16: pad each expert's routed tokens
         **({"moe_router_padding_for_fp8": True} if num_experts and ctx.fp8 != "none" else {}),
-        **_fused_kernels(backend),
+        **_fused_kernels(backend), **_fused_loss(s, backend), **graphs,
     )
     return ModuleSpec(module=HybridModel, params=dict(
         config=config,
@@ -171,6 +181,29 @@ def _fused_kernels(backend: str) -> dict:
     return {"bias_dropout_fusion": True} if backend == "te" else {}
 
 
+def _fused_loss(s: NemotronVLMSettings, backend: str) -> dict:
+    """te: transformer-engine's fused cross-entropy, which never materializes the fp32 logits."""
+    if backend == "te" and s.fused_cross_entropy and te_extras_enabled():
+        return {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"}
+    return {}
+
+
+def _cuda_graph_fields(s: NemotronVLMSettings, ctx, backend: str) -> dict:
+    """--cuda-graphs captures the parts of the layers whose shapes are fixed: the Mamba and attention layers (the
+    MoE layers' routed token counts change every micro-batch); with FP8 the Mamba layers only, as Megatron-Bridge's
+    FP8 recipe for this model does. Packed --data changes every shape: refused."""
+    if not ctx.cuda_graphs:
+        return {}
+    if backend != "te":
+        raise ValueError("--cuda-graphs needs backend te: --set backend=te (transformer-engine, mamba-ssm, a GPU)")
+    if ctx.llm_input_packed:
+        raise ValueError("--cuda-graphs: packed --data gives the LLM sequences of another length every "
+                         "micro-batch, which captured graphs cannot replay; add --no-pack-sequences or leave "
+                         "--cuda-graphs off")
+    wanted = ("mamba",) if ctx.fp8 != "none" else ("mamba", "attn")
+    return {"cuda_graph_modules": [m for m in wanted if m != "attn" or "*" in s.hybrid_pattern]}
+
+
 def _moe_config(s: NemotronVLMSettings, backend: str) -> dict:
     return dict(
         num_moe_experts=s.num_experts, moe_router_topk=s.moe_router_topk, moe_ffn_hidden_size=s.moe_ffn_hidden_size,
@@ -180,4 +213,7 @@ def _moe_config(s: NemotronVLMSettings, backend: str) -> dict:
         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=s.moe_aux_loss_coeff,
         # te: one grouped GEMM for the experts; transformer-engine's fused token permutation and router top-k
         moe_grouped_gemm=backend == "te", moe_permute_fusion=backend == "te", moe_router_fusion=backend == "te",
+        # te: the shared expert runs on a side stream beside the routed experts' dispatch
+        moe_shared_expert_overlap=(backend == "te" and s.shared_expert_overlap and te_extras_enabled()
+                                   and bool(s.moe_shared_expert_intermediate_size)),
     )

@@ -38,6 +38,10 @@ class NemotronVLMSettings:
     backend: Literal["auto", "te", "local"] = _setting(
         "auto", "te: transformer-engine + mamba-ssm kernels; local: plain megatron-core/PyTorch modules (any "
         "device); auto: te when both are installed and a GPU is visible")
+    fused_cross_entropy: bool = _setting(
+        True, "backend te: transformer-engine's fused cross-entropy (no fp32 copy of the logits)")
+    shared_expert_overlap: bool = _setting(
+        True, "backend te: run the shared expert on a side stream, overlapping the routed experts' dispatch")
 
     # -- vision encoder (RADIO ViT)
     vision_layers: int = _setting(32, "transformer layers of the RADIO encoder", **SIZE)

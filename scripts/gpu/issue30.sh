@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The Nemotron slice on one H100: time to the first iteration (fresh and warm caches, pinned autotuning) and steady
+# speed, each against main at de6fd6f in the same call; the dense mock-vlm against main; nemotron-moe-vlm-mid's
+# recipes with diagnostics; FP8. Run from the repository root, three device calls in a row (a machine stays warm
+# 30 s after a call: send the next one at once; a later call on a fresh machine stops at once with exit 3):
+#   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
+#   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
+#   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
+# Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
+# not ignored so that it travels (do not commit it):
+#   mkdir -p bench_baseline && git archive de6fd6f --prefix=mimo/ | tar -x -C bench_baseline
+# Results: $OUT/<phase>.tgz (logs, metrics, records, profile summaries, the recorded kernel_configs.json), rewritten
+# after every run so that a call stopped early keeps what finished; the summary table is the last output.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+phase=${1:?install, slice or rest}
+# seconds the phase may use: timeout_s (420 for install, 600 for the others) less a margin for the transfers
+LIMIT=${ISSUE30_LIMIT:-$([ "$phase" = install ] && echo 370 || echo 540)}
+R=/tmp/i30/$phase
+mkdir -p "$R"
+base="$PWD/bench_baseline"
+pack() { tar czf "$OUT/$phase.tgz" --exclude='trace_*' -C /tmp/i30 "$phase" 2>/dev/null; true; }
+left() { echo $(( LIMIT - SECONDS )); }
+# bench DIR CAP ARGS...: one bench/te_path.py call, stopped after CAP seconds or at the phase's limit
+bench() {
+  local dir=$1 cap=$2; shift 2
+  local rest=$(( $(left) - 5 ))
+  (( cap > rest )) && cap=$rest
+  if (( cap < 60 )); then echo "== $dir skipped: $(left) s of the phase left"; return 1; fi
+  timeout -k 10 "$cap" python3 bench/te_path.py --out "$R/$dir" --timeout $(( cap - 20 )) "$@" 2>&1 \
+    | tee -a "$R/console.log"
+  pack
+}
+ok() { grep -q '"status": "ok"' "$R/$1/te_path.json" 2>/dev/null; }
+first_done() { grep -q '"first_iteration_s"' "$R/$1/te_path.json" 2>/dev/null; }
+
+versions() {
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
+  python3 -c "import torch, triton, transformer_engine_torch as tex, mamba_ssm; print('torch', torch.__version__, \
+'triton', triton.__version__, 'cublasLt', tex.get_cublasLt_version(), 'mamba_ssm', mamba_ssm.__version__, \
+torch.cuda.get_device_name())"
+}
+
+case "$phase" in
+  install)
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-site .whl-te/*.whl \
+      && touch /tmp/te-site/ok || exit 3
+    export PYTHONPATH=/tmp/te-site
+    versions 2>&1 | tee "$R/versions.txt"
+    # mamba-ssm's share of the first iteration (compile + autotune of the training kernel megatron-core calls) and
+    # its speed at chunk 128 (megatron's) and 256, at the slice's shape (ISSUE30_PROBE_SHAPES="slice mid" adds
+    # mid's); a cache of its own, so that call 2 starts cold
+    TRITON_CACHE_DIR=/tmp/triton-probe timeout -k 10 $(( $(left) - 10 )) python3 scripts/gpu/mamba_ssd_probe.py \
+      --shapes ${ISSUE30_PROBE_SHAPES:-slice} --out "$R/mamba_probe.json" 2>&1 | tee "$R/probe.log"
+    pack
+    ;;
+  slice|rest)
+    test -f /tmp/te-site/ok || { echo "TE stack missing: the machine is new; repeat call 1"; exit 3; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl && export PYTHONPATH=/tmp/site:/tmp/te-site || exit 3
+    test -f "$base/mimo/__init__.py" || { echo "bench_baseline/mimo missing (git archive, see the header)"; exit 3; }
+    versions > "$R/versions.txt" 2>&1
+    if [ "$phase" = slice ]; then
+      # 1 empty caches, every kernel autotuned (no pins), torch.compile off: writes /tmp/ccA/kernel_configs.json
+      bench 1 200 --cases slice-te --extra "--compile-cache /tmp/ccA --kernel-configs none"
+      # a failure of the transformer-engine additions must not cost the call: again with MIMO_TE_EXTRAS=0
+      ok 1 || MIMO_TE_EXTRAS=0 bench 1b 180 --cases slice-te --extra "--compile-cache /tmp/ccA --kernel-configs none"
+      # 2 empty caches plus the pins of 1: a fresh machine's first iteration; CUDA graphs (mamba, attn) from
+      # iteration 2; one profiled iteration
+      bench 2 170 --cases slice-te-graphs --iterations 12 --profile slice-te-graphs \
+        --extra "--compile-cache /tmp/ccB --kernel-configs /tmp/ccA/kernel_configs.json"
+      # graphs refused before iteration 1 (cache B still empty): the pinned fresh start without them
+      first_done 2 || bench 2b 150 --cases slice-te \
+        --extra "--compile-cache /tmp/ccB --kernel-configs /tmp/ccA/kernel_configs.json"
+      # 3 main (de6fd6f) on cache A's kernels and autotune timings, same card, same call
+      TRITON_CACHE_DIR=/tmp/ccA/triton TRITON_CACHE_AUTOTUNING=1 bench 3 140 --cases slice-te --baseline-src "$base"
+      cp /tmp/ccA/kernel_configs.json "$R/kernel_configs_A.json" 2>/dev/null
+      cp /tmp/ccB/kernel_configs.json "$R/kernel_configs_B.json" 2>/dev/null
+      pack
+    else
+      test -d /tmp/ccB || { echo "the caches of call 2 are missing: the machine is new"; exit 3; }
+      # 4 warm caches: a second run's first iteration, and slice-te measured again (run-to-run spread against 1)
+      bench 4 100 --cases slice-te --extra "--compile-cache /tmp/ccB"
+      # 5, 6 the dense mock-vlm's best recipe, this checkout against main
+      bench 5 80 --cases dense-te-graphs-fp8-mbs4 --extra "--compile-cache /tmp/ccB"
+      bench 6 90 --cases dense-te-graphs-fp8-mbs4 --baseline-src "$base"
+      # 7 mid: the docs' best recipe under the default memory check with average images, then the default
+      # recipe; stacks every 45 s during iterations 1-2, allocator retries in the records
+      MIMO_STACK_DUMP_S=45 bench 7 270 --cases mid-te-mbs8-selective mid-te --timeout 130 \
+        --extra "--compile-cache /tmp/ccB --image-patches mean"
+      # 8 FP8 tensorwise with graphs of the Mamba layers, if the call has time left
+      bench 8 110 --cases slice-te-fp8 --extra "--compile-cache /tmp/ccB"
+      # 9 mid's default recipe on main, if the call has time left
+      TRITON_CACHE_DIR=/tmp/ccB/triton bench 9 80 --cases mid-te --baseline-src "$base"
+    fi
+    python3 bench/te_path.py --summarize "$R"   # one table of every run, last in the output
+    ;;
+  *) echo "phase: install, slice or rest"; exit 2 ;;
+esac
