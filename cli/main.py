@@ -16,6 +16,7 @@ from . import console
 from .common import fail
 from .help import WholeNamesCommand
 from .options import CONTEXT, loop_parameters, provider_parameters, run_config, with_options
+from . import generate
 from .ckpt import ckpt_app
 from .data import data_app
 from .providers import providers_app
@@ -108,6 +109,9 @@ app.command("eval", cls=WholeNamesCommand)(with_options(_eval, [
     inspect.Parameter("json_path", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
         typing.Optional[Path], typer.Option("--json", help="write the figures to this JSON file")]),
 ] + provider_parameters() + loop_parameters()))
+
+
+generate.register(app)
 
 
 def _plan(ctx: typer.Context, as_json: bool = False, suggest: bool = False, gpus: typing.Optional[int] = None,

@@ -41,13 +41,14 @@ class Generated:
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else None
 
 
-def check_layout(topology, sequence_parallel: bool, pipeline: int, way_out: str) -> None:
-    """One line when this layout cannot decode (`way_out` says what to do instead)."""
-    if not topology.colocated:
-        raise UsageError(f"generation needs every module on every rank (colocated; --encoder-ranks 0): {way_out}")
-    if pipeline > 1:
+def check_plan(plan, way_out: str) -> None:
+    """One line when the planned layout cannot decode (`way_out` says what to do instead)."""
+    parallelism = plan.parallelism
+    if len({(p.first_rank, p.num_ranks) for p in parallelism.values()}) != 1:
+        raise UsageError(f"generation needs every module on every rank (colocated, --encoder-ranks 0): {way_out}")
+    if parallelism[LANGUAGE].pp > 1:
         raise UsageError(f"generation needs the LLM in one pipeline stage (--llm-pp 1): {way_out}")
-    if sequence_parallel:
+    if plan.config.performance.sequence_parallel:
         raise UsageError(f"generation does not run with --sequence-parallel: {way_out}")
 
 
@@ -133,10 +134,3 @@ class Decoder:
                 torch.cuda.synchronize()
             finished = time.perf_counter()
         return Generated(tokens, stop, prefilled - started, finished - prefilled)
-
-
-def decoder_for(world, model, way_out: str) -> Decoder:
-    """The Decoder of a joined world's model, after its layout checks."""
-    plan = world.plan
-    check_layout(world.topology, plan.config.performance.sequence_parallel, plan.parallelism[LANGUAGE].pp, way_out)
-    return Decoder(model, device=world.device, params_dtype=world.params_dtype)
