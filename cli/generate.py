@@ -34,7 +34,7 @@ def _generate(ctx: typer.Context, prompt=None, image=None, system=None, split="v
     """Answer a prompt (with --image for each image) or the answer turns of a dataset (--data), from a mimo
     checkpoint (--load) or a Hugging Face folder (--pretrained). Greedy unless --temperature > 0; an answer ends
     at the chat template's end of turn or after --max-new-tokens."""
-    from mimo.core.checkpoint.saved_run import report_lines, speaks
+    from mimo.core.checkpoint.saved_run import speaks
     from mimo.core.generation.command import GenerateRequest, checked_plan, generate
     from mimo.core.generation.sampling import SamplingOptions
     from mimo.core.run import launch
@@ -48,10 +48,10 @@ def _generate(ctx: typer.Context, prompt=None, image=None, system=None, split="v
         request = GenerateRequest(prompt=prompt, images=tuple(image or ()), system=system, split=split, limit=limit,
                                   output=output, max_new_tokens=max_new_tokens, as_json=as_json,
                                   sampling=SamplingOptions(temperature, top_p, top_k, seed))
-        config, saved = config_from_checkpoint(kwargs, ctx, "generate")
+        config, report = config_from_checkpoint(kwargs, ctx, "generate")
         with checked_plan(config, request) as plan:
-            if saved is not None and speaks():
-                for line in report_lines(plan, saved, config, "generate"):
+            if report is not None and speaks():
+                for line in report(plan):
                     print(line, file=sys.stderr, flush=True)
             if launch.needs_launcher(plan.config.launch):
                 raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))

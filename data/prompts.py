@@ -17,7 +17,7 @@ import torch
 
 from mimo.errors import UsageError
 
-from .conversation import Turn, place_images, split_placeholders
+from .conversation import IMAGE_PLACEHOLDER, Turn, place_images, split_placeholders
 from .images import to_float_image
 
 __all__ = ["EncodedPrompt", "Prompt", "encode", "from_dataset", "from_text", "read_image"]
@@ -34,7 +34,9 @@ class Prompt:
     def question(self) -> str:
         """The last user turn's text (what a reader of the output wants to see)."""
         user = [t for t in self.turns if t.role == "user"] or self.turns
-        return "".join(p for p in user[-1].parts if isinstance(p, str)).strip() if user else ""
+        if not user:
+            return ""
+        return "".join(p if isinstance(p, str) else IMAGE_PLACEHOLDER for p in user[-1].parts).strip()
 
 
 @dataclass

@@ -122,17 +122,18 @@ def honour(config: RunConfig, saved: SavedRun, given: set[str], command: str) ->
                                **parts)
 
 
-def report_lines(plan, saved: SavedRun, before: RunConfig, command: str) -> list[str]:
-    """What the command took from the checkpoint and which `--set` overrode a saved setting."""
+def report_lines(plan, saved: SavedRun, typed: RunConfig, honoured: RunConfig, command: str) -> list[str]:
+    """What the command took from the checkpoint (`typed`: the config before `honour`, `honoured`: after) and which
+    `--set` overrode a saved setting."""
     lines = []
     for assignment in plan.config.provider_settings:
         key = assignment.partition("=")[0].strip()
         have, had = plain_value(getattr(plan.settings, key, None)), plain_value(saved.settings.get(key))
         if have != had:
             lines.append(f"mimo {command}: {key}={have} (--set; {saved.source} has {had})")
-    inherited = [f"{name}={getattr(getattr(plan.config, section), name)}"
+    inherited = [f"{name}={getattr(getattr(honoured, section), name)}"
                  for section, names in INHERITED[command].items() for name in names
-                 if getattr(getattr(plan.config, section), name) != getattr(getattr(before, section), name)]
+                 if getattr(getattr(honoured, section), name) != getattr(getattr(typed, section), name)]
     lines.append(f"mimo {command}: provider {saved.provider}, its settings" +
                  (f" and {', '.join(inherited)}" if inherited else "") + f" from {saved.source}")
     return lines
