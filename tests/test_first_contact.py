@@ -19,7 +19,8 @@ from helpers import REPO, install_distribution, run_mimo
 FOREIGN = re.compile(r"warning|Traceback|^[IWE]\d{4} |Filling reading buffer|Saving info|Collapsing split|it/s\]",
                      re.IGNORECASE | re.MULTILINE)
 # Every line a training or evaluation run prints.
-RUN_LINE = re.compile(r"^(mimo run: |iteration +\d|validation \(|saved checkpoint |loaded checkpoint |loaded weights "
+RUN_LINE = re.compile(r"^(mimo (run|eval): |iteration +\d|validation \(|predictions \(|  Q: |saved checkpoint |"
+                      r"loaded checkpoint |loaded weights "
                       r"|resumed from |  last lm loss: |  data: |  (checkpoint|metrics|tensorboard|profile|log file): )")
 
 
