@@ -4,8 +4,9 @@
     python bench/generate.py --out /tmp/smoke --quick     # the script itself, tiny, on a CPU (figures mean nothing)
 
 nemotron-moe-vlm-mid (RADIO 660M + the 20-layer Mamba/MoE/attention LLM), in the Hugging Face omni model's form
-(`OMNI_FORM`: an MLP projection), is built by mimo with random weights in bf16 (`backend=te`: megatron-core's MambaMixer with its Triton kernels, transformer-engine layers), exported with
-the provider's `mimo_to_hf` into a Hugging Face folder, and loaded by transformers' `NemotronH_Omni_Reasoning_V3`
+(`OMNI_FORM`: an MLP projection), is built by mimo with random weights in bf16 (`backend=te`: megatron-core's
+MambaMixer with its Triton kernels, transformer-engine layers), exported with the provider's `mimo_to_hf` into a
+Hugging Face folder, and loaded by transformers' `NemotronH_Omni_Reasoning_V3`
 (which uses mamba-ssm's and causal-conv1d's kernels when installed: the record says which ran). Both answer the
 same prompt (one 768 x 1024 image and a question, rendered by mimo's prompt format: the same token ids and image
 patches), greedy, forced to `--new-tokens` tokens (256; no stop token).
