@@ -1,10 +1,14 @@
 """Run by tests/test_generation.py in a fresh interpreter (a world of one on the CPU): for a provider and settings,
 mimo's incremental decoding against recomputing the whole sequence at every step, on prompts with and without an
-image. Prints one JSON line per prompt."""
+image. Prints one JSON line per prompt. On a GPU (the te backend's kernels):
+
+    MIMO_DECODE_DEVICE=cuda python tests/decode_worker.py nemotron-moe-vlm-tiny backend=te seq_length=256
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -21,7 +25,8 @@ def main(provider: str, assignments: list[str], new_tokens: int = 24) -> None:
     from mimo.testing.generation_check import recompute_greedy
 
     config = RunConfig(provider=provider, provider_settings=assignments,
-                       training=TrainingOptions(micro_batch_size=1, train_iters=1, device="cpu"))
+                       training=TrainingOptions(micro_batch_size=1, train_iters=1,
+                                                device=os.environ.get("MIMO_DECODE_DEVICE", "cpu")))
     plan = prepare(config, world_size=1)
     world = join(plan, seed=0)
     model = world.build_model()

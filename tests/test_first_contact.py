@@ -41,7 +41,8 @@ def test_version_names_the_stack():
 
 
 @pytest.mark.parametrize("command", [
-    ["run", "--help"], ["eval", "--help"], ["plan", "--help"], ["--help"], ["providers", "list"],
+    ["run", "--help"], ["eval", "--help"], ["plan", "--help"], ["generate", "--help"], ["--help"],
+    ["providers", "list"],
     ["providers", "show", "nemotron-moe-vlm-tiny"], ["ckpt", "export-hf", "--help"], ["data", "sample", "--help"],
 ])
 def test_help_and_tables_keep_names_whole_at_80_columns(command):
