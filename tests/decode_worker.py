@@ -35,7 +35,8 @@ def main(provider: str, assignments: list[str], new_tokens: int = 24) -> None:
     long_text = "Describe every detail of the picture, slowly and carefully, in many words. " * 2
     prompts = {"image": Prompt([Turn("user", (IMAGE, "What is in the picture?"))], [image]),
                "text": Prompt([Turn("user", ("Hello there.",))]),
-               "long": Prompt([Turn("user", (IMAGE, long_text))], [image])}
+               # two images: the encoder sees both at once, and the prompt is encoded again at every recomputation
+               "long": Prompt([Turn("user", (IMAGE, long_text, IMAGE))], [image, image.flip(-1)[:, :32]])}
     decoder = Decoder(model, device=world.device, params_dtype=world.params_dtype)
     for name, prompt in prompts.items():
         encoded = encode(prompt, fmt)

@@ -108,7 +108,6 @@ def test_mimo_generate_answers_a_datasets_answer_turns(trained, tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (("--prompt", "hi", "--data", "DATA"), "needs one of --prompt TEXT"),
     (("--prompt", "hi", "--image", "nowhere.png"), "--image nowhere.png: no such file"),
     (("--prompt", "hi", "--provider", "nemotron-moe-vlm-tiny"), "was saved by provider 'mock-vlm': drop --provider"),
     (("--prompt", "hi", "--provider-config", "CONFIG"), "sets seq_length=64, but"),
@@ -141,3 +140,33 @@ def test_a_provider_without_prompt_format_cannot_generate():
 
     with pytest.raises(UsageError, match="provider 'x' cannot generate: it implements no prompt_format hook"):
         prompt_format_of(SimpleNamespace(prompt_format=lambda settings: None), None, "x")
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--eval-iters", "1", "--eval-samples", "2"), "--eval-samples needs --data or --eval-data"),
+    (("--eval-iters", "1", "--eval-samples", "2", "--data", "DATA", "--nproc-per-node", "2", "--encoder-ranks", "1"),
+     "generation needs every module on every rank"),
+])
+def test_eval_samples_refusals_are_one_line_before_training(trained, args, message):
+    data = trained[1]
+    args = [str(data) if a == "DATA" else a for a in args]
+    result = _mimo("run", "--provider", "mock-vlm", "--device", "cpu", "--train-iters", "1", *args, ok=False)
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
+    assert "iteration" not in result.stdout
+
+
+def test_options_that_cannot_go_together_are_one_line():
+    from pathlib import Path
+
+    from mimo.core.config import EvalOptions
+    from mimo.core.generation.command import GenerateRequest
+    from mimo.errors import UsageError
+
+    with pytest.raises(UsageError, match="--eval-samples needs --eval-iters K"):
+        EvalOptions(eval_samples=2).validate()
+    with pytest.raises(UsageError, match="needs one of --prompt TEXT"):
+        GenerateRequest(prompt="hi").validate(Path("ds"))
+    with pytest.raises(UsageError, match="--limit and --output go with --data DIR"):
+        GenerateRequest(prompt="hi", limit=2).validate(None)
+    with pytest.raises(UsageError, match="--image and --system go with --prompt"):
+        GenerateRequest(images=(Path("a.png"),)).validate(Path("ds"))

@@ -13,6 +13,7 @@ module on every rank (colocated), the LLM in one pipeline stage, no sequence par
 
 from __future__ import annotations
 
+import copy
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,6 +40,14 @@ class Generated:
     def decode_tokens_per_second(self) -> float | None:
         steps = len(self.tokens) - (self.stop == STOP_LENGTH)  # forward passes after the prefill
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else None
+
+
+def _fresh(value):
+    """The encoder inputs with each non-tensor object (a PackedSeqParams) copied: an encoder may move its fields
+    (megatron-core's RADIO shifts the boundaries for its class tokens), and a prompt is encoded more than once."""
+    if isinstance(value, dict):
+        return {k: _fresh(v) for k, v in value.items()}
+    return value if isinstance(value, torch.Tensor) or value is None else copy.copy(value)
 
 
 def check_plan(plan, way_out: str) -> None:
@@ -85,7 +94,7 @@ class Decoder:
         embeddings = {}
         for name, submodule in model.modality_submodules.items():
             if modality_inputs.get(name) is not None:
-                out = unwrapped(submodule)(encoder_inputs=modality_inputs[name])
+                out = unwrapped(submodule)(encoder_inputs=_fresh(modality_inputs[name]))
                 if out is not None:
                     embeddings[name] = out
         if model.colocated_comms:
