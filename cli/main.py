@@ -16,6 +16,7 @@ from . import console
 from .common import fail
 from .help import WholeNamesCommand
 from .options import CONTEXT, loop_parameters, provider_parameters, run_config, with_options
+from . import generate
 from .ckpt import ckpt_app
 from .data import data_app
 from .providers import providers_app
@@ -88,12 +89,18 @@ app.command("run", cls=WholeNamesCommand)(with_options(_run, [CONTEXT] + provide
 def _eval(ctx: typer.Context, split: str = "val", json_path=None, **kwargs):
     """Evaluate a checkpoint without training: its held-out loss on --data's val (or test) split, or the
     provider's synthetic eval data, over --eval-iters global batches (default 10), in any layout that fits."""
+    from mimo.core.checkpoint.saved_run import speaks
     from mimo.core.evaluation.standalone import evaluate_checkpoint
     from mimo.core.run import launch, preflight
 
+    from .checkpoint_config import config_from_checkpoint
+
     launch.die_with_launcher()
     try:
-        with preflight.for_eval(run_config(kwargs, ctx), split) as plan:
+        config, report = config_from_checkpoint(kwargs, ctx, "eval")  # the checkpoint's provider and settings
+        with preflight.for_eval(config, split) as plan:
+            if report is not None and speaks():
+                print("\n".join(report(plan)), flush=True)
             if launch.needs_launcher(plan.config.launch):
                 raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
             evaluate_checkpoint(plan, split, json_path)
@@ -108,6 +115,9 @@ app.command("eval", cls=WholeNamesCommand)(with_options(_eval, [
     inspect.Parameter("json_path", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
         typing.Optional[Path], typer.Option("--json", help="write the figures to this JSON file")]),
 ] + provider_parameters() + loop_parameters()))
+
+
+generate.register(app)
 
 
 def _plan(ctx: typer.Context, as_json: bool = False, suggest: bool = False, gpus: typing.Optional[int] = None,

@@ -80,8 +80,16 @@ class EvalOptions:
     eval_data: Path | None = option(None, "evaluate on this energon dataset or metadataset's val split (default: "
                                           "the val split of --data; without --data, the provider's synthetic data "
                                           "from a fixed seed of its own)")
+    eval_samples: int = option(0, "at each evaluation, also generate answers (greedy) to the first N answer turns "
+                                  "of the eval split and score them against its answers (exact match, token F1)")
+    eval_max_new_tokens: int = option(64, "--eval-samples: the longest answer, in tokens")
 
     def validate(self) -> None:
+        if self.eval_samples < 0 or self.eval_max_new_tokens < 1:
+            raise UsageError(f"--eval-samples must be 0 or more and --eval-max-new-tokens at least 1, got "
+                             f"{self.eval_samples} and {self.eval_max_new_tokens}")
+        if self.eval_samples and not self.eval_iters:
+            raise UsageError("--eval-samples needs --eval-iters K (predictions are made at each evaluation)")
         if self.eval_iters < 0:
             raise UsageError(f"--eval-iters must be 0 or more, got {self.eval_iters}")
         if self.eval_interval is not None and self.eval_interval < 1:

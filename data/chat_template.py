@@ -96,6 +96,19 @@ class ChatTemplate:
             text(self.turn_gap, False)
         return out
 
+    def generation_prompt(self, turns: Sequence[Turn], image_tokens: Sequence[int], tokenizer: Tokenizer
+                          ) -> list[int]:
+        """The token ids that ask for the next answer: `turns` rendered, then the assistant's header."""
+        return self.render(turns, image_tokens, tokenizer).tokens + (
+            tokenizer.encode(self.headers["assistant"]) if self.headers.get("assistant") else [])
+
+    def stop_ids(self, tokenizer: Tokenizer) -> frozenset[int]:
+        """The ids that end an answer: the template's end of an assistant turn, and end-of-sequence."""
+        ends = {tokenizer.eos_id}
+        if self.answer_end:
+            ends.update(tokenizer.encode(self.answer_end))
+        return frozenset(ends)
+
 
 NEMOTRON = ChatTemplate(
     name="nemotron",

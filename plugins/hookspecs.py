@@ -131,3 +131,14 @@ def load_pretrained(settings, model, directory):
     checkpoint lacks, or a weight of the checkpoint the model has no place for, raises `mimo.errors.UsageError`
     (one line). Optional.
     """
+
+
+@hookspec(firstresult=True)
+def prompt_format(settings):
+    """Return a `mimo.PromptFormat` (tokenizer, chat template, image mode, where the encoder input goes) for
+    `mimo generate` and `--eval-samples`. mimo decodes the language model with megatron-core's static inference
+    context (GPTModel and HybridModel do; a layer of the provider's own keeps its decoding state in
+    `inference_context.key_value_memory_dict` under megatron-core's InferenceMode, docs/provider-guide.md).
+    Raise `mimo.errors.UsageError` (one line) when these settings cannot generate. Optional: without it the
+    provider cannot generate.
+    """

@@ -21,7 +21,7 @@ from .types import Provider
 ENTRY_POINT_GROUP = "mimo.providers"
 REQUIRED_HOOKS = ("model_shape", "build_encoders", "build_language_model", "data_provider")
 CALLED_HOOKS = REQUIRED_HOOKS + ("loss", "frozen_parameters", "model_flops", "module_memory", "hf_settings", "hf_to_mimo", "mimo_to_hf",
-                                  "load_pretrained")
+                                  "load_pretrained", "prompt_format")
 
 
 @dataclass

@@ -43,3 +43,17 @@ class Encoder:
 
     spec: ModuleSpec
     placeholder_token_id: int
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a conversation becomes this model's input and its output becomes text, for `mimo generate` and
+    `--eval-samples` (hook `prompt_format`): the tokenizer (`mimo.plugins.data`), the chat template that renders
+    the turns and ends an answer, the image mode that turns an image into the encoder's input and its placeholder
+    count, and where that input goes, `modality_inputs[modality][encoder]` (None for a text-only model)."""
+
+    tokenizer: Any
+    template: Any
+    image_mode: Any = None
+    modality: str | None = None
+    encoder: str | None = None

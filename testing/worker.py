@@ -108,6 +108,10 @@ def run(name: str, assignments: list[str], workdir: Path) -> dict:
     check_hf_conversion(plan.hooks, plan.settings, model, notes)
     Stage.current = "load_pretrained"
     check_foreign_checkpoint(plan.hooks, plan.settings, model, workdir)
+    Stage.current = "prompt_format"  # the prompt rendered, then decoded incrementally and by recomputation
+    from .generation_check import check_generation
+
+    notes |= {note} if (note := check_generation(plan.hooks, plan.settings, world, model)) else set()
     return {"built_parameters": built, "losses": [r.lm_loss for r in results],
             "seq_length": int(batches[0]["input_ids"].shape[1]), "hooks_called": sorted(called),
             "notes": sorted(notes)}

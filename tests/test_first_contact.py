@@ -19,7 +19,8 @@ from helpers import REPO, install_distribution, run_mimo
 FOREIGN = re.compile(r"warning|Traceback|^[IWE]\d{4} |Filling reading buffer|Saving info|Collapsing split|it/s\]",
                      re.IGNORECASE | re.MULTILINE)
 # Every line a training or evaluation run prints.
-RUN_LINE = re.compile(r"^(mimo run: |iteration +\d|validation \(|saved checkpoint |loaded checkpoint |loaded weights "
+RUN_LINE = re.compile(r"^(mimo (run|eval): |iteration +\d|validation \(|predictions \(|  Q: |saved checkpoint |"
+                      r"loaded checkpoint |loaded weights "
                       r"|resumed from |  last lm loss: |  data: |  (checkpoint|metrics|tensorboard|profile|log file): )")
 
 
@@ -40,7 +41,8 @@ def test_version_names_the_stack():
 
 
 @pytest.mark.parametrize("command", [
-    ["run", "--help"], ["eval", "--help"], ["plan", "--help"], ["--help"], ["providers", "list"],
+    ["run", "--help"], ["eval", "--help"], ["plan", "--help"], ["generate", "--help"], ["--help"],
+    ["providers", "list"],
     ["providers", "show", "nemotron-moe-vlm-tiny"], ["ckpt", "export-hf", "--help"], ["data", "sample", "--help"],
 ])
 def test_help_and_tables_keep_names_whole_at_80_columns(command):

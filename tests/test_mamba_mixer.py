@@ -198,9 +198,12 @@ def test_mixer_bf16_follows_fp32(pg_collection):
 def test_mixer_rejects_what_it_does_not_do(pg_collection):
     mixer = make_mixer(pg_collection)
     h = torch.randn(4, 1, 16)
-    with pytest.raises(NotImplementedError, match="inference"):
-        mixer(h, inference_context=object())
     packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=torch.tensor([0, 2, 4], dtype=torch.int32))
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.inference.utils import InferenceMode
+
+    with InferenceMode.active(), pytest.raises(NotImplementedError, match="static inference context only"):
+        mixer(h, inference_context=StaticInferenceContext(1, 8), packed_seq_params=packed)  # decoding: one sequence
     with pytest.raises(ValueError, match="THD format with batch 1"):
         mixer(torch.randn(4, 2, 16), packed_seq_params=packed)
     with pytest.raises(ValueError, match="THD format with batch 1"):

@@ -137,7 +137,7 @@ def test_backend_auto_is_local_without_te_and_te_says_what_is_missing():
     from mimo.providers.nemotron.specs import resolve_backend
 
     assert resolve_backend("auto") == "local" and resolve_backend("local") == "local"
-    with pytest.raises(RuntimeError, match="backend 'te' needs transformer-engine, mamba-ssm"):
+    with pytest.raises(ValueError, match="backend 'te' needs transformer-engine, mamba-ssm"):
         resolve_backend("te")
 
 

@@ -30,6 +30,7 @@ from mimo.plugins import DataContext
 from ..parallel.model import parameters_gathered
 from ..parallel.topology import is_token_source
 from ..run.step import ForwardLoss, schedule_for
+from .predictions import Predictions, Predictor
 
 if TYPE_CHECKING:
     from ..run.world import World
@@ -47,14 +48,19 @@ class EvalResult:
     num_tokens: int  # tokens that counted in the loss
     samples: int  # sequences read (packed sequences when packing)
     seconds: float
+    predictions: Predictions | None = None  # --eval-samples: answers generated and scored
 
     @property
     def ppl(self) -> float:
         return math.exp(min(self.lm_loss, 20.0))  # Megatron's cap keeps a diverged run's figure finite
 
     def record(self) -> dict:
-        return {"split": self.split, "iteration": self.iteration, "lm_loss": self.lm_loss, "ppl": self.ppl,
-                "num_tokens": self.num_tokens, "samples": self.samples, "eval_seconds": self.seconds}
+        record = {"split": self.split, "iteration": self.iteration, "lm_loss": self.lm_loss, "ppl": self.ppl,
+                  "num_tokens": self.num_tokens, "samples": self.samples, "eval_seconds": self.seconds}
+        if self.predictions is not None:
+            p = self.predictions
+            record.update(exact_match=p.exact_match, token_f1=p.token_f1, predictions=p.records)
+        return record
 
 
 def eval_context(base: DataContext, split: str, data_path: str | None) -> DataContext:
@@ -93,6 +99,8 @@ class Evaluator:
         opened = self.hooks.data_provider(settings=settings, ctx=dataclasses.replace(data_ctx, opened_loaders=[]))
         if hasattr(opened, "close"):
             opened.close()
+        self.predictor = (Predictor(options, world=world, model=model, data_path=data_ctx.data_path,
+                                    split=data_ctx.split) if options.eval_samples else None)
 
     def evaluate(self, iteration: int) -> EvalResult:
         started = time.perf_counter()
@@ -114,6 +122,7 @@ class Evaluator:
                         self._schedule(forward_step_func=self._forward_step, data_iterator=data, model=[self.model],
                                        num_microbatches=self.num_microbatches, forward_only=True,
                                        seq_length=seq_length, micro_batch_size=ctx.micro_batch_size)
+                    predictions = self.predictor.predict() if self.predictor else None
                 finally:
                     self.model.train(was_training)
         finally:
@@ -125,7 +134,7 @@ class Evaluator:
         dist.all_reduce(totals)
         loss_sum, tokens = totals.tolist()
         return EvalResult(iteration, ctx.split, loss_sum / tokens if tokens else float("nan"), int(tokens),
-                          self.eval_iters * self.global_batch_size, time.perf_counter() - started)
+                          self.eval_iters * self.global_batch_size, time.perf_counter() - started, predictions)
 
 
 class EvalSchedule:
@@ -162,11 +171,14 @@ def report(result: EvalResult, logger, total_iters: int | None, consumed: int) -
     """The eval line on the console; a `split` record in the metrics file; Megatron's TensorBoard names."""
     if not logger.enabled:
         return
-    line = format_eval_line(result, total_iters)
-    if getattr(logger, "progress", None):
-        logger.progress.console.print(line)
-    else:
-        print(line, flush=True)
+    lines = [format_eval_line(result, total_iters)]
+    if result.predictions is not None:
+        lines += result.predictions.summary(result.split, result.iteration)
+    for line in lines:
+        if getattr(logger, "progress", None):
+            logger.progress.console.print(line, markup=False, highlight=False)
+        else:
+            print(line, flush=True)
     if logger.metrics_file:
         with logger.metrics_file.open("a") as f:
             f.write(json.dumps({**result.record(), "consumed_samples": consumed}) + "\n")
@@ -175,6 +187,11 @@ def report(result: EvalResult, logger, total_iters: int | None, consumed: int) -
         for tag, value in ((f"lm loss {name}", result.lm_loss), (f"lm loss {name} ppl", result.ppl)):
             logger.tensorboard.add_scalar(tag, value, result.iteration)
             logger.tensorboard.add_scalar(f"{tag} vs samples", value, consumed)
+        if result.predictions is not None:
+            p = result.predictions
+            logger.tensorboard.add_scalar(f"exact match {name}", p.exact_match, result.iteration)
+            logger.tensorboard.add_scalar(f"token f1 {name}", p.token_f1, result.iteration)
+            logger.tensorboard.add_text(f"predictions {name}", p.markdown(), result.iteration)
         logger.tensorboard.flush()
 
 

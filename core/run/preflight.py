@@ -21,6 +21,7 @@ from ..checkpoint.hf import pretrained_from_hf
 from ..checkpoint.resume import check_resume
 from ..checkpoint.save_lock import lock_save_directory
 from ..config import RunConfig
+from ..evaluation.predictions import check_predictions
 from ..evaluation.standalone import eval_config
 from ..memory import fit
 from . import launch
@@ -32,6 +33,7 @@ from .plan import Plan, prepare
 def for_run(config: RunConfig) -> Iterator[Plan]:
     """The checked plan of `mimo run`; raises UsageError at the first problem."""
     plan = prepare(config)  # every check that needs no process group, before any worker starts
+    check_predictions(plan)  # --eval-samples: a dataset with answers, a provider and a layout that generate
     if not os.environ.get(launch.LAUNCHED_BY_MIMO):  # mimo's launcher checked this plan for its workers
         fit.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
     check_output_paths(config)  # likewise every path the run writes: created and test-written now
@@ -47,5 +49,6 @@ def for_run(config: RunConfig) -> Iterator[Plan]:
 def for_eval(config: RunConfig, split: str) -> Iterator[Plan]:
     """The checked plan of `mimo eval`: the checkpoint's weights only, `--eval-iters` batches of `split`."""
     plan = prepare(eval_config(config, split))
+    check_predictions(plan)
     with pretrained_from_hf(plan) as plan:
         yield plan

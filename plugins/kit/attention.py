@@ -57,9 +57,12 @@ class SDPAttention(MegatronModule):
     def _sdpa(self, q, k, v, mask, causal: bool):
         """q [b, heads, sq, d], k/v [b, groups, sk, d] -> [b, heads, sq, d]."""
         dropout = self.dropout if self.training else 0.0
-        if mask is not None and causal:  # SDPA takes a mask or is_causal, not both
-            sq, sk = q.shape[-2], k.shape[-2]
-            mask = mask & torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        sq, sk = q.shape[-2], k.shape[-2]
+        # SDPA takes a mask or is_causal, not both; and its is_causal aligns the mask top-left, wrong for queries
+        # that follow cached keys (sq < sk): the causal mask here is aligned bottom-right, the last query sees all.
+        if causal and (mask is not None or sq != sk):
+            causal_mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            mask = causal_mask if mask is None else mask & causal_mask
             causal = False
         # Dropout draws from megatron's model-parallel RNG, as DotProductAttention's does.
         rng = tensor_parallel.get_cuda_rng_tracker().fork() if dropout > 0 else nullcontext()

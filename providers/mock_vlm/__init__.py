@@ -68,3 +68,10 @@ def model_flops(settings: MockVLMSettings):
     from .model import forward_flops
 
     return forward_flops(settings)
+
+
+@hookimpl
+def prompt_format(settings: MockVLMSettings):
+    from .data import prompt_format as format_of
+
+    return format_of(settings)

@@ -69,9 +69,11 @@ def synthetic_batches(settings, ctx):
         yield collate(settings, [sample(settings, patterns, captions, ctx.seed, i) for i in indices])
 
 
-def energon_batches(settings, ctx):
-    """The lane loader over `ctx.data_path` for this rank's lanes (resumable; counts unreadable samples)."""
-    from mimo.plugins.data import ByteTokenizer, ConversationTaskEncoder, FixedTiles, chat_template
+def prompt_format(settings):
+    """Text as bytes in the `chat_template` setting's format, images as one `image_size` tile each with mock-vlm's
+    placeholder: how `--data` is read, and how `mimo generate` writes prompts and reads answers."""
+    from mimo import PromptFormat
+    from mimo.plugins.data import ByteTokenizer, FixedTiles, chat_template
 
     template = chat_template(settings.chat_template)
     needed = ByteTokenizer(special_tokens=template.special_tokens).vocab_size
@@ -80,9 +82,18 @@ def energon_batches(settings, ctx):
                          f"vocab_size >= {needed}: --set vocab_size={needed} (it is {settings.vocab_size})")
     tokenizer = ByteTokenizer(vocab_size=settings.vocab_size, special_tokens=template.special_tokens)
     tokenizer.image_token_id = settings.image_token_id  # the placeholder the model's encoder was built with
+    return PromptFormat(tokenizer, template, FixedTiles(image_size=settings.image_size, patch_size=settings.patch_size),
+                        IMAGES, "vit")
+
+
+def energon_batches(settings, ctx):
+    """The lane loader over `ctx.data_path` for this rank's lanes (resumable; counts unreadable samples)."""
+    from mimo.plugins.data import ConversationTaskEncoder
+
+    fmt = prompt_format(settings)
     encoder = ConversationTaskEncoder(
-        tokenizer, template=template, reader="mock-vlm", seq_length=settings.seq_length, modality=IMAGES,
-        encoder_name="vit", image_mode=FixedTiles(image_size=settings.image_size, patch_size=settings.patch_size),
+        fmt.tokenizer, template=fmt.template, reader="mock-vlm", seq_length=settings.seq_length,
+        modality=fmt.modality, encoder_name=fmt.encoder, image_mode=fmt.image_mode,
         # megatron-core's unfused DotProductAttention (attention=local) takes no packed sequences
         pack_sequences=ctx.pack_sequences and settings.attention == "sdpa")
     return ctx.energon_loader(encoder, shuffle_buffer_size=settings.shuffle_buffer or None)

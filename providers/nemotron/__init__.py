@@ -90,6 +90,13 @@ def data_provider(settings: NemotronVLMSettings, ctx):
 
 
 @hookimpl
+def prompt_format(settings: NemotronVLMSettings):
+    from .data import prompt_format as format_of
+
+    return format_of(settings)
+
+
+@hookimpl
 def frozen_parameters(settings: NemotronVLMSettings):
     """stage1 trains the projection only, stage2 everything but the vision encoder, stage3 everything. RADIO's
     video patch embedder (omni checkpoints) is always frozen: fed no video, it would only decay."""

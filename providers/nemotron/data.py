@@ -117,11 +117,20 @@ def synthetic_batches(s: NemotronVLMSettings, ctx):
         yield task.collate([task.sample(ctx.seed, i) for i in indices])
 
 
+def prompt_format(s: NemotronVLMSettings):
+    """The Nemotron VL prompt format with the settings' tokenizer and image mode: how `--data` is read, and how
+    `mimo generate` writes prompts and reads answers."""
+    from mimo import PromptFormat
+
+    return PromptFormat(data_tokenizer(s), template_of(s), image_mode(s), IMAGES, ENCODER)
+
+
 def energon_batches(s: NemotronVLMSettings, ctx):
     """The loop's lane loader over `ctx.data_path` for this rank's lanes (resumable; counts unreadable samples)."""
     from mimo.plugins.data import ConversationTaskEncoder
 
-    encoder = ConversationTaskEncoder(data_tokenizer(s), template=template_of(s), reader="the Nemotron VLM",
-                                      seq_length=s.seq_length, image_mode=image_mode(s), modality=IMAGES,
-                                      encoder_name=ENCODER, pack_sequences=ctx.pack_sequences)
+    fmt = prompt_format(s)
+    encoder = ConversationTaskEncoder(fmt.tokenizer, template=fmt.template, reader="the Nemotron VLM",
+                                      seq_length=s.seq_length, image_mode=fmt.image_mode, modality=fmt.modality,
+                                      encoder_name=fmt.encoder, pack_sequences=ctx.pack_sequences)
     return ctx.energon_loader(encoder, shuffle_buffer_size=s.shuffle_buffer or None)

@@ -3,7 +3,8 @@
 megatron-core's `MambaMixer` refuses to build without the mamba_ssm / causal_conv1d / Triton kernels, which
 are CUDA-only. `LocalMambaMixer` has the same constructor, parameters (names, shapes, dtypes, TP attributes),
 state dict and forward convention, so a checkpoint of one loads into the other; the scan is the chunked SSD
-("state space duality") form of the Mamba-2 paper written with einsums. Training forward only.
+("state space duality") form of the Mamba-2 paper written with einsums. It decodes with megatron-core's static
+inference context, in MambaMixer's state layout (mamba_decode.py).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megatron.core.inference.utils import InferenceMode
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.ssm.utils import _split_tensor_factory
 from megatron.core.tensor_parallel import get_cuda_rng_tracker
@@ -25,6 +27,8 @@ from megatron.core.transformer.utils import (
     make_sharded_tensors_for_checkpoint,
     sharded_state_dict_default,
 )
+
+from . import mamba_decode
 
 try:  # Share the spec dataclass with megatron-core so existing specs keep working.
     from megatron.core.ssm.mamba_mixer import MambaMixerSubmodules
@@ -48,11 +52,12 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
     return sums.masked_fill(~torch.tril(ones), float("-inf"))
 
 
-def ssd_scan(x, dt, A, B, C, D, chunk_size: int = 128) -> torch.Tensor:
+def ssd_scan(x, dt, A, B, C, D, chunk_size: int = 128, return_final_state: bool = False):
     """Mamba-2 SSM: h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t, y_t = C_t h_t + D x_t, zero initial state.
 
     x [b, l, h, p]; dt [b, l, h] (already softplus'ed); A [h] (negative); B, C [b, l, g, n] with heads
-    h = g * r, consecutive heads sharing a group; D [h] or [h * p]. Computed in fp32 (or fp64 if given)."""
+    h = g * r, consecutive heads sharing a group; D [h] or [h * p]. Computed in fp32 (or fp64 if given).
+    With `return_final_state`: (y, the state after the last position [b, h, p, n]), what decoding continues from."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     b, l, h, p = x.shape
     g, n = B.shape[-2:]
@@ -79,14 +84,17 @@ def ssd_scan(x, dt, A, B, C, D, chunk_size: int = 128) -> torch.Tensor:
     # Carry states across chunks with a (c+1) x (c+1) decay matrix: one einsum instead of a Python loop.
     states = torch.cat([torch.zeros_like(states[:, :1]), states], dim=1)
     carry = torch.exp(_segsum(F.pad(a_cum[..., -1], (1, 0)))).view(b, g, r, c + 1, c + 1)
-    states = torch.einsum("bgrzc,bcgrpn->bzgrpn", carry, states)[:, :-1]  # state entering each chunk
+    states = torch.einsum("bgrzc,bcgrpn->bzgrpn", carry, states)
+    # the state entering each chunk; the last is the final state (zero tail padding leaves it as it was)
+    states, final = states[:, :-1], states[:, -1]
 
     # What the carried-in state contributes at each position of its chunk.
     from_start = torch.exp(a_cum).view(b, g, r, c, cs)
     y = y + torch.einsum("bclgn,bcgrpn,bgrcl->bclgrp", C, states, from_start)
     y = y.reshape(b, c * cs, h, p)[:, :l]
     D = D.to(dtype)
-    return y + x_skip * (D.view(h, 1) if D.numel() == h else D.view(h, p))
+    y = y + x_skip * (D.view(h, 1) if D.numel() == h else D.view(h, p))
+    return (y, final.reshape(b, h, p, n)) if return_final_state else y
 
 
 class GatedGroupRMSNorm(nn.Module):
@@ -206,15 +214,21 @@ class LocalMambaMixer(MegatronModule):
 
     def forward(self, hidden_states, inference_context=None, *, inference_params=None, packed_seq_params=None):
         """hidden_states [l, b, d_model] -> (out [l, b, d_model], out_bias), like MambaMixer. With THD
-        `packed_seq_params` (b == 1, sequences laid end to end) each sequence is scanned on its own."""
-        if inference_context is not None or inference_params is not None:
-            raise NotImplementedError("LocalMambaMixer has no inference cache/decoding; it is training-only")
+        `packed_seq_params` (b == 1, sequences laid end to end) each sequence is scanned on its own. Under
+        megatron-core's InferenceMode with a static inference context (as in MambaMixer, a context alone changes
+        nothing), a prompt leaves its state in the context and later calls decode one token (mamba_decode.py)."""
+        context = inference_context if inference_context is not None else inference_params
+        states = None
+        if context is not None and InferenceMode.is_active():
+            states = mamba_decode.cached_states(self, context, hidden_states.shape[1], packed_seq_params)
+            if context.sequence_len_offset > 0:
+                return mamba_decode.decode_step(self, hidden_states, *states)
         zxBCdt, _ = self.in_proj(hidden_states)
         gn = self.ngroups_local_tp * self.d_state
         z, xBC, dt = torch.split(zxBCdt, [self.d_inner_local_tp, self.d_inner_local_tp + 2 * gn,
                                           self.nheads_local_tp], dim=-1)
         if packed_seq_params is None:
-            y = self._conv_scan(xBC, dt)
+            y = self._conv_scan(xBC, dt, states)
         else:
             # The convolution and the state restart at each sequence's first token: no sequence sees another.
             lengths = _sequence_lengths(packed_seq_params, xBC.shape[0], xBC.shape[1])
@@ -223,22 +237,30 @@ class LocalMambaMixer(MegatronModule):
         y = self.norm(y, z) if self.rmsnorm else y * F.silu(z.float())
         return self.out_proj(y.to(hidden_states.dtype))
 
-    def _conv_scan(self, xBC, dt):
+    def step_size(self, dt):
+        """softplus(dt + dt_bias), clamped by `dt_limit` (fp32): the same in the scan and in a decode step."""
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        return dt.clamp(*self.dt_limit) if self.dt_limit != (0.0, float("inf")) else dt
+
+    def _conv_scan(self, xBC, dt, states=None):
         """The causal convolution and the SSD scan of whole sequences: xBC [l, b, conv channels], dt [l, b, heads]
-        -> y [l, b, d_inner] (fp32)."""
+        -> y [l, b, d_inner] (fp32). `states` (decoding): the context's (conv, ssm) states, left as the sequence
+        leaves them."""
         gn = self.ngroups_local_tp * self.d_state
+        if states is not None:
+            mamba_decode.keep_conv_window(states[0], xBC)
         # Depthwise causal conv: left padding only, so position t sees t-d_conv+1 .. t.
         xBC = F.pad(xBC.permute(1, 2, 0), (self.d_conv - 1, 0))
         xBC = F.silu(F.conv1d(xBC, self.conv1d_weight.to(xBC.dtype), self.conv1d_bias.to(xBC.dtype),
                               groups=xBC.shape[1])).transpose(1, 2)
         x, B, C = torch.split(xBC, [self.d_inner_local_tp, gn, gn], dim=-1)
-
-        dt = F.softplus(dt.float() + self.dt_bias.float()).transpose(0, 1)
-        if self.dt_limit != (0.0, float("inf")):
-            dt = dt.clamp(*self.dt_limit)
-        y = ssd_scan(x.unflatten(-1, (self.nheads_local_tp, self.headdim)), dt, -torch.exp(self.A_log.float()),
-                     B.unflatten(-1, (self.ngroups_local_tp, self.d_state)),
-                     C.unflatten(-1, (self.ngroups_local_tp, self.d_state)), self.D, self.chunk_size)
+        y = ssd_scan(x.unflatten(-1, (self.nheads_local_tp, self.headdim)), self.step_size(dt).transpose(0, 1),
+                     -torch.exp(self.A_log.float()), B.unflatten(-1, (self.ngroups_local_tp, self.d_state)),
+                     C.unflatten(-1, (self.ngroups_local_tp, self.d_state)), self.D, self.chunk_size,
+                     return_final_state=states is not None)
+        if states is not None:
+            y, final = y
+            states[1].copy_(final)
         return y.flatten(-2).transpose(0, 1)  # [l, b, d_inner]
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):

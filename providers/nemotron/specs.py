@@ -63,8 +63,9 @@ def resolve_backend(requested: str) -> str:
         missing = [name for name, ok in (("transformer-engine", te.HAVE_TE),
                                          ("mamba-ssm", importlib.util.find_spec("mamba_ssm") is not None),
                                          ("a visible GPU", torch.cuda.is_available())) if not ok]
-        raise RuntimeError(f"backend 'te' needs {', '.join(missing) or 'transformer-engine and mamba-ssm'}; "
-                           f"use backend=local (or auto)")
+        # ValueError: mimo says it in one line (a checkpoint trained with te, read on a machine without it)
+        raise ValueError(f"backend 'te' needs {', '.join(missing) or 'transformer-engine and mamba-ssm'}; "
+                         f"use backend=local (or auto)")
     return requested
 
 

@@ -1,0 +1,190 @@
+"""(h) Decoding speed: `mimo generate`'s decoder against transformers' `generate`, same weights, same prompt.
+
+    python bench/generate.py --out results/generate       # one GPU with transformer-engine, mamba-ssm, transformers
+    python bench/generate.py --out /tmp/smoke --quick     # the script itself, tiny, on a CPU (figures mean nothing)
+
+nemotron-moe-vlm-mid (RADIO 660M + the 20-layer Mamba/MoE/attention LLM), in the Hugging Face omni model's form
+(`OMNI_FORM`: an MLP projection), is built by mimo with random weights in bf16 (`backend=te`: megatron-core's
+MambaMixer with its Triton kernels, transformer-engine layers), exported with the provider's `mimo_to_hf` into a
+Hugging Face folder, and loaded by transformers' `NemotronH_Omni_Reasoning_V3`
+(which uses mamba-ssm's and causal-conv1d's kernels when installed: the record says which ran). Both answer the
+same prompt (one 768 x 1024 image and a question, rendered by mimo's prompt format: the same token ids and image
+patches), greedy, forced to `--new-tokens` tokens (256; no stop token).
+
+For each engine, after one warm-up (first-use compilation), `--repeats` times: a 1-token call (the prefill: the
+encoder and the prompt, and the first token) and a full call; decode tokens/s = (new tokens - 1) / (full - 1-token
+call), wall time with the GPU synchronized. Printed: min / median / max; written: `<out>/generate.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # megatron-core's fused functions eager, as transformers runs
+
+from common import device_description  # noqa: E402
+
+QUESTION = "Describe everything in this picture in detail."
+# What the Hugging Face omni model is (the provider's mimo_to_hf refuses other forms): an MLP projection with its
+# norm after pixel shuffle, dynamic resolution, RADIO with a video patch embedder. The LLM is the variant's.
+OMNI_FORM = ["pixel_shuffle=true", "projection=mlp", "projection_norm=true", "dynamic_resolution=true",
+             "video_temporal_patch_size=2"]
+
+
+def build_mimo(provider: str, settings: list[str], precision: str, device: str):
+    from mimo.core.config import RunConfig, TrainingOptions
+    from mimo.core.run.plan import prepare
+    from mimo.core.run.world import join
+
+    config = RunConfig(provider=provider, provider_settings=settings, training=TrainingOptions(
+        micro_batch_size=1, train_iters=1, precision=precision, device=device))
+    world = join(prepare(config, world_size=1), seed=0)
+    return world, world.build_model()
+
+
+def export(world, model, folder: Path) -> None:
+    """The model's weights as a Hugging Face folder, through the provider's hook (what `mimo ckpt export-hf` does)."""
+    from mimo.core.checkpoint.hf import whole_state
+    from mimo.plugins.kit import safetensors_io
+
+    import torch
+
+    plan = world.plan
+    hf_config, tensors = plan.hooks.mimo_to_hf(settings=plan.settings, state=whole_state(model))
+    hf_config.setdefault("dtype", "bfloat16" if world.params_dtype == torch.bfloat16 else "float32")
+    safetensors_io.save(folder, {k: t.detach().cpu() for k, t in tensors.items()}, hf_config)
+
+
+def timed(call, device) -> float:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    result = call()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started, result
+
+
+def measure(name: str, generate, new_tokens: int, repeats: int, device) -> dict:
+    """Warm up, then `repeats` x (1-token call, full call)."""
+    warm, tokens = timed(lambda: generate(new_tokens), device)
+    print(f"{name}: warm-up {warm:.1f} s (first-use compilation included)", flush=True)
+    prefill, decode = [], []
+    for _ in range(repeats):
+        first, _ = timed(lambda: generate(1), device)
+        full, tokens = timed(lambda: generate(new_tokens), device)
+        assert len(tokens) == new_tokens, (name, len(tokens))
+        prefill.append(first)
+        decode.append((new_tokens - 1) / (full - first))
+    return {"engine": name, "prefill_seconds": _spread(prefill), "decode_tokens_per_second": _spread(decode),
+            "warmup_seconds": warm, "tokens": tokens}
+
+
+def _spread(values: list[float]) -> dict:
+    return {"min": min(values), "median": statistics.median(values), "max": max(values), "all": values}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="nemotron-moe-vlm-tiny, backend local, CPU, fp32")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+
+    import torch
+
+    if args.quick:
+        provider, settings, precision, device_name, image_size = ("nemotron-moe-vlm-tiny",
+                                                                  ["backend=local", *OMNI_FORM], "fp32", "cpu",
+                                                                  (48, 80))
+        args.new_tokens = min(args.new_tokens, 16)
+    else:
+        if not torch.cuda.is_available():
+            print("error: bench/generate.py needs a GPU (or --quick)", file=sys.stderr)
+            return 2
+        provider, settings, precision, device_name, image_size = ("nemotron-moe-vlm-mid", ["backend=te", *OMNI_FORM],
+                                                                  "bf16", "cuda", (768, 1024))
+    world, model = build_mimo(provider, settings, precision, device_name)
+    device, dtype = world.device, world.params_dtype
+    plan = world.plan
+    from mimo.core.generation.decoder import Decoder
+    from mimo.core.generation.sampling import Sampler, SamplingOptions
+    from mimo.data.prompts import encode, from_text
+
+    image_path = args.out / "picture.png"
+    args.out.mkdir(parents=True, exist_ok=True)
+    from PIL import Image
+
+    pixels = torch.rand(*image_size, 3, generator=torch.Generator().manual_seed(0)) * 255
+    Image.fromarray(pixels.to(torch.uint8).numpy()).save(image_path)
+    fmt = plan.hooks.prompt_format(settings=plan.settings)
+    prompt = encode(from_text(QUESTION, [image_path]), fmt)
+    scratch = Path(tempfile.mkdtemp(prefix="mimo-bench-generate-", dir=args.out))
+    try:
+        export(world, model, scratch / "hf")
+        decoder = Decoder(model, device=device, params_dtype=dtype)
+        sampler = Sampler(SamplingOptions(), device)
+        mimo = measure("mimo", lambda n: decoder.generate(prompt, max_new_tokens=n, stop_ids=frozenset(),
+                                                          sampler=sampler).tokens, args.new_tokens, args.repeats,
+                       device)
+        del decoder, model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+        from transformers.models.nemotron_h import modeling_nemotron_h
+        from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+        hf = NemotronH_Omni_Reasoning_V3.from_pretrained(scratch / "hf", dtype=dtype).to(device).eval()
+        patches = prompt.modality_inputs["images"]["radio"]
+        inputs = dict(input_ids=prompt.input_ids.to(device), pixel_values=patches["x"][0].to(device, dtype),
+                      image_grid_hw=(patches["imgs_sizes"] // plan.settings.patch_size).to(device))
+
+        def hf_generate(n: int) -> list[int]:
+            with torch.no_grad():
+                out = hf.generate(**inputs, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                                  pad_token_id=fmt.tokenizer.pad_id)
+            return out[0, prompt.num_tokens:].tolist()
+
+        transformers = measure("transformers", hf_generate, args.new_tokens, args.repeats, device)
+        kernels = {name: getattr(getattr(modeling_nemotron_h, name, None), "__module__", None) for name in (
+            "causal_conv1d_fn", "causal_conv1d_update", "mamba2_selective_state_update", "mamba2_chunk_scan")}
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+    agree = next((i for i, (a, b) in enumerate(zip(mimo["tokens"], transformers["tokens"])) if a != b),
+                 args.new_tokens)
+    record = {"benchmark": "generate", "device": device_description(), "provider": provider, "settings": settings,
+              "precision": precision, "prompt_tokens": prompt.num_tokens, "new_tokens": args.new_tokens,
+              "repeats": args.repeats, "engines": [mimo, transformers], "transformers_kernels": kernels,
+              "greedy_tokens_agree_for": agree, "seconds": time.perf_counter() - started,
+              "command": " ".join([sys.executable, *sys.argv])}
+    for engine in record["engines"]:
+        engine.pop("tokens")
+    path = args.out / "generate.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"{provider} {precision} on {record['device'].get('gpu') or 'cpu'}: prompt {prompt.num_tokens} tokens, "
+          f"{args.new_tokens} new tokens, {args.repeats} repeats (min / median / max)")
+    for e in (mimo, transformers):
+        p, d = e["prefill_seconds"], e["decode_tokens_per_second"]
+        print(f"  {e['engine']:<12} prefill {p['min']:.3f} / {p['median']:.3f} / {p['max']:.3f} s | decode "
+              f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} tokens/s")
+    print(f"  greedy tokens agree for the first {agree} of {args.new_tokens}; transformers' Mamba kernels: "
+          f"{sorted(set(kernels.values()))}")
+    print(f"results: {path} ({record['seconds']:.0f} s in all)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,138 @@
+"""Prompts to answer: a question typed with its images, or the answer turns of an energon dataset, and how a prompt
+becomes a model's input through its prompt format (tokenizer, chat template, image mode).
+
+A dataset's samples become conversations exactly as training reads them (`sample_formats.conversation_of`); each
+assistant turn is one prompt: the turns before it (earlier answers as the dataset gives them) and its images, with
+the turn's text as the reference answer. Samples without an answer turn (documents, plain text) give none and are
+counted. The split is read in its stored order, without shuffling or repetition, so the same prompts come every time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from mimo.errors import UsageError
+
+from .conversation import IMAGE_PLACEHOLDER, Turn, place_images, split_placeholders
+from .images import to_float_image
+
+__all__ = ["EncodedPrompt", "Prompt", "encode", "from_dataset", "from_text", "read_image"]
+
+
+@dataclass
+class Prompt:
+    turns: list[Turn]  # the conversation so far; the model writes the next assistant turn
+    images: list = field(default_factory=list)  # float [3, H, W] images, one per image slot of the turns
+    reference: str | None = None  # the dataset's answer
+    key: str = ""  # the dataset sample's key, and which of its answers (#n)
+
+    @property
+    def question(self) -> str:
+        """The last user turn's text (what a reader of the output wants to see)."""
+        user = [t for t in self.turns if t.role == "user"] or self.turns
+        if not user:
+            return ""
+        return "".join(p if isinstance(p, str) else IMAGE_PLACEHOLDER for p in user[-1].parts).strip()
+
+
+@dataclass
+class EncodedPrompt:
+    input_ids: torch.Tensor  # [1, L]: the rendered conversation and the assistant's header
+    modality_inputs: dict  # {modality: {encoder: input}}, empty without images
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+def read_image(path: Path):
+    """An image file as float [3, H, W] in [0, 1]; one line when it cannot be read."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return to_float_image(image.convert("RGB"))
+    except FileNotFoundError:
+        raise UsageError(f"--image {path}: no such file") from None
+    except (UnidentifiedImageError, OSError) as err:
+        raise UsageError(f"--image {path}: not an image PIL can read ({err})") from None
+
+
+def from_text(text: str, image_paths=(), system: str | None = None) -> Prompt:
+    """One user turn: `text`, with the images at its `<image>` placeholders (else before it, as LLaVA does)."""
+    images = [read_image(Path(p)) for p in image_paths]
+    turns = ([Turn("system", (system,))] if system else []) + [Turn("user", tuple(split_placeholders(text)))]
+    try:
+        turns = place_images(turns, len(images))
+    except ValueError as err:
+        raise UsageError(f"--prompt: {err} (--image)") from None
+    return Prompt(turns, images)
+
+
+def _answer_prompts(key: str, conversation) -> Iterator[Prompt]:
+    turns, used = conversation.turns, 0
+    for n, turn in enumerate(turns):
+        if turn.role == "assistant":
+            reference = "".join(p for p in turn.parts if isinstance(p, str))
+            yield Prompt(list(turns[:n]), conversation.images[:used], reference, f"{key}#{n}")
+        used += turn.num_images
+
+
+def from_dataset(path: Path, split: str = "val", limit: int | None = None) -> tuple[list[Prompt], int]:
+    """The first `limit` answer prompts of `path`'s `split` (all when None), and how many samples had none."""
+    from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_val_dataset, stateless
+
+    from .sample_formats import check_readable, conversation_of
+
+    class Conversations(DefaultTaskEncoder):
+        @stateless
+        def encode_sample(self, sample):
+            return getattr(sample, "__key__", "?"), conversation_of(sample)
+
+        def build_train_datasets(self, *, datasets, **kwargs):
+            for loaded in datasets:
+                check_readable(loaded.dataset.__sample_type__, path, "mimo generate")
+            return super().build_train_datasets(datasets=datasets, **kwargs)
+
+        def batch(self, samples):
+            return samples
+
+    try:
+        dataset = get_val_dataset(str(path), split_part=split, batch_size=1, task_encoder=Conversations(),
+                                  worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
+    except UsageError:
+        raise
+    except Exception as err:  # noqa: BLE001 - energon's many ways of saying the folder is not a dataset
+        first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+        raise UsageError(f"--data {path}: cannot read its {split} split ({first})") from None
+    prompts, without_answer = [], 0
+    for batch in get_loader(dataset):
+        for key, conversation in batch:
+            found = list(_answer_prompts(key, conversation))
+            without_answer += not found
+            prompts += found
+            if limit is not None and len(prompts) >= limit:
+                return prompts[:limit], without_answer
+    if not prompts:
+        raise UsageError(f"--data {path}: its {split} split has no sample with an answer turn to generate")
+    return prompts, without_answer
+
+
+def encode(prompt: Prompt, prompt_format) -> EncodedPrompt:
+    """The prompt as the model's input: the chat template's rendering with each image's placeholders (its image
+    mode's count), the assistant's header, and the encoder input of the images."""
+    fmt = prompt_format
+    if prompt.images and fmt.image_mode is None:
+        raise UsageError("this model reads no images (its prompt format has no image mode)")
+    images = [to_float_image(im) for im in prompt.images]
+    counts = [fmt.image_mode.num_tokens(im.shape[-2], im.shape[-1]) for im in images]
+    ids = fmt.template.generation_prompt(prompt.turns, counts, fmt.tokenizer)
+    modality_inputs = {}
+    if images:
+        processed = [fmt.image_mode.process(im) for im in images]
+        modality_inputs = {fmt.modality: {fmt.encoder: fmt.image_mode.collate(processed)}}
+    return EncodedPrompt(torch.tensor([ids], dtype=torch.long), modality_inputs)

@@ -1,0 +1,51 @@
+"""Run by tests/test_generation.py in a fresh interpreter (a world of one on the CPU): for a provider and settings,
+mimo's incremental decoding against recomputing the whole sequence at every step, on prompts with and without an
+image. Prints one JSON line per prompt. On a GPU (the te backend's kernels):
+
+    MIMO_DECODE_DEVICE=cuda python tests/decode_worker.py nemotron-moe-vlm-tiny backend=te seq_length=256
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+
+def main(provider: str, assignments: list[str], new_tokens: int = 24) -> None:
+    from mimo.core.config import RunConfig, TrainingOptions
+    from mimo.core.generation.decoder import Decoder
+    from mimo.core.generation.sampling import Sampler, SamplingOptions
+    from mimo.core.run.plan import prepare
+    from mimo.core.run.world import join
+    from mimo.data.conversation import IMAGE, Turn
+    from mimo.data.prompts import Prompt, encode
+    from mimo.testing.generation_check import recompute_greedy
+
+    config = RunConfig(provider=provider, provider_settings=assignments,
+                       training=TrainingOptions(micro_batch_size=1, train_iters=1,
+                                                device=os.environ.get("MIMO_DECODE_DEVICE", "cpu")))
+    plan = prepare(config, world_size=1)
+    world = join(plan, seed=0)
+    model = world.build_model()
+    fmt = plan.hooks.prompt_format(settings=plan.settings)
+    image = torch.rand(3, 48, 80, generator=torch.Generator().manual_seed(0))
+    long_text = "Describe every detail of the picture, slowly and carefully, in many words. " * 2
+    prompts = {"image": Prompt([Turn("user", (IMAGE, "What is in the picture?"))], [image]),
+               "text": Prompt([Turn("user", ("Hello there.",))]),
+               # two images: the encoder sees both at once, and the prompt is encoded again at every recomputation
+               "long": Prompt([Turn("user", (IMAGE, long_text, IMAGE))], [image, image.flip(-1)[:, :32]])}
+    decoder = Decoder(model, device=world.device, params_dtype=world.params_dtype)
+    for name, prompt in prompts.items():
+        encoded = encode(prompt, fmt)
+        got = decoder.generate(encoded, max_new_tokens=new_tokens, stop_ids=frozenset(),
+                               sampler=Sampler(SamplingOptions(), world.device))
+        want, _ = recompute_greedy(decoder, encoded, new_tokens)
+        print(json.dumps({"prompt": name, "prompt_tokens": encoded.num_tokens, "cached": got.tokens,
+                          "recomputed": want, "image_token": fmt.tokenizer.image_token_id}), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])

@@ -1,0 +1,39 @@
+"""docs/generation.md's example runs as written: a run that shows predictions at its evaluation and saves, then
+`mimo generate` on its checkpoint answers a typed prompt (text, JSON) and a dataset's val questions."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+
+from helpers import REPO, read_metrics, run_mimo
+
+DOC = REPO / "docs" / "generation.md"
+DOC_ROOT = "/tmp/mimo-generate"  # where the example writes; the test writes under its own folder instead
+
+
+def example_lines() -> list[str]:
+    text = DOC.read_text().split("## Example", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip()]
+
+
+def test_the_documented_example_runs(tmp_path):
+    lines = example_lines()
+    assert [shlex.split(line)[:2] for line in lines] == [["mimo", "data"], ["mimo", "run"]] + [["mimo",
+                                                                                              "generate"]] * 3
+    results = []
+    for line in lines:
+        argv = shlex.split(line.replace(DOC_ROOT, str(tmp_path)))
+        result = run_mimo(*argv[1:], env={"TORCH_COMPILE_DISABLE": "1"})
+        assert result.returncode == 0, (line, result.stderr[-3000:])
+        results.append(result)
+    run, text, as_json, data = results[1:]
+    assert "predictions (val) at iteration 6 | exact match" in run.stdout
+    assert text.stdout.count("\n") == 1
+    answer = json.loads(as_json.stdout)
+    assert answer["answer"] == text.stdout[:-1] and 0 < answer["answer_tokens"] <= 24
+    answers = read_metrics(tmp_path / "answers.jsonl")
+    assert len(answers) == 4 and all(a["reference"] for a in answers)
+    assert re.search(r"mimo generate: 4 answers to .* \(val\) \| exact match [\d.]+ \| token F1 [\d.]+", data.stderr)
