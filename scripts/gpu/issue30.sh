@@ -81,13 +81,13 @@ case "$phase" in
       test -d /tmp/ccB || { echo "the caches of call 2 are missing: the machine is new"; exit 3; }
       # 4 warm caches: a second run's first iteration, and slice-te measured again (run-to-run spread against 1)
       bench 4 100 --cases slice-te --extra "--compile-cache /tmp/ccB"
+      # 7 mid: the docs' best recipe under the default memory check with average images (the recipe that was
+      # stuck in iteration 1); stacks every 45 s during iterations 1-2, allocator retries in the records
+      MIMO_STACK_DUMP_S=45 bench 7 170 --cases mid-te-mbs8-selective --timeout 150 \
+        --extra "--compile-cache /tmp/ccB --image-patches mean"
       # 5, 6 the dense mock-vlm's best recipe, this checkout against main
       bench 5 80 --cases dense-te-graphs-fp8-mbs4 --extra "--compile-cache /tmp/ccB"
       bench 6 90 --cases dense-te-graphs-fp8-mbs4 --baseline-src "$base"
-      # 7 mid: the docs' best recipe under the default memory check with average images, then the default
-      # recipe; stacks every 45 s during iterations 1-2, allocator retries in the records
-      MIMO_STACK_DUMP_S=45 bench 7 270 --cases mid-te-mbs8-selective mid-te --timeout 130 \
-        --extra "--compile-cache /tmp/ccB --image-patches mean"
       # 8 FP8 tensorwise with graphs of the Mamba layers, if the call has time left
       bench 8 110 --cases slice-te-fp8 --extra "--compile-cache /tmp/ccB"
       # 9 mid's default recipe on main, if the call has time left
