@@ -20,8 +20,10 @@ from .types import Provider
 
 ENTRY_POINT_GROUP = "mimo.providers"
 REQUIRED_HOOKS = ("model_shape", "build_encoders", "build_language_model", "data_provider")
-CALLED_HOOKS = REQUIRED_HOOKS + ("loss", "frozen_parameters", "model_flops", "module_memory", "hf_settings", "hf_to_mimo", "mimo_to_hf",
-                                  "load_pretrained", "prompt_format")
+# Every hook of the contract but the registration: read from hookspecs, so a new hook is callable with no second
+# list to keep (a hand-kept list once dropped a hook in a merge).
+CALLED_HOOKS = tuple(name for name, function in vars(hookspecs).items()
+                     if hasattr(function, "mimo_spec") and name != "register_providers")
 
 
 @dataclass

@@ -95,5 +95,32 @@ case "$phase" in
     fi
     python3 bench/te_path.py --summarize "$R"   # one table of every run, last in the output
     ;;
-  *) echo "phase: install, slice or rest"; exit 2 ;;
+  round2|round3)
+    # The second device session (after the first found the transformer-engine additions stuck in iteration 1):
+    # round2 finds where they stop, then measures the slice without them (fresh unpinned, fresh pinned, main);
+    # round3 the warm start, mid's stuck recipe and decoding against transformers (bench/generate.py).
+    test -f /tmp/te-site/ok || { echo "TE stack missing: the machine is new; repeat the install call"; exit 3; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:/tmp/te-site
+    test -f "$base/mimo/__init__.py" || { echo "bench_baseline/mimo missing (git archive, see the header)"; exit 3; }
+    if [ "$phase" = round2 ]; then
+      MIMO_STACK_DUMP_S=30 bench d 120 --cases slice-te --extra "--compile-cache /tmp/ccA --kernel-configs none"
+      MIMO_TE_EXTRAS=0 bench f 130 --cases slice-te --extra "--compile-cache /tmp/ccB --kernel-configs none"
+      MIMO_TE_EXTRAS=0 bench p 120 --cases slice-te \
+        --extra "--compile-cache /tmp/ccC --kernel-configs /tmp/ccB/kernel_configs.json"
+      TRITON_CACHE_DIR=/tmp/ccB/triton TRITON_CACHE_AUTOTUNING=1 bench b 140 --cases slice-te --baseline-src "$base"
+      cp /tmp/ccB/kernel_configs.json "$R/kernel_configs_B.json" 2>/dev/null; pack
+    else
+      test -d /tmp/ccB || { echo "the caches of round2 are missing: the machine is new"; exit 3; }
+      MIMO_TE_EXTRAS=0 bench w 100 --cases slice-te --extra "--compile-cache /tmp/ccB"
+      MIMO_TE_EXTRAS=0 MIMO_STACK_DUMP_S=45 bench m 150 --cases mid-te-mbs8-selective --timeout 130 \
+        --extra "--compile-cache /tmp/ccB --image-patches mean"
+      g=$(( $(left) - 15 ))
+      (( g > 90 )) && TRITON_CACHE_DIR=/tmp/ccB/triton timeout -k 10 $g python3 bench/generate.py --out "$R/gen" \
+        --repeats 3 2>&1 | tail -40 | tee -a "$R/console.log"
+      pack
+    fi
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 or round3"; exit 2 ;;
 esac
