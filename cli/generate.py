@@ -48,6 +48,7 @@ def _generate(ctx: typer.Context, prompt=None, image=None, system=None, split="v
         request = GenerateRequest(prompt=prompt, images=tuple(image or ()), system=system, split=split, limit=limit,
                                   output=output, max_new_tokens=max_new_tokens, as_json=as_json,
                                   sampling=SamplingOptions(temperature, top_p, top_k, seed))
+        request.validate(kwargs.get("data"))  # before anything is read or built
         config, report = config_from_checkpoint(kwargs, ctx, "generate")
         with checked_plan(config, request) as plan:
             if report is not None and speaks():

@@ -61,6 +61,9 @@ class GenerateRequest:
             raise UsageError(f"--max-new-tokens must be at least 1, got {self.max_new_tokens}")
         if self.limit is not None and self.limit < 1:
             raise UsageError(f"--limit must be at least 1, got {self.limit}")
+        for image in self.images:
+            if not Path(image).is_file():
+                raise UsageError(f"--image {image}: no such file")
         self.sampling.validate()
 
     def prompts(self, data: Path | None) -> tuple[list, int]:
