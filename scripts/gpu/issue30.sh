@@ -122,5 +122,26 @@ case "$phase" in
     fi
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 or round3"; exit 2 ;;
+  round4|round5)
+    # The third device session: the provider's recorded pins (kernel_configs/sm90.json, from the first session's
+    # slice run) on a fresh cache, the warm start, main in the same call (round4); decoding against transformers
+    # and mid's stuck recipe (round5).
+    test -f /tmp/te-site/ok || { echo "TE stack missing: the machine is new; repeat the install call"; exit 3; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:/tmp/te-site
+    test -f "$base/mimo/__init__.py" || { echo "bench_baseline/mimo missing (git archive, see the header)"; exit 3; }
+    if [ "$phase" = round4 ]; then
+      bench f 215 --cases slice-te --extra "--compile-cache /tmp/ccD"
+      bench w 120 --cases slice-te --extra "--compile-cache /tmp/ccD"
+      TRITON_CACHE_DIR=/tmp/ccD/triton TRITON_CACHE_AUTOTUNING=1 bench b 190 --cases slice-te --baseline-src "$base"
+    else
+      test -d /tmp/ccD || { echo "the caches of round4 are missing: the machine is new"; exit 3; }
+      TRITON_CACHE_DIR=/tmp/ccD/triton timeout -k 10 300 python3 bench/generate.py --out "$R/gen" --repeats 3 2>&1 \
+        | tail -40 | tee -a "$R/console.log"; pack
+      MIMO_STACK_DUMP_S=60 bench m $(( $(left) - 10 )) --cases mid-te-mbs8-selective \
+        --extra "--compile-cache /tmp/ccD --image-patches mean"
+    fi
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round5"; exit 2 ;;
 esac
