@@ -70,6 +70,8 @@ def _run(ctx: typer.Context, print_config: bool = False, **kwargs):
                 raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
             train(plan)
     except UsageError as err:
+        if getattr(err, "quiet", False):  # a stop for the data: one rank says it for the run
+            raise typer.Exit(code=2) from None
         raise fail(str(err)) from None
     except TrainingStopped as err:
         if not getattr(err, "quiet", False):  # a stop on a signal: one rank says it for the run
