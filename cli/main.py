@@ -56,8 +56,10 @@ def _run(ctx: typer.Context, print_config: bool = False, **kwargs):
     from mimo.core import run_file
     from mimo.core.run import launch, preflight
     from mimo.core.run.loop import train
+    from mimo.core.run.lifeline import install as die_with_parent
     from mimo.core.run.plan import prepare
 
+    die_with_parent()  # what this process forks dies with it, whatever kills it
     launch.die_with_launcher()
     try:
         config = run_config(kwargs, ctx)
@@ -92,7 +94,9 @@ def _eval(ctx: typer.Context, split: str = "val", json_path=None, **kwargs):
     provider's synthetic eval data, over --eval-iters global batches (default 10), in any layout that fits."""
     from mimo.core.evaluation.standalone import evaluate_checkpoint
     from mimo.core.run import launch, preflight
+    from mimo.core.run.lifeline import install as die_with_parent
 
+    die_with_parent()
     launch.die_with_launcher()
     try:
         with preflight.for_eval(run_config(kwargs, ctx), split) as plan:

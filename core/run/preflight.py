@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from mimo.data.check import check_dataset
 
 from ..checkpoint.hf import pretrained_from_hf
+from ..checkpoint.layout import remove_unfinished
 from ..checkpoint.resume import check_resume
 from ..checkpoint.save_lock import lock_save_directory
 from ..config import RunConfig
@@ -41,6 +42,9 @@ def for_run(config: RunConfig) -> Iterator[Plan]:
     speaks = launch.speaks_for_run(config.launch)
     if speaks and config.checkpoint.save is not None:
         lock_save_directory(config.checkpoint.save)  # held until this process exits
+        removed = remove_unfinished(config.checkpoint.save)  # what killed saves left: never loaded, never kept
+        if removed:
+            print(removed, flush=True)
     check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
     with pretrained_from_hf(plan) as plan:  # --pretrained HF_DIR: converted before the workers start
         yield plan
