@@ -83,20 +83,19 @@ def consumed_rows(loader, micro_batches):
 
 
 def passed_bad_keys(clean_rows, rows, bad_keys) -> list[str]:
-    """The bad samples each worker's clean stream holds before the last good sample consumed from that worker."""
-    passed = []
-    for worker in {w for w, _ in rows}:
-        stream = [k for w, k in clean_rows if w == worker]
-        got = [k for w, k in rows if w == worker]
-        assert got == [k for k in stream if k not in bad_keys][:len(got)]  # the clean stream without the bad ones
-        good = 0
-        for key in stream:  # up to the last good sample consumed (keys recur: the buffer spans epochs)
-            if good == len(got):
-                break
-            if key in bad_keys:
-                passed.append(key)
-            else:
-                good += 1
+    """The bad samples the stream holds before the last good sample consumed. A lane's stream is its workers'
+    samples in turn, a bad sample keeping its turn (as a tombstone), so the good samples consumed are the clean
+    stream without the bad ones, and a bad sample counts once the loader has passed its place."""
+    good = [row for row in clean_rows if row[1] not in bad_keys]
+    assert rows == good[:len(rows)]  # the clean stream without the bad ones
+    passed, taken = [], 0
+    for _, key in clean_rows:  # up to the last good sample consumed (keys recur: the buffer spans epochs)
+        if taken == len(rows):
+            break
+        if key in bad_keys:
+            passed.append(key)
+        else:
+            taken += 1
     return passed
 
 

@@ -49,7 +49,7 @@ def test_non_finite_iterations_are_skipped_counted_and_stop_the_run(tmp_path):
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         "error: 3 iterations in a row had a non-finite loss or gradient norm (the last: iteration 7), so "
-        "training stopped; lower --lr, check the data, or raise --max-nan-iters")
+        "training stopped; lower --lr, check the data, or raise --max-nan-iters; nothing saved (no --save)")
     by_iteration = {r["iteration"]: r for r in records}
     assert by_iteration[2]["nan_iterations"] == 1 and by_iteration[2]["skipped_iterations"] == 1
     assert by_iteration[3]["nan_iterations"] == 1 and by_iteration[4]["lm_loss"] == by_iteration[4]["lm_loss"]
