@@ -329,7 +329,7 @@ def test_mock_vlm_trains_on_a_sample_dataset(tmp_path):
     losses = [r["lm_loss"] for r in records]
     assert len(losses) == 10 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0]
-    assert "unreadable samples" not in result.stdout
+    assert "skipped samples" not in result.stdout
 
 
 @pytest.mark.smoke
