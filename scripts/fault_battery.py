@@ -12,7 +12,8 @@
   stops on SIGTERM, saves, and exits 1 with one line.
 - worker: one worker of a 2-process run is SIGKILLed; every process of the run must be gone within the timeout.
 - orphans: SIGKILL of the main process only (not its session) at a random moment, with sync saves, async saves,
-  --data read by 2 loader workers, and `mimo ckpt import-hf` (with --hf-folder); no process of the run may be
+  --data read by 2 loader workers, and `mimo ckpt import-hf` (with --hf-folder; at a named stage of its save, as
+  a tiny model imports in under a second); no process of the run may be
   alive 10 s later, and a resume into the same --save (a rerun into the same import folder) must finish, saying
   what it removed, with no partial directory left.
 
@@ -262,10 +263,13 @@ def orphans(out: Path, count: int, rng: random.Random, hf_folder: Path | None, k
         where = out / "orphans" / f"{kind}{k}"
         save = where / "save"
         if kind == "import":
-            moment = rng.uniform(2.0, 12.0)  # from start-up into the conversion and its save
-            run = Run(where / "killed", "ckpt", "import-hf", str(hf_folder), str(save))
-            time.sleep(moment)
-            how = f"SIGKILL of import-hf {moment:.1f} s after its start"
+            # a tiny model imports in well under a second once started: SIGKILL at a named stage of its save
+            # (MIMO_FAULT_KILL_AT, as the kills part does), in the middle of writing OUT
+            stage = rng.choice(STAGES)
+            run = Run(where / "killed", "ckpt", "import-hf", str(hf_folder), str(save),
+                      env={"MIMO_FAULT_KILL_AT": f"{stage}@0"})
+            run.proc.wait(timeout=300)
+            how = f"SIGKILL of import-hf at {stage} of its save"
         else:
             extra = {"sync": (), "async": ("--async-save",),
                      "data": ("--async-save", "--data", str(data), "--num-workers", "2")}[kind]
@@ -275,9 +279,10 @@ def orphans(out: Path, count: int, rng: random.Random, hf_folder: Path | None, k
             run.wait_for(f"iteration {at:>6}/", timeout=300)
             time.sleep(moment)
             how = f"SIGKILL of the main process ({kind}) {moment:.2f} s after iteration {at}"
-        done_before = run.proc.poll() is not None  # an import that finished first: its folder is complete
+        done_before = run.proc.poll() is not None  # an import killed at its fault point has ended already
         try:
-            os.kill(run.proc.pid, signal.SIGKILL)  # the main process only: its children must follow by themselves
+            if not done_before:
+                os.kill(run.proc.pid, signal.SIGKILL)  # the main process only: its children must follow by themselves
             run.proc.wait()
             seconds, left = _gone_after(run, ORPHAN_LIMIT_S)
         finally:
@@ -285,9 +290,11 @@ def orphans(out: Path, count: int, rng: random.Random, hf_folder: Path | None, k
         partial_before = _partials(save) if kind != "import" else sorted(
             p.name for p in save.parent.glob(f".{save.name}.mimo-partial-*"))
         if kind == "import":
+            complete = (save / TRACKER).is_file()  # killed after it finished: a rerun must refuse the folder
             code, again = mimo_command(where / "again", "ckpt", "import-hf", str(hf_folder), str(save))
-            finished = (code == 0 and (save / TRACKER).is_file()) or (
-                done_before and code == 2 and "is not empty" in again.err.read_text())
+            finished = (not complete and code == 0 and (save / TRACKER).is_file()) or (
+                complete and code == 2 and "is not empty" in again.err.read_text())
+            how += " (it had finished)" if complete else ""
             leftover = sorted(p.name for p in save.parent.glob(f".{save.name}.mimo-partial-*"))
         else:
             resume_to = (tracked(save) or 0) + 2
