@@ -71,9 +71,11 @@ def import_hf(hf_dir: Path, out: Path,
     and OUT/provider.yaml (its provider and settings): train from it with `mimo run --provider-config
     OUT/provider.yaml --pretrained OUT`. One process on the CPU, the whole model in memory."""
     from mimo.core.checkpoint import hf
+    from mimo.core.run.lifeline import install as die_with_parent
 
     from .common import fail
 
+    die_with_parent()
     try:
         name = hf.import_hf(hf_dir, out, provider)
     except UsageError as err:
@@ -89,9 +91,11 @@ def export_hf(checkpoint: Path, out: Path,
     """Write the weights of a mimo checkpoint (CHECKPOINT: its save directory; any layout) as a Hugging Face
     model folder OUT that transformers' from_pretrained loads. One process on the CPU, the whole model in memory."""
     from mimo.core.checkpoint import hf
+    from mimo.core.run.lifeline import install as die_with_parent
 
     from .common import fail
 
+    die_with_parent()
     try:
         name = hf.export_hf(checkpoint, out, assignments or [])
     except UsageError as err:

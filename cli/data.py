@@ -1,7 +1,9 @@
-"""`mimo data sample DIR`: write a small synthetic energon captioning dataset, for smoke runs and tests."""
+"""`mimo data sample DIR`: write a small synthetic energon captioning dataset, for smoke runs and tests.
+`mimo data convert llava JSON IMAGE_DIR OUT`: LLaVA-style records and their images into an energon dataset."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -56,3 +58,44 @@ def sample(directory: Path,
     typer.echo(f"wrote {info.num_samples} samples in {len(info.shards)} shards to {info.path}"
                + (f" ({len(info.corrupt_keys)} corrupt: {', '.join(info.corrupt_keys)})" if corrupt else "")
                + (f"; val split: {', '.join(info.splits['val'])}" if val_shards else ""))
+
+
+convert_app = typer.Typer(no_args_is_help=True, help="Convert datasets of other formats into energon datasets.")
+data_app.add_typer(convert_app, name="convert")
+
+
+@convert_app.callback()
+def _convert_group():
+    """Convert datasets of other formats into energon datasets."""
+
+
+@convert_app.command("llava")
+def convert_llava(json_path: Path = typer.Argument(..., metavar="JSON", help="the records: a JSON array, or JSON lines"),
+                  image_dir: Path = typer.Argument(..., metavar="IMAGE_DIR", help="where the records' image names "
+                                                                                  "are found"),
+                  out: Path = typer.Argument(..., metavar="OUT", help="the energon dataset to write (a new folder)"),
+                  val_fraction: float = typer.Option(0.0, "--val-fraction", help="share of the records (by a hash of "
+                                                     "their id) for the val split: held-out samples for "
+                                                     "--eval-iters and mimo eval"),
+                  shard_size: int = typer.Option(1000, "--shard-size", help="records per tar shard")):
+    """LLaVA-style records ({"image": name or list, "conversations": [{"from", "value"}, ...]} or "messages") and
+    their images into an energon dataset that `mimo run --data OUT` reads (webdataset shards, prepared, as a crude
+    chat dataset). Records are read one at a time; <image> placeholders stay where they stand; a record mimo could
+    not train on (a missing or undecodable image, placeholders that do not match the images, an unknown role) is
+    named and counted, not written."""
+    from mimo.data.convert import convert_llava as convert
+    from mimo.errors import UsageError
+
+    from .common import fail
+    from .console import prints_to_debug_log
+
+    console = sys.stdout  # the lines about bad records; energon's own prints go to the debug log
+    try:
+        if shard_size < 1:
+            raise UsageError(f"--shard-size {shard_size} must be 1 or more")
+        with prints_to_debug_log("energon prepare"):
+            result = convert(json_path, image_dir, out, val_fraction=val_fraction, shard_size=shard_size,
+                             say=lambda line: print(line, file=console, flush=True))
+    except UsageError as err:
+        raise fail(str(err)) from None
+    typer.echo(result.summary())

@@ -57,8 +57,10 @@ def _run(ctx: typer.Context, print_config: bool = False, **kwargs):
     from mimo.core import run_file
     from mimo.core.run import launch, preflight
     from mimo.core.run.loop import train
+    from mimo.core.run.lifeline import install as die_with_parent
     from mimo.core.run.plan import prepare
 
+    die_with_parent()  # what this process forks dies with it, whatever kills it
     launch.die_with_launcher()
     try:
         config = run_config(kwargs, ctx)
@@ -71,6 +73,8 @@ def _run(ctx: typer.Context, print_config: bool = False, **kwargs):
                 raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
             train(plan)
     except UsageError as err:
+        if getattr(err, "quiet", False):  # a stop for the data: one rank says it for the run
+            raise typer.Exit(code=2) from None
         raise fail(str(err)) from None
     except TrainingStopped as err:
         if not getattr(err, "quiet", False):  # a stop on a signal: one rank says it for the run
@@ -92,9 +96,11 @@ def _eval(ctx: typer.Context, split: str = "val", json_path=None, **kwargs):
     from mimo.core.checkpoint.saved_run import speaks
     from mimo.core.evaluation.standalone import evaluate_checkpoint
     from mimo.core.run import launch, preflight
+    from mimo.core.run.lifeline import install as die_with_parent
 
     from .checkpoint_config import config_from_checkpoint
 
+    die_with_parent()
     launch.die_with_launcher()
     try:
         config, report = config_from_checkpoint(kwargs, ctx, "eval")  # the checkpoint's provider and settings

@@ -67,8 +67,10 @@ class DataOptions:
               "sample); a micro-batch then holds micro-batch-size packed sequences")
     packing_buffer_size: int = option(64, "--data samples read ahead per data lane to choose packs from")
     max_skip_fraction: float = option(
-        0.1, "stop the run (exit 2) when more than this share of the --data samples read were skipped as unreadable "
-             "or too long, checked once 100 have been read; 1: never")
+        0.1, "stop the run (exit 2, saving first with --save) when more than this share of the --data samples read "
+             "were skipped (unreadable, unsupported or too long), checked once 100 have been read; 1: never")
+    truncation_warning: float = option(
+        0.05, "warn when seq_length cuts more than this share of the answer tokens read in a logging interval; 1: never")
 
 
 @dataclass
@@ -356,6 +358,8 @@ class RunConfig:
             raise UsageError(f"--prefetch-microbatches must be 0 or more, got {self.data.prefetch_microbatches}")
         if not 0 <= self.data.max_skip_fraction <= 1:
             raise UsageError(f"--max-skip-fraction must lie between 0 and 1, got {self.data.max_skip_fraction}")
+        if not 0 <= self.data.truncation_warning <= 1:
+            raise UsageError(f"--truncation-warning must lie between 0 and 1, got {self.data.truncation_warning}")
         if self.data.packing_buffer_size < 1:
             raise UsageError(f"--packing-buffer-size must be 1 or more, got {self.data.packing_buffer_size}")
         if self.data.num_workers < 0:

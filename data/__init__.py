@@ -12,15 +12,16 @@ from .lanes import merge_encoder_inputs, merge_lane_batches, merge_modality_inpu
 from .loader import get_multimodal_train_loader, make_worker_config
 from .sample_dataset import prepare_energon_dataset, write_sample_dataset
 from .sample_formats import readable_type_names
-from .skips import SkipLedger, SkippedSampleCounter
+from .counts import DataCounts
+from .skips import SkippedSampleCounter, SkipRecord
 from .images import DynamicResolution, FixedTiles, dynamic_num_tokens, fit_patch_grid, patchify, tile_num_tokens
 from .task_encoder import EncodedSample, MultimodalTaskEncoder
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_hf_tokenizer
 
 __all__ = [
     "CHAT_COOKER", "CHAT_TEMPLATES", "NEMOTRON", "PLAIN", "ByteTokenizer", "ChatSample", "ChatTemplate",
-    "Conversation", "ConversationTaskEncoder", "DynamicResolution", "EncodedSample", "FixedTiles", "HFTokenizer",
-    "LaneLoader", "MultimodalTaskEncoder", "SkipLedger", "SkippedSampleCounter", "Tokenizer", "Turn",
+    "Conversation", "ConversationTaskEncoder", "DataCounts", "DynamicResolution", "EncodedSample", "FixedTiles", "HFTokenizer",
+    "LaneLoader", "MultimodalTaskEncoder", "SkipRecord", "SkippedSampleCounter", "Tokenizer", "Turn",
     "chat_template", "cook_chat", "dynamic_num_tokens", "fit_patch_grid", "get_multimodal_train_loader",
     "load_hf_tokenizer", "make_worker_config", "merge_encoder_inputs", "merge_lane_batches", "merge_modality_inputs",
     "merge_packed_seq_params", "patchify", "prepare_energon_dataset", "readable_type_names", "tile_num_tokens",

@@ -7,8 +7,8 @@ the template trains (assistant turns, documents). Batching, image collation and 
 `MultimodalTaskEncoder`'s.
 
 Too long for `seq_length`: the tail is cut; an image whose placeholders the cut reaches is dropped whole (with its
-placeholders). A sample left with nothing to train on is skipped and counted (`too_long`); 100 in a row stop the
-run (energon's FatalSampleError) instead of reading forever.
+placeholders). What the cut took (tokens, answer tokens) rides with the sample into the run's counts. A sample left
+with nothing to train on is skipped as too long (`skips.TooLong`: a tombstone in the loader's stream).
 
 Before any sample is read, `build_train_datasets` (energon calls it in the main process) checks each dataset's
 declared sample type and refuses an unreadable one in one line.
@@ -23,6 +23,7 @@ from .chat_cooker import CHAT_COOKER
 from .chat_template import PLAIN, ChatTemplate, RenderedConversation
 from .sample_formats import check_readable, conversation_of
 from .images import to_float_image
+from .skips import UnsupportedSample
 from .task_encoder import EncodedSample, MultimodalTaskEncoder
 
 __all__ = ["ConversationTaskEncoder"]
@@ -67,12 +68,14 @@ class ConversationTaskEncoder(MultimodalTaskEncoder):
         conversation = conversation_of(sample)
         images = [to_float_image(im) for im in conversation.images]
         counts = [self.image_mode.num_tokens(im.shape[-2], im.shape[-1]) for im in images]
-        rendered, kept = self._truncate(self.template.render(conversation.turns, counts, self.tokenizer))
+        whole = self.template.render(conversation.turns, counts, self.tokenizer)
+        rendered, kept = self._truncate(whole)
         # position i learns token i + 1: the first token is never a target
         if sum(rendered.trained[1:]) < self.min_text_tokens:
-            self._skip(sample, f"{len(rendered.tokens)} of the sample's tokens fit in {self.seq_length}, with "
-                               f"fewer than {self.min_text_tokens} to train on")
-        self._skips_in_a_row = 0
+            if sum(whole.trained[1:]) < self.min_text_tokens:  # not the cut: nothing to learn at any length
+                raise UnsupportedSample("the conversation has no tokens to train on (no answer)")
+            self._skip(len(whole.tokens), f"cut to seq_length it keeps fewer than {self.min_text_tokens} of its "
+                                          f"{sum(whole.trained[1:])} answer tokens")
         processed = [self.image_mode.process(im) for im in images[:kept]]
         assert [p.num_tokens for p in processed] == counts[:kept]
         tokens = torch.tensor(rendered.tokens, dtype=torch.long)
@@ -81,4 +84,5 @@ class ConversationTaskEncoder(MultimodalTaskEncoder):
         labels = torch.full_like(tokens, self.tokenizer.pad_id)
         labels[:-1] = tokens[1:]
         labels = labels.masked_fill(loss_mask == 0, self.tokenizer.pad_id)
-        return self._encoded(sample, tokens, labels, loss_mask, processed)
+        out = self._encoded(sample, tokens, labels, loss_mask, processed)
+        return self._with_cut(out, len(whole.tokens), sum(whole.trained[1:]))

@@ -1,20 +1,20 @@
-"""A sample that fails to load is dropped where training would have met it, not where the shuffle buffer read it.
+"""A sample that cannot be trained on becomes a tombstone in the stream, where training would have met it.
 
-energon decodes a sample's files (and cooks a crude sample) before its shuffle buffer. An error there drops the
-sample while the buffer reads ahead, up to `shuffle_buffer_size` samples before training would have reached it,
-and the buffer then holds other samples than it would have. `defer_load_errors` gives the lane loader a copy of
-the task encoder in which such a failure travels with the sample instead:
+energon decodes a sample's files, applies its dataset's field map, and cooks a crude sample before its shuffle
+buffer; an error there would drop the sample while the buffer reads ahead. `defer_load_errors` gives the lane
+loader a copy of the task encoder in which such a failure travels with the sample instead:
 
 * its decoder (`DeferringDecoder`, the task encoder's `decoder`, which energon hands to the dataset) puts an
   `UnreadablePart` in place of a file that cannot be decoded;
-* its `cook_crude_sample` hands on a crude sample it could not cook, with the error attached (`UNCOOKED`);
-* its first step after the buffer (`encode_sample`, or `preencode_sample` where the encoder has one) raises
-  `UnreadableSample` for such a sample, and energon's error handler drops it.
+* each dataset's raw-sample loader (its field map) hands on a sample it could not load, with the error attached
+  (`UNCOOKED`), and so does `cook_crude_sample` for a crude sample it could not cook;
+* its first step after the buffer (`encode_sample`, or `preencode_sample` where the encoder has one) returns a
+  tombstone (`task_encoder.tombstone`: no tokens, the sample's `SkipRecord`) for such a sample, and for a sample
+  the encoder itself rejects (unsupported content, too long for seq_length).
 
-So the bad sample takes its slot in the shuffle buffer like any other, energon drops it at the very position of the
-stream where training would have consumed it, and the good samples come in the order a dataset without the bad
-samples' errors would give them. Errors in energon's own field mapping (e.g. a sample without the file the
-dataset's field map names) still happen before the buffer.
+So the bad sample keeps its slot in the shuffle and packing buffers, and the lane loader counts it when it consumes
+that slot (`skips.py`). Nothing is dropped inside energon, so energon's error handler sees only what fails in its
+own code.
 
 The copy's methods are instance attributes made of `functools.partial` over module functions, so the copy pickles
 (for worker processes started by spawning) and energon reads their `@stateless` marks as it would the originals'.
@@ -32,12 +32,15 @@ from megatron.energon import SkipSample, TaskEncoder
 from megatron.energon.errors import SYSTEM_EXCEPTIONS
 from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
 
-from .skips import UnreadableSample, describe_error, encoding_sample
+from .skips import (
+    TOO_LONG, UNREADABLE, UNSUPPORTED, TooLong, UnreadableSample, UnsupportedSample, describe_error, record_of,
+)
+from .task_encoder import tombstone
 
 __all__ = ["DeferringDecoder", "UNCOOKED", "UnreadablePart", "UnreadableSample", "defer_load_errors",
            "raise_if_unreadable"]
 
-UNCOOKED = "__mimo_uncooked__"  # in a crude sample the cooker failed on: why
+UNCOOKED = "__mimo_uncooked__"  # in a sample that could not be loaded or cooked: (reason, why)
 _MARKS = ("__stateless__", "__failure_tolerance__")  # what energon reads off a task encoder's method
 
 
@@ -115,35 +118,88 @@ def _unreadable_in(value: Any, depth: int = 3) -> UnreadablePart | None:
 
 
 def raise_if_unreadable(sample: Any) -> None:
-    """Raise `UnreadableSample` for a sample that carries a failure from before the shuffle buffer."""
+    """Raise `UnreadableSample` (or `UnsupportedSample`) for a sample that carries a failure from before the
+    shuffle buffer."""
     if isinstance(sample, dict) and UNCOOKED in sample:
-        raise UnreadableSample(sample[UNCOOKED])
+        reason, why = sample[UNCOOKED]
+        raise (UnsupportedSample if reason == UNSUPPORTED else UnreadableSample)(why)
     part = _unreadable_in(sample)
     if part is not None:
         raise UnreadableSample(f"file '{part.name}' cannot be decoded ({part.error})")
 
 
+def _tombstone_for(sample, err: BaseException):
+    """The tombstone of a sample that failed with `err`: too long, unsupported content (a ValueError: what mimo's
+    readers raise for content they do not take), or else unreadable."""
+    if isinstance(err, TooLong):
+        return tombstone(sample, record_of(sample, TOO_LONG, err, needed_tokens=err.needed_tokens))
+    if isinstance(err, UnreadableSample) or not isinstance(err, ValueError):
+        return tombstone(sample, record_of(sample, UNREADABLE, err))
+    return tombstone(sample, record_of(sample, UNSUPPORTED, err))
+
+
 def _encode_checked(encoder, name: str, sample):
-    raise_if_unreadable(sample)
-    with encoding_sample(sample):  # the encoder's own skips (too long) then name the sample's shard
+    try:
+        raise_if_unreadable(sample)
         return getattr(type(encoder), name)(encoder, sample)
+    except (SkipSample, *SYSTEM_EXCEPTIONS):
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure of one sample is that sample's, counted at consumption
+        return _tombstone_for(sample, err)
 
 
 def _encode_checked_generator(encoder, name: str, sample):
-    raise_if_unreadable(sample)
-    yield from getattr(type(encoder), name)(encoder, sample)
+    try:
+        raise_if_unreadable(sample)
+        yield from getattr(type(encoder), name)(encoder, sample)
+    except (SkipSample, *SYSTEM_EXCEPTIONS):
+        raise
+    except Exception as err:  # noqa: BLE001
+        yield _tombstone_for(sample, err)
 
 
 def _cook_or_defer(encoder, sample, **kwargs):
+    if isinstance(sample, dict) and UNCOOKED in sample:  # its raw loading failed already
+        return sample
     try:
         return type(encoder).cook_crude_sample(encoder, sample, **kwargs)
     except (SkipSample, *SYSTEM_EXCEPTIONS):
         raise
     except Exception as err:  # noqa: BLE001 - raised again after the shuffle buffer
         part = _unreadable_in(sample)
-        why = (f"file '{part.name}' cannot be decoded ({part.error})" if part is not None
-               else f"the crude sample cannot be cooked ({describe_error(err)})")
-        return {**sample, UNCOOKED: why}
+        if part is not None:
+            return {**sample, UNCOOKED: (UNREADABLE, f"file '{part.name}' cannot be decoded ({part.error})")}
+        reason = UNSUPPORTED if isinstance(err, ValueError) else UNREADABLE
+        return {**sample, UNCOOKED: (reason, f"the crude sample cannot be cooked ({describe_error(err)})")}
+
+
+def _load_or_defer(factory, load, raw_sample):
+    """A dataset's raw-sample loader (its field map) that hands on a sample it cannot load, with why."""
+    try:
+        return load(raw_sample)
+    except (SkipSample, *SYSTEM_EXCEPTIONS):
+        raise
+    except Exception as err:  # noqa: BLE001 - raised again after the shuffle buffer
+        data = getattr(raw_sample, "data", None)
+        raw = data[0] if isinstance(data, tuple) and data and isinstance(data[0], dict) else {}
+        part = _unreadable_in(raw)
+        why = (f"file '{part.name}' cannot be decoded ({part.error})" if part is not None else
+               f"a part its dataset's field map names is missing or unreadable ({describe_error(err)}; parts: "
+               f"{', '.join(sorted(k for k in raw if not k.startswith('__'))) or 'none'})")
+        return {"__key__": raw.get("__key__"), "__restore_key__": raw.get("__restore_key__", ()),
+                "__sources__": raw.get("__sources__"), "__subflavors__": getattr(factory, "subflavors", None),
+                UNCOOKED: (UNREADABLE, why)}
+
+
+def _build_deferring(encoder, *, datasets, **kwargs):
+    """energon's build_train_datasets, each dataset's raw-sample loader deferring its failures first."""
+    for loaded in datasets:
+        factory = loaded.dataset
+        load = getattr(type(factory), "_load_sample_raw", None)
+        if load is not None and "_load_sample_raw" not in vars(factory):
+            factory._load_sample_raw = functools.partial(_load_or_defer, factory,
+                                                         functools.partial(load, factory))
+    return type(encoder).build_train_datasets(encoder, datasets=datasets, **kwargs)
 
 
 def _method(function, encoder, name: str, original) -> functools.partial:
@@ -165,4 +221,5 @@ def defer_load_errors(task_encoder: TaskEncoder) -> TaskEncoder:
     checked = _encode_checked_generator if inspect.isgeneratorfunction(original) else _encode_checked
     setattr(encoder, name, _method(checked, encoder, name, original))
     encoder.cook_crude_sample = _method(_cook_or_defer, encoder, "", cls.cook_crude_sample)
+    encoder.build_train_datasets = functools.partial(_build_deferring, encoder)
     return encoder

@@ -17,204 +17,47 @@ rank that shares a lane with others (fan-in) takes its part of those samples; on
 their micro-batches with `merge_lane_batches` (schema-aware, see `lanes.py`).
 
 State. `state_dict()` holds, per lane, the energon state of the lane's workers, the samples already pulled from
-them but not consumed, the turn, and the skip notes not yet counted: everything needed to continue the exact
-stream. The format does not depend on how many lanes a loader serves, so one lane's state restores that lane on
-any rank that reads it.
+them but not consumed, the turn, and the lane's counts: everything needed to continue the exact stream. The format
+does not depend on how many lanes a loader serves, so one lane's state restores that lane on any rank that reads it.
 
-Bad samples. A sample that fails to load or encode is dropped by energon's error handler (a
-`SkippedSampleCounter` with a `SkipLedger`) and counted once the consumed samples reach the point where its worker
-met it (`skipped_samples`; what each was: `take_skip_records`): the count depends on the stream alone, not on
-prefetching, and a restore does not count the re-read drops again. Load errors are held back until the sample leaves
-the shuffle buffer (`deferred_errors.py`), so a drop counts where training would have consumed the sample, not
-where the buffer read it. energon's own per-sample prints go to the debug log (`energon_prints.py`). A missing or
-empty dataset, fewer samples than workers, or a dataset energon gives up on (too many bad samples in a row) is one
-`UsageError` line.
+Counts. A sample that cannot be trained on travels the stream as a tombstone (`deferred_errors.py`, `skips.py`);
+the loader counts it, by reason, when it consumes it (or the pack that carries it), with the samples trained and
+what seq_length cut (`data_counts()`; what each skip was: `take_skip_records`). So the counts depend on the stream
+alone, not on read-ahead, and a restore neither loses nor repeats one. energon's own per-sample prints go to the
+debug log (`energon_prints.py`).
+
+Errors. A missing or empty dataset, or fewer samples than workers, is one `UsageError` line at start. A data error
+while reading (`MAX_SKIPS_IN_A_ROW` skipped samples in a row, a dataset energon gives up on) is a `DataError`; with
+`hold_data_errors` set (the training loop) the loader keeps it (`data_error`) and hands out empty micro-batches for
+the rest of the iteration, so every rank finishes the iteration and the loop stops at its boundary, saving the
+state `mark_boundary()` kept.
 """
 
 from __future__ import annotations
 
-import pickle
-import re
-import warnings
-from collections import deque
+import dataclasses
 from pathlib import Path
 from typing import Any
 
-from megatron.energon import TaskEncoder, WorkerConfig, get_savable_loader, get_train_dataset
-from megatron.energon.errors import FatalSampleError
-from megatron.energon.flavors.webdataset.empty_dataset_error import EmptyDatasetError
+import torch
+from megatron.energon import TaskEncoder
 
 from mimo.errors import UsageError
 
-from .deferred_errors import defer_load_errors
+from .counts import DataCounts
 from .energon_prints import route_energon_prints
+from .lane_stream import MAX_SKIPS_IN_A_ROW, DataError, LaneStream
 from .lanes import merge_lane_batches
-from .skips import SkipLedger, SkippedSampleCounter, SkipRecord
+from .skips import SkipRecord
+from .task_encoder import EncodedSample
 
-__all__ = ["LaneLoader", "STATE_VERSION"]
+__all__ = ["DataError", "LaneLoader", "MAX_SKIPS_IN_A_ROW", "STATE_VERSION"]
 
-STATE_VERSION = 1
-_KEPT_RECORDS = 1000  # skip records a loader keeps for the loop to report; older ones are only counted
-
-
-def _restore_key(sample) -> tuple:
-    key = sample.get("__restore_key__") if isinstance(sample, dict) else getattr(sample, "__restore_key__", None)
-    if not key or len(key) < 3:
-        raise TypeError(f"a sample without energon's restore key ({type(sample).__name__}): the task encoder "
-                        f"must keep `__restore_key__` (derive encoded samples from the input sample)")
-    return key
+STATE_VERSION = 2
 
 
 def _sample_key(sample) -> str:
     return str(sample.get("__key__") if isinstance(sample, dict) else getattr(sample, "__key__", ""))
-
-
-class _Stream:
-    """One energon loader over consecutive lanes, `per_lane` workers each, its samples queued per worker."""
-
-    def __init__(self, path: str, task_encoder, lanes: range, num_lanes: int, num_workers: int, seed: int,
-                 dataset_kwargs: dict):
-        k = len(lanes)
-        self.path, self.lanes, self.num_workers = path, lanes, num_workers * k
-        self.per_lane = max(num_workers, 1)
-        self.rank = lanes.start // k
-        self.ledger = SkipLedger(self.per_lane * k)
-        counter = SkippedSampleCounter(ledger=self.ledger)
-        task_encoder = defer_load_errors(task_encoder)  # a copy
-        if hasattr(task_encoder, "skip_counter"):  # the task encoder's own drops (e.g. too long) count here too
-            task_encoder.skip_counter = counter
-        config = WorkerConfig(rank=self.rank, world_size=num_lanes // k, num_workers=self.num_workers,
-                              seed_offset=seed, global_error_handler=counter)
-        # an evaluation reads another split (split_part) the same way: seeded, repeating, so it never runs dry
-        self.what = f"{dataset_kwargs.get('split_part', 'train')} samples".replace("train samples", "training samples")
-        try:
-            self.dataset = get_train_dataset(path, worker_config=config, batch_size=None, task_encoder=task_encoder,
-                                             **dataset_kwargs)
-        except EmptyDatasetError as err:
-            raise UsageError(f"--data {path}: the dataset has no {self.what} ({err})") from None
-        except (FileNotFoundError, ValueError, KeyError) as err:
-            raise UsageError(f"--data {path}: not an energon dataset or metadataset ({type(err).__name__}: "
-                             f"{err})") from None
-        self._check_sizes(path, num_lanes, num_workers)
-        self.loader = self.iterator = None
-        self.queues = [deque() for _ in range(self.per_lane * k)]  # (index, sample) pulled, not yet consumed
-        self.pulled = [-1] * len(self.queues)  # index of the last sample pulled from each worker
-        self.restored: list[Any] = [None] * len(self.queues)  # a worker's restored energon state, until it yields
-        self.turn = {lane: 0 for lane in lanes}  # the lane's worker whose sample comes next
-        self.skipped = {lane: 0 for lane in lanes}
-        self.counted: deque[SkipRecord] = deque(maxlen=_KEPT_RECORDS)  # counted, not yet taken by the loop
-
-    def _check_sizes(self, path: str, num_lanes: int, num_workers: int) -> None:
-        """energon cannot repeat a worker's empty share of the dataset: it would fail deep in the worker."""
-        sizes = [self.dataset.len_worker(w) for w in range(len(self.lanes) * self.per_lane)]
-        if 0 not in sizes:
-            return
-        if num_lanes * self.per_lane == 1:
-            raise UsageError(f"--data {path}: the dataset has no {self.what}")
-        raise UsageError(f"--data {path}: too few {self.what} for {num_lanes} LLM data-parallel lanes x "
-                         f"{self.per_lane} loader workers (some workers get none): lower --num-workers")
-
-    # -- reading ------------------------------------------------------------------------------------------------
-
-    def start(self, lane_states: dict[int, dict] | None) -> None:
-        from megatron.energon.savable_loader import SavableDataLoaderState, SavableDatasetCheckpoint
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*pin_memory.*")  # energon pins; on a CPU run it cannot
-            self.loader = get_savable_loader(self.dataset)
-        if lane_states:
-            workers: list[Any] = []
-            for lane in self.lanes:
-                workers += self._restore_lane(lane, lane_states[lane])
-            self.restored = workers
-            if self.num_workers == 0:
-                states, first = workers[:1], 0
-            else:
-                states = [w if w is not None else SavableDatasetCheckpoint(state=None, offset=0) for w in workers]
-                # one lane: start energon at the lane's turn, so nothing waits in a queue
-                first = self.turn[self.lanes.start] if len(self.lanes) == 1 else 0
-            if any(s is not None for s in states):
-                self.loader.restore_state_rank(SavableDataLoaderState(worker_states=states, next_worker_id=first,
-                                                                      micro_batch_size=None))
-
-    def close(self) -> None:
-        """Stop the worker processes: closing energon's generator drops torch's iterator, which shuts them down
-        (the loader and its generator refer to each other, so dropping them alone waits for the garbage collector)."""
-        if self.iterator is not None:
-            self.iterator.close()
-        self.iterator = self.loader = None
-
-    def _pull(self) -> None:
-        if self.iterator is None:  # energon starts its workers here, after any restore
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message=".*pin_memory.*")
-                self.iterator = iter(self.loader)
-        try:
-            sample = next(self.iterator)
-        except FatalSampleError as err:
-            last = re.search(r"__key__: '([^']+)'", str(err))
-            raise UsageError(f"--data {self.path}: energon gave up after too many unreadable samples in a row"
-                             f"{f' (the last: {last.group(1)})' if last else ''}; is the dataset corrupt?") from None
-        _, global_worker, index = _restore_key(sample)[:3]
-        worker = global_worker - self.rank * self.num_workers if self.num_workers else 0
-        self.queues[worker].append((index, sample))
-        self.pulled[worker] = index
-        self.restored[worker] = None  # it has yielded since: energon's own state for it is right again
-
-    def take(self, lane: int) -> tuple[Any, tuple[int, int]]:
-        """The lane's next sample, with (global worker id, index in that worker's stream)."""
-        offset = (lane - self.lanes.start) * self.per_lane
-        worker = offset + self.turn[lane]
-        while not self.queues[worker]:
-            self._pull()
-        index, sample = self.queues[worker].popleft()
-        self.turn[lane] = (self.turn[lane] + 1) % self.per_lane
-        passed = self.ledger.take(worker, index)
-        self.skipped[lane] += len(passed)
-        self.counted.extend(passed)
-        return sample, (self.lanes.start * self.per_lane + worker, index)
-
-    def loose_skips(self) -> int:
-        loose = self.ledger.take_loose()
-        self.counted.extend(loose)
-        return len(loose)
-
-    # -- state --------------------------------------------------------------------------------------------------
-
-    def _energon_states(self) -> list[Any]:
-        """energon's state per worker (None: not started), as of the samples pulled so far."""
-        if self.iterator is None:  # nothing pulled since the start or the restore
-            return list(self.restored)
-        state = self.loader.save_state_rank()
-        if state is None:
-            return list(self.restored)
-        if self.num_workers == 0:
-            return list(state.worker_states)
-        # energon 7.4.1 reports a restored worker that has not yielded yet at its checkpoint without the samples
-        # to skip past it; the state it was restored from is the right one.
-        return [r if r is not None else s for r, s in zip(self.restored, state.worker_states)]
-
-    def lane_state(self, lane: int, energon: list[Any]) -> dict:
-        workers = range((lane - self.lanes.start) * self.per_lane, (lane - self.lanes.start + 1) * self.per_lane)
-        return {
-            "energon": pickle.dumps([energon[w] for w in workers] if self.num_workers else energon),
-            "turn": self.turn[lane],
-            "queued": pickle.dumps([list(self.queues[w]) for w in workers]),
-            "pulled": [self.pulled[w] for w in workers],
-            "skip_notes": [self.ledger.notes_upto(w, self.pulled[w]) for w in workers],
-            "skipped": self.skipped[lane],
-        }
-
-    def _restore_lane(self, lane: int, state: dict) -> list[Any]:
-        workers = range((lane - self.lanes.start) * self.per_lane, (lane - self.lanes.start + 1) * self.per_lane)
-        for w, queued, pulled, notes in zip(workers, pickle.loads(state["queued"]), state["pulled"],
-                                            state["skip_notes"]):
-            self.queues[w] = deque(queued)
-            self.pulled[w] = pulled
-            self.ledger.restore(w, notes, pulled)
-        self.turn[lane] = state["turn"]
-        self.skipped[lane] = state["skipped"]
-        return pickle.loads(state["energon"])
 
 
 class LaneLoader:
@@ -261,12 +104,15 @@ class LaneLoader:
                       packing_buffer_size=packing_buffer_size, **dataset_kwargs)
         # With worker processes one loader serves all the lanes; in-process, one loader per lane.
         blocks = [lanes] if num_workers else [range(lane, lane + 1) for lane in lanes]
-        self._streams = [_Stream(str(path), task_encoder, block, num_lanes, num_workers, seed, kwargs)
+        self._streams = [LaneStream(str(path), task_encoder, block, num_lanes, num_workers, seed, kwargs)
                          for block in blocks]
         self._stream_of = {lane: s for s in self._streams for lane in s.lanes}
         self._state: dict | None = None
         self._started = self._closed = False
         self._loose = 0
+        self.hold_data_errors = False  # the training loop's: keep a DataError, hand out empty micro-batches
+        self.data_error: str | None = None
+        self._boundary_state: dict | None = None
         self.micro_batches = 0  # micro-batches yielded per lane, over the whole run
         self.last_rows: list[tuple[int, int, int, str]] = []  # (lane, global worker, index, key) per row
 
@@ -285,16 +131,29 @@ class LaneLoader:
     def __next__(self) -> dict:
         if self._closed:
             raise RuntimeError("the lane loader is closed")
-        if not self._started:
-            self._start()
         part, parts = self.lane_part
         share = self.micro_batch_size // parts
         batches, rows = [], []
-        for lane in self.lanes:
-            taken = [self._stream_of[lane].take(lane) for _ in range(self.micro_batch_size)]
-            mine = taken[part * share:(part + 1) * share]
-            batches.append(self._batch([sample for sample, _ in mine]))
-            rows += [(lane, worker, index, _sample_key(sample)) for sample, (worker, index) in mine]
+        try:
+            if self.data_error is not None:
+                raise DataError(self.data_error)
+            if not self._started:
+                self._start()
+            for lane in self.lanes:
+                taken = [self._stream_of[lane].take(lane) for _ in range(self.micro_batch_size)]
+                mine = taken[part * share:(part + 1) * share]
+                batches.append(self._batch([sample for sample, _ in mine]))
+                rows += [(lane, worker, index, _sample_key(sample)) for sample, (worker, index) in mine]
+        except DataError as err:
+            if not self.hold_data_errors:
+                raise
+            # every rank of the lane meets it at the same micro-batch (they read the same stream): an empty
+            # micro-batch (padding, no loss, no images) lets all finish the iteration together
+            self.data_error = str(err)
+            empty = EncodedSample(__key__="", __restore_key__=(), tokens=torch.zeros(0, dtype=torch.long),
+                                  labels=torch.zeros(0, dtype=torch.long), loss_mask=torch.zeros(0),
+                                  position_ids=torch.zeros(0, dtype=torch.long), images=[], seqlens=[])
+            batches, rows = [self._batch([empty] * share) for _ in self.lanes], []
         self.micro_batches += 1
         self.last_rows = rows
         return batches[0] if len(batches) == 1 else merge_lane_batches(batches)
@@ -328,13 +187,42 @@ class LaneLoader:
         for stream in self._streams:
             stream.close()
 
+    def data_counts(self) -> DataCounts:
+        """What this rank's lanes consumed so far, over the whole run: samples trained, skipped by reason, cut by
+        seq_length; `data_error` 1 once a data error stopped the reading."""
+        if not self._started and self._state is not None:
+            total = sum((DataCounts(**self._state["lanes"][lane]["counts"]) for lane in self.lanes), DataCounts())
+        else:
+            self._loose += sum(s.loose_skips() for s in self._streams)
+            total = sum((s.counts[lane] for s in self._streams for lane in s.lanes), DataCounts())
+        total.unreadable += self._loose
+        total.data_error = int(self.data_error is not None)
+        return total
+
     @property
     def skipped_samples(self) -> int:
-        """Samples dropped as unreadable (or not encodable) that this rank's consumed stream has passed."""
-        if not self._started and self._state is not None:
-            return sum(self._state["lanes"][lane]["skipped"] for lane in self.lanes)
-        self._loose += sum(s.loose_skips() for s in self._streams)
-        return self._loose + sum(s.skipped[lane] for s in self._streams for lane in s.lanes)
+        """Samples skipped (every reason) that this rank's consumed stream has passed."""
+        return self.data_counts().skipped
+
+    @property
+    def longest_needed(self) -> int:
+        """The longest whole sample (tokens) read so far: what seq_length would have to be to cut none."""
+        return max((s.needed for s in self._streams), default=0)
+
+    def size_note(self) -> str | None:
+        """A note when a lane's training data is smaller than a micro-batch: every micro-batch repeats samples."""
+        sizes = [size for s in self._streams for size in getattr(s, "lane_sizes", ())]
+        if not sizes or min(sizes) >= self.micro_batch_size:
+            return None
+        smallest = min(sizes)
+        return (f"note: --data {self._streams[0].path} has {smallest} {self._streams[0].what} per data lane, fewer "
+                f"than a micro-batch of {self.micro_batch_size}: every micro-batch repeats samples (each about "
+                f"{-(-self.micro_batch_size // max(smallest, 1))} times)")
+
+    def mark_boundary(self) -> None:
+        """Keep the state as of now (an iteration boundary): what a save after a data error writes."""
+        if self.data_error is None:
+            self._boundary_state = self.state_dict()
 
     def take_skip_records(self) -> list[SkipRecord]:
         """What each drop counted since the last call was (dataset, shard, key, error), in the order counted; at
@@ -350,6 +238,8 @@ class LaneLoader:
 
     def state_dict(self) -> dict:
         """Everything needed to continue the exact stream, per lane (plain types and pickled bytes)."""
+        if self.data_error is not None and self._boundary_state is not None:
+            return self._boundary_state  # the stream as of the last complete iteration
         if self._closed:
             raise RuntimeError("the lane loader is closed: its state is gone")
         if not self._started and self._state is not None:
@@ -365,6 +255,8 @@ class LaneLoader:
         """Continue from `state` (taken by `state_dict` on any rank that read these lanes). Before the first batch."""
         if self._started:
             raise RuntimeError("load_state_dict must come before the first micro-batch")
+        if state.get("version") == 1:
+            state = _from_version_1(state, self.start_sample // max(self.num_lanes, 1))
         if state.get("version") != STATE_VERSION:
             raise UsageError(f"the checkpoint's data-loader state has version {state.get('version')}, this mimo "
                              f"reads version {STATE_VERSION}")
@@ -387,3 +279,16 @@ def _check_task_encoder(task_encoder) -> None:
     if type(task_encoder).batch_group_criterion is not TaskEncoder.batch_group_criterion:
         raise ValueError(f"{type(task_encoder).__name__} groups samples into batches (batch_group_criterion); "
                          f"the lane loader batches each lane's consecutive samples")
+
+
+def _from_version_1(state: dict, samples_per_lane: int) -> dict:
+    """A state saved by a mimo that counted skips by stream position: its skips (and its notes not yet counted)
+    count as unreadable, its trained samples are the lane's share of those consumed."""
+    lanes = {}
+    for lane, old in state["lanes"].items():
+        new = {k: v for k, v in old.items() if k not in ("skip_notes", "skipped")}
+        noted = sum(len(notes) for notes in old.get("skip_notes", []))
+        new["counts"] = dataclasses.asdict(DataCounts(samples=samples_per_lane,
+                                                      unreadable=old.get("skipped", 0) + noted))
+        lanes[lane] = new
+    return {**state, "version": STATE_VERSION, "lanes": lanes}

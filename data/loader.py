@@ -29,12 +29,9 @@ def get_multimodal_train_loader(path: str | Path, task_encoder, *, batch_size: i
                                 skip_counter: SkippedSampleCounter | None = None,
                                 **dataset_kwargs: Any):
     """(loader, skip_counter): energon's train dataset at `path` for this data-parallel `rank`, encoded and batched
-    by `task_encoder`. The task encoder's own skips (e.g. images too long for the sequence) go to the same counter
-    unless it already has one."""
-    counter = skip_counter if skip_counter is not None else (
-        getattr(task_encoder, "skip_counter", None) or SkippedSampleCounter())
-    if getattr(task_encoder, "skip_counter", counter) is None:
-        task_encoder.skip_counter = counter
+    by `task_encoder`. Read this way (not through the lane loader), a sample that fails, the task encoder's own
+    rejections included (e.g. too long for the sequence), is dropped by energon and counted when dropped."""
+    counter = skip_counter if skip_counter is not None else SkippedSampleCounter()
     worker_config = make_worker_config(rank=rank, world_size=world_size, num_workers=num_workers,
                                        seed_offset=seed_offset, skip_counter=counter)
     if getattr(task_encoder, "pack_sequences", False) and packing_buffer_size is None:

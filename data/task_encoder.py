@@ -13,20 +13,18 @@ the batch carries `packing_kwargs` for MimoModel (THD cu_seqlens; positions rest
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from typing import Sequence
 
 import torch
-from megatron.energon import DefaultTaskEncoder, Sample, SkipSample, edataclass, stateless
-from megatron.energon.errors import FatalSampleError
+from megatron.energon import DefaultTaskEncoder, Sample, edataclass, stateless
 
 from .images import FixedTiles, ImageMode, to_float_image
-from .skips import TOO_LONG, SkippedSampleCounter
+from .skips import SkipRecord, TooLong
 from .tokenizer import Tokenizer
 
-__all__ = ["EncodedSample", "MultimodalTaskEncoder"]
-
-MAX_SKIPS_IN_A_ROW = 100  # too-long samples in a row before the data is given up on (energon's error tolerance)
+__all__ = ["EncodedSample", "MultimodalTaskEncoder", "is_tombstone", "tombstone"]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -47,8 +45,32 @@ class EncodedSample(Sample):
     position_ids: torch.Tensor
     #: the sample's images, in placeholder order
     images: list
-    #: lengths of the samples packed in this row (one entry when not packed)
+    #: lengths of the samples packed in this row (one entry when not packed; none in a tombstone)
     seqlens: list
+    #: the skipped samples this item carries (a tombstone's own; in a pack, those that came before its samples)
+    dropped: list = dataclasses.field(default_factory=list)
+    #: what seq_length cut: all tokens, trained (answer) tokens; and the trained tokens before the cut
+    cut_tokens: int = 0
+    cut_answer_tokens: int = 0
+    answer_tokens: int = 0
+    #: the longest sample's whole length (what seq_length would have to be)
+    needed_tokens: int = 0
+
+
+def tombstone(sample, record: SkipRecord) -> EncodedSample:
+    """A skipped sample's place in the stream: no tokens, its record (counted when the loader consumes it)."""
+    empty = torch.zeros(0, dtype=torch.long)
+    fields = dict(tokens=empty, labels=empty, loss_mask=torch.zeros(0), position_ids=empty, images=[], seqlens=[],
+                  dropped=[record])
+    if isinstance(sample, Sample):
+        return EncodedSample.derive_from(sample, **fields)
+    get = sample.get if isinstance(sample, dict) else (lambda name, default=None: getattr(sample, name, default))
+    return EncodedSample(__key__=str(get("__key__", "") or ""), __restore_key__=get("__restore_key__", ()) or (),
+                         __sources__=get("__sources__", None), **fields)
+
+
+def is_tombstone(sample) -> bool:
+    return not sample.seqlens and bool(getattr(sample, "dropped", None))
 
 
 class MultimodalTaskEncoder(DefaultTaskEncoder):
@@ -59,7 +81,6 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         seq_length: token budget of a sample (and the padded row length of a batch).
         image_mode: `FixedTiles(...)` or `DynamicResolution(...)`.
         encoder_name / modality: where the encoder input goes: `modality_inputs[modality][encoder_name]`.
-        skip_counter: a `SkippedSampleCounter`; samples dropped for not fitting are recorded there.
         min_text_tokens: a sample whose image tokens leave fewer text tokens than this is skipped.
         pad_to_longest: pad a batch to its longest row (rounded up to `pad_multiple`) instead of `seq_length`.
         pack_sequences: pack several samples into one row (needs `packing_buffer_size` in energon's
@@ -68,7 +89,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
 
     def __init__(self, tokenizer: Tokenizer, *, seq_length: int, image_mode: ImageMode | None = None,
                  encoder_name: str = "vit", modality: str = "images",
-                 skip_counter: SkippedSampleCounter | None = None, min_text_tokens: int = 1,
+                 min_text_tokens: int = 1,
                  pad_to_longest: bool = False, pad_multiple: int = 1, pack_sequences: bool = False):
         super().__init__()
         if seq_length < 2:
@@ -80,12 +101,10 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         self.image_mode = image_mode if image_mode is not None else FixedTiles()
         self.encoder_name = encoder_name
         self.modality = modality
-        self.skip_counter = skip_counter
         self.min_text_tokens = min_text_tokens
         self.pad_to_longest = pad_to_longest
         self.pad_multiple = max(1, pad_multiple)
         self.pack_sequences = pack_sequences
-        self._skips_in_a_row = 0  # in this process (a worker's copy counts its own)
 
     # -- per sample ---------------------------------------------------------------------------------------------
 
@@ -110,17 +129,10 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
                 return value if isinstance(value, str) else str(value)
         return ""
 
-    def _skip(self, sample, message: str):
-        key = sample.get("__key__") if isinstance(sample, dict) else getattr(sample, "__key__", None)
-        if self.skip_counter is not None:
-            self.skip_counter.record(key, TOO_LONG, message)
-        # energon never gives up on skipped samples: a dataset none of whose samples fits would read forever
-        self._skips_in_a_row += 1
-        if self._skips_in_a_row >= MAX_SKIPS_IN_A_ROW:
-            raise FatalSampleError.from_sample(
-                sample, f"{self._skips_in_a_row} samples in a row do not fit seq_length {self.seq_length} (the "
-                        f"last: {key}: {message}); raise seq_length")
-        raise SkipSample(message)
+    def _skip(self, needed: int, message: str):
+        """Too long: the loader's copy of the encoder turns this into a tombstone (`deferred_errors.py`)."""
+        raise TooLong(f"needs {needed} tokens, {message} within seq_length {self.seq_length}: raise seq_length",
+                      needed)
 
     def encode_tokens(self, text: str, image_tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor,
                                                                                torch.Tensor]:
@@ -146,14 +158,25 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
     def encode_sample(self, sample) -> EncodedSample:
         images = [to_float_image(im) for im in self._images_of(sample)]
         counts = [self.image_mode.num_tokens(im.shape[-2], im.shape[-1]) for im in images]
+        text = self._text_of(sample)
+        whole = sum(counts) + len(self.tokenizer.encode(text)) + 1  # + eos
         if sum(counts) + self.min_text_tokens > self.seq_length:
-            self._skip(sample, f"{sum(counts)} image tokens leave less than {self.min_text_tokens} of "
-                               f"{self.seq_length} tokens for text")
-        self._skips_in_a_row = 0
+            self._skip(whole, f"its {sum(counts)} image tokens leave fewer than {self.min_text_tokens} for text")
         processed = [self.image_mode.process(im) for im in images]
         assert [p.num_tokens for p in processed] == counts
-        tokens, labels, loss_mask = self.encode_tokens(self._text_of(sample), counts)
-        return self._encoded(sample, tokens, labels, loss_mask, processed)
+        tokens, labels, loss_mask = self.encode_tokens(text, counts)
+        out = self._encoded(sample, tokens, labels, loss_mask, processed)
+        trained_whole = whole - sum(counts) - (0 if counts else 1)  # the first text token is a target after an image
+        return self._with_cut(out, whole, trained_whole)
+
+    @staticmethod
+    def _with_cut(out: EncodedSample, whole: int, trained_whole: int) -> EncodedSample:
+        """`out` with what the cut to seq_length took: of `whole` tokens, `trained_whole` of them trained."""
+        out.cut_tokens = whole - len(out.tokens)
+        out.answer_tokens = trained_whole
+        out.cut_answer_tokens = trained_whole - int(out.loss_mask.sum())
+        out.needed_tokens = whole
+        return out
 
     @staticmethod
     def _encoded(sample, tokens, labels, loss_mask, images: list) -> EncodedSample:
@@ -174,6 +197,19 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         first micro-batches its longest samples)."""
         if not self.pack_sequences:
             return [[s] for s in samples]
+        # A tombstone rides with the next sample of the stream (the buffer comes in stream order), so it counts
+        # when that sample's pack is consumed; those after the last sample make a pack of their own.
+        good, riders, waiting = [], {}, []
+        for s in samples:
+            if is_tombstone(s):
+                waiting.append(s)
+            else:
+                good.append(s)
+                riders[id(s)], waiting = waiting, []
+        groups = [[r for s in group for r in (*riders[id(s)], s)] for group in self._first_fit(good)]
+        return groups + ([waiting] if waiting else [])
+
+    def _first_fit(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
         bins: list[tuple[int, list[EncodedSample]]] = []
         for s in sorted(samples, key=lambda s: -len(s.tokens)):
             n = len(s.tokens)
@@ -191,16 +227,25 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
     def pack_selected_samples(self, samples: list[EncodedSample]) -> EncodedSample:
         if len(samples) == 1:
             return samples[0]
+        dropped = [record for s in samples for record in s.dropped]
+        counts = dict(dropped=dropped, cut_tokens=sum(s.cut_tokens for s in samples),
+                      cut_answer_tokens=sum(s.cut_answer_tokens for s in samples),
+                      answer_tokens=sum(s.answer_tokens for s in samples),
+                      needed_tokens=max(s.needed_tokens for s in samples))
+        good = [s for s in samples if not is_tombstone(s)]
+        if len(good) <= 1:  # one sample and the skipped ones before it (or skipped ones alone)
+            return dataclasses.replace(good[0] if good else samples[0], **counts)
         return EncodedSample(
-            __key__=",".join(s.__key__ for s in samples),
+            __key__=",".join(s.__key__ for s in good),
             __restore_key__=(),
-            __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
-            tokens=torch.cat([s.tokens for s in samples]),
-            labels=torch.cat([s.labels for s in samples]),  # a sample's last label is already masked
-            loss_mask=torch.cat([s.loss_mask for s in samples]),
-            position_ids=torch.cat([s.position_ids for s in samples]),
-            images=[im for s in samples for im in s.images],
-            seqlens=[n for s in samples for n in s.seqlens],
+            __sources__=tuple(src for s in good for src in (s.__sources__ or ())),
+            tokens=torch.cat([s.tokens for s in good]),
+            labels=torch.cat([s.labels for s in good]),  # a sample's last label is already masked
+            loss_mask=torch.cat([s.loss_mask for s in good]),
+            position_ids=torch.cat([s.position_ids for s in good]),
+            images=[im for s in good for im in s.images],
+            seqlens=[n for s in good for n in s.seqlens],
+            **counts,
         )
 
     # -- batching -----------------------------------------------------------------------------------------------

@@ -142,7 +142,8 @@ class DataContext:
     """Passed to `data_provider`: which samples this rank reads.
 
     The iterator a provider returns may also offer `state_dict()` / `load_state_dict(state)` (saved per lane in
-    checkpoints) and `skipped_samples` (a running count of samples dropped as unreadable, shown in the log).
+    checkpoints) and `data_counts()` (a `mimo.data.DataCounts`: samples trained, skipped by reason, cut by
+    seq_length, over the run; shown in the log, and the skip guard's input).
 
     With `--data`, `data_path` is set and the provider reads that dataset, or refuses it with a
     `mimo.errors.UsageError`; it never falls back to other data. `energon_loader(task_encoder)` reads it through

@@ -23,9 +23,10 @@ from mimo.data import (
     CHAT_TEMPLATES, NEMOTRON, PLAIN, ByteTokenizer, ChatTemplate, ConversationTaskEncoder, DynamicResolution,
     FixedTiles, HFTokenizer, Tokenizer, chat_template, load_hf_tokenizer, readable_type_names,
 )
+from mimo.data.skips import TooLong
 
 __all__ = [
     "CHAT_TEMPLATES", "NEMOTRON", "PLAIN", "ByteTokenizer", "ChatTemplate", "ConversationTaskEncoder",
     "DynamicResolution", "FixedTiles", "HFTokenizer", "Tokenizer", "chat_template", "load_hf_tokenizer",
-    "readable_type_names",
+    "readable_type_names", "TooLong",
 ]

@@ -1,6 +1,7 @@
 """The fault battery: mimo runs (mock-vlm, CPU) hurt on purpose, each checked against what a user must see.
 
-    python scripts/fault_battery.py OUT [--kills 10] [--seed 0] [--parts kills,corrupt,lock,worker]
+    python scripts/fault_battery.py OUT [--kills 10] [--seed 0] [--parts kills,corrupt,lock,worker,orphans]
+                                        [--orphan-kills 8] [--hf-folder HF_DIR]
 
 - kills: SIGKILL at random moments around saves (at a save's named stages, or a random delay after a save
   starts); each run is resumed with `--load DIR --save DIR` and its following losses must equal an uninterrupted
@@ -10,6 +11,11 @@
 - lock: a second run saving into a running run's --save directory is refused (exit 2, one line); the first then
   stops on SIGTERM, saves, and exits 1 with one line.
 - worker: one worker of a 2-process run is SIGKILLed; every process of the run must be gone within the timeout.
+- orphans: SIGKILL of the main process only (not its session) at a random moment, with sync saves, async saves,
+  --data read by 2 loader workers, and `mimo ckpt import-hf` (with --hf-folder; at a named stage of its save, as
+  a tiny model imports in under a second); no process of the run may be
+  alive 10 s later, and a resume into the same --save (a rerun into the same import folder) must finish, saying
+  what it removed, with no partial directory left.
 
 Writes OUT/battery.json (every case) and OUT/battery.md (the table for docs/verification.md); exit 1 if any case
 failed. Each run gets a session of its own, killed when checked, so the battery leaves no processes behind.
@@ -230,6 +236,89 @@ def worker(out: Path, timeout: float = 60) -> list[dict]:
              "problem": None if ok else f"exit {code}, {len(left)} processes left"}]
 
 
+ORPHAN_KINDS = ("sync", "async", "data", "import")
+ORPHAN_LIMIT_S = 10.0
+
+
+def _gone_after(run: Run, limit: float) -> tuple[float, list[int]]:
+    """Seconds until no process of the run is left (at most `limit`), and those left then."""
+    killed = time.perf_counter()
+    while run.session_pids() and time.perf_counter() - killed < limit:
+        time.sleep(0.1)
+    return time.perf_counter() - killed, run.session_pids()
+
+
+def _partials(save: Path) -> list[str]:
+    return sorted(p.name for p in save.glob("iter_*") if not (p / "common.pt").is_file())
+
+
+def orphans(out: Path, count: int, rng: random.Random, hf_folder: Path | None, kinds=ORPHAN_KINDS) -> list[dict]:
+    kinds = [k for k in kinds if k != "import" or hf_folder is not None]
+    data = out / "orphans" / "data"
+    if "data" in kinds and not data.exists():
+        Run(out / "orphans" / "make-data", "data", "sample", str(data), "--num-samples", "48").wait()
+    cases = []
+    for k in range(count):
+        kind = kinds[k % len(kinds)]
+        where = out / "orphans" / f"{kind}{k}"
+        save = where / "save"
+        if kind == "import":
+            # a tiny model imports in well under a second once started: SIGKILL at a named stage of its save
+            # (MIMO_FAULT_KILL_AT, as the kills part does), in the middle of writing OUT
+            stage = rng.choice(STAGES)
+            run = Run(where / "killed", "ckpt", "import-hf", str(hf_folder), str(save),
+                      env={"MIMO_FAULT_KILL_AT": f"{stage}@0"})
+            run.proc.wait(timeout=300)
+            how = f"SIGKILL of import-hf at {stage} of its save"
+        else:
+            extra = {"sync": (), "async": ("--async-save",),
+                     "data": ("--async-save", "--data", str(data), "--num-workers", "2")}[kind]
+            at, moment = rng.randrange(2, 6), rng.uniform(0.0, 0.6)
+            run = Run(where / "killed", *BASE, "--train-iters", "100000", "--save", str(save), "--save-interval",
+                      "2", *extra)
+            run.wait_for(f"iteration {at:>6}/", timeout=300)
+            time.sleep(moment)
+            how = f"SIGKILL of the main process ({kind}) {moment:.2f} s after iteration {at}"
+        done_before = run.proc.poll() is not None  # an import killed at its fault point has ended already
+        try:
+            if not done_before:
+                os.kill(run.proc.pid, signal.SIGKILL)  # the main process only: its children must follow by themselves
+            run.proc.wait()
+            seconds, left = _gone_after(run, ORPHAN_LIMIT_S)
+        finally:
+            run.kill_session()
+        partial_before = _partials(save) if kind != "import" else sorted(
+            p.name for p in save.parent.glob(f".{save.name}.mimo-partial-*"))
+        if kind == "import":
+            complete = (save / TRACKER).is_file()  # killed after it finished: a rerun must refuse the folder
+            code, again = mimo_command(where / "again", "ckpt", "import-hf", str(hf_folder), str(save))
+            finished = (not complete and code == 0 and (save / TRACKER).is_file()) or (
+                complete and code == 2 and "is not empty" in again.err.read_text())
+            how += " (it had finished)" if complete else ""
+            leftover = sorted(p.name for p in save.parent.glob(f".{save.name}.mimo-partial-*"))
+        else:
+            resume_to = (tracked(save) or 0) + 2
+            code, again = mimo(where / "again", "--train-iters", str(resume_to), "--save", str(save), "--load",
+                               str(save), "--save-interval", "2", *extra)
+            finished = code == 0 and tracked(save) == resume_to
+            leftover = _partials(save)
+        said = [line for line in again.out.read_text().splitlines() if line.startswith("removed ")]
+        ok = not left and finished and not leftover and (bool(said) or not partial_before)
+        cases.append({"part": "orphans", "case": how, "seconds_until_all_gone": seconds, "left": left,
+                      "partial_after_kill": partial_before, "removal_line": said[0] if said else None,
+                      "rerun_exit": code, "ok": ok,
+                      "problem": None if ok else f"{len(left)} left, rerun exit {code}, leftover {leftover}: "
+                                                 f"{again.err.read_text()[-300:]}"})
+        print(f"orphans {k}: {how}: gone after {seconds:.2f} s ({len(left)} left), partial {partial_before}, "
+              f"rerun exit {code}: {'ok' if ok else 'FAILED'}", flush=True)
+    return cases
+
+
+def mimo_command(where: Path, *args: str) -> tuple[int, Run]:
+    run = Run(where, *args)
+    return run.wait(), run
+
+
 def _env(pid: int) -> dict:
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
@@ -247,6 +336,9 @@ def table(cases: list[dict], seconds: float) -> str:
                        f"difference {c['max_loss_difference']}")
         elif c["part"] == "worker":
             outcome = f"exit {c['exit']}, every process gone after {c['seconds_until_all_gone']:.2f} s"
+        elif c["part"] == "orphans":
+            outcome = (f"every process gone after {c['seconds_until_all_gone']:.2f} s; partial after the kill: "
+                       f"{', '.join(c['partial_after_kill']) or 'none'}; rerun exit {c['rerun_exit']}")
         else:
             outcome = f"exit {c['exit']}: `{c['line']}`"
         rows.append(f"| {c['part']} | {c['case']} | {outcome} | {'yes' if c['ok'] else 'NO'} |")
@@ -261,7 +353,12 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--parts", default="kills,corrupt,lock,worker")
     parser.add_argument("--corrupt-files", default="", help="comma-separated checkpoint file names (default: all)")
+    parser.add_argument("--orphan-kills", type=int, default=8)
+    parser.add_argument("--orphan-kinds", default=",".join(ORPHAN_KINDS))
+    parser.add_argument("--hf-folder", type=Path, default=None,
+                        help="a Hugging Face folder a provider imports (for the import-hf kills of the orphans part)")
     args = parser.parse_args(argv)
+    args.out = args.out.resolve()  # each run works in a folder of its own
     parts, started, cases = set(args.parts.split(",")), time.perf_counter(), []
     args.out.mkdir(parents=True, exist_ok=True)
     if parts & {"kills", "corrupt"}:
@@ -274,6 +371,9 @@ def main(argv=None) -> int:
         cases += lock(args.out)
     if "worker" in parts:
         cases += worker(args.out)
+    if "orphans" in parts:
+        cases += orphans(args.out, args.orphan_kills, random.Random(args.seed), args.hf_folder,
+                         tuple(args.orphan_kinds.split(",")))
     seconds = time.perf_counter() - started
     (args.out / "battery.json").write_text(json.dumps({"seconds": seconds, "cases": cases}, indent=1))
     (args.out / "battery.md").write_text(table(cases, seconds))

@@ -11,13 +11,14 @@ import sys
 import pytest
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.energon import CaptioningSample, SkipSample, TextSample, WorkerConfig, get_loader, get_train_dataset
+from megatron.energon import CaptioningSample, TextSample, WorkerConfig, get_loader, get_train_dataset
 
 from mimo.data import (
     ByteTokenizer, DynamicResolution, FixedTiles, HFTokenizer, MultimodalTaskEncoder, SkippedSampleCounter, Tokenizer,
     dynamic_num_tokens, fit_patch_grid, get_multimodal_train_loader, load_hf_tokenizer, merge_encoder_inputs,
     merge_modality_inputs, patchify, tile_num_tokens, write_sample_dataset,
 )
+from mimo.data.skips import TooLong
 from mimo.errors import UsageError
 
 CAPTION_RE = re.compile(r"^a (small|large) [a-z]+ [a-z]+ on a [a-z]+ background$")
@@ -297,8 +298,7 @@ def _captioning(key, h, w, caption):
 
 def test_truncation_never_cuts_image_tokens():
     tok = ByteTokenizer()
-    counter = SkippedSampleCounter()
-    te = MultimodalTaskEncoder(tok, seq_length=40, skip_counter=counter,
+    te = MultimodalTaskEncoder(tok, seq_length=40,
                                image_mode=DynamicResolution(patch_size=PATCH, min_patches=4, max_patches=64))
     long_caption = "a small red square on a white background " * 5
     for h, w in [(32, 32), (40, 48), (24, 64), (16, 120)]:
@@ -308,27 +308,29 @@ def test_truncation_never_cuts_image_tokens():
         assert int((s.tokens == tok.image_token_id).sum()) == n_img  # every image token kept
         assert tok.decode(s.tokens.tolist()) == long_caption[: 40 - n_img]  # the head of the caption kept
         assert int(s.tokens[-1]) != tok.eos_id  # eos was part of the dropped tail
+        whole = n_img + len(tok.encode(long_caption)) + 1
+        assert (s.cut_tokens, s.needed_tokens) == (whole - 40, whole)  # what the cut took rides with the sample
+        assert s.answer_tokens == whole - n_img and s.cut_answer_tokens == whole - 40
     # fits exactly without truncation: caption + eos
     s = te.encode_sample(_captioning("k", 16, 16, "red"))
     assert s.tokens.tolist() == [tok.image_token_id] * 4 + tok.encode("red") + [tok.eos_id]
     assert s.loss_mask.tolist() == [0, 0, 0, 1, 1, 1, 1, 0]
     assert s.labels.tolist()[3:7] == tok.encode("red") + [tok.eos_id]
-    assert counter.count == 0
-    # an image whose tokens leave no room for text is skipped, and counted
-    with pytest.raises(SkipSample):
+    assert s.cut_tokens == s.cut_answer_tokens == 0 and s.answer_tokens == 4
+    # an image whose tokens leave no room for text is too long (the loader makes it a tombstone, counted)
+    with pytest.raises(TooLong, match="needs 50 tokens") as too_long:
         te.encode_sample(_captioning("too_big", 64, 48, "x"))  # 8x6 = 48 > 40 tokens
-    with pytest.raises(SkipSample):
-        MultimodalTaskEncoder(tok, seq_length=16, skip_counter=counter).encode_sample(
+    assert too_long.value.needed_tokens == 50
+    with pytest.raises(TooLong, match="raise seq_length"):
+        MultimodalTaskEncoder(tok, seq_length=16).encode_sample(
             _captioning("exact", 32, 32, "x"))  # 16 image tokens == seq_length: nothing to learn
-    assert counter.count == 2 and counter.keys == ["too_big", "exact"]
-    assert counter.counts() == {"too_long": 2}
 
 
 def test_too_long_images_are_skipped_in_the_loader(dataset):
     tok = ByteTokenizer()
     counter = SkippedSampleCounter()
     mode = DynamicResolution(patch_size=PATCH, min_patches=4, max_patches=144)
-    te = MultimodalTaskEncoder(tok, seq_length=48, image_mode=mode, skip_counter=counter)
+    te = MultimodalTaskEncoder(tok, seq_length=48, image_mode=mode)
     expected_skips = sum(mode.num_tokens(m["height"], m["width"]) + 1 > 48 for m in dataset.samples.values())
     assert 0 < expected_skips < NUM_SAMPLES
     batches = _dataset(str(dataset.path), te, batch_size=4, counter=counter)
@@ -395,7 +397,7 @@ def test_corrupt_sample_is_skipped_and_counted(corrupt_dataset):
     assert keys == sorted(k for k in corrupt_dataset.samples if k != "sample_000007")
     assert counter.count == 1
     (record,) = counter.records
-    assert record.key == "sample_000007" and record.reason == "error"
+    assert record.key == "sample_000007" and record.reason == "unreadable"
     assert "DecodingError" in record.error or "UnidentifiedImageError" in record.error
 
 
@@ -404,7 +406,7 @@ def test_corrupt_sample_counted_across_worker_processes(corrupt_dataset):
     loader, counter = get_multimodal_train_loader(corrupt_dataset.path, te, batch_size=4, num_workers=1,
                                                   repeat=False)
     seen = sum(b["input_ids"].shape[0] for b in loader)
-    assert seen == 11 and counter.count == 1 and te.skip_counter is counter
+    assert seen == 11 and counter.count == 1
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -82,7 +82,9 @@ def test_each_example_dataset_reads_through_the_real_loader(written, name, provi
     assert documented == "nemotron-moe-vlm-tiny"
     registry = Registry()
     entry, _ = registry.get(provider)
-    settings = build_settings(entry, sets)  # the line's settings (seq_length), which mock-vlm has too
+    # the line's sequence length (the documented provider's), which mock-vlm takes too
+    seq_length = build_settings(registry.get(documented)[0], sets).seq_length
+    settings = build_settings(entry, [*sets, f"seq_length={seq_length}"])
     ctx = DataContext(micro_batch_size=2, num_microbatches=1, num_lanes=1, seed=1, data_path=data)
     loader = registry.hooks(provider).data_provider(settings=settings, ctx=ctx)
     try:

@@ -1,6 +1,6 @@
-"""Bad samples: one line per skipped sample naming dataset, shard and key (rate-limited); energon's own prints kept
-off the console; an exact skip count (the samples training would have consumed, with a shuffle buffer, across a
-resume); `--max-skip-fraction` stops a run that skips too much.
+"""Bad samples: one line per skipped sample naming why, dataset, shard and key (rate-limited); energon's own prints
+kept off the console; an exact skip count (the samples training would have consumed, with a shuffle buffer, packed
+or not, across a resume); `--max-skip-fraction` stops a run that skips too much, saving first.
 
 The datasets are written with webdataset's ShardWriter (PIL-drawn JPEGs and captions) and prepared with energon's
 own `energon prepare`. A "bad" dataset and its "clean" twin hold the same keys in the same shards; the bad one has
@@ -36,20 +36,24 @@ def jpeg(index: int) -> bytes:
     return out.getvalue()
 
 
-def write_dataset(root, bad=()) -> dict[str, str]:
-    """{key: shard} of a captioning dataset written with ShardWriter, prepared with `energon prepare`."""
+def write_dataset(root, bad=(), num_samples=NUM_SAMPLES, missing=(), shard_size=SHARD_SIZE) -> dict[str, str]:
+    """{key: shard} of a captioning dataset written with ShardWriter, prepared with `energon prepare`; `bad`: JPEGs
+    cut short; `missing`: samples without the caption the field map names."""
     import webdataset as wds
     from megatron.energon.tools.prepare import command as energon_prepare
 
     root.mkdir(parents=True)
     shards = {}
-    with wds.ShardWriter(str(root / "part-%03d.tar"), maxcount=SHARD_SIZE, verbose=0) as writer:
-        for i in range(NUM_SAMPLES):
+    with wds.ShardWriter(str(root / "part-%03d.tar"), maxcount=shard_size, verbose=0) as writer:
+        for i in range(num_samples):
             key = f"img{i:04d}"
             data = jpeg(i)
-            writer.write({"__key__": key, "jpg": data[:len(data) // 2] if i in bad else data,
-                          "txt": f"picture number {i}"})
-            shards[key] = f"part-{i // SHARD_SIZE:03d}.tar"
+            sample = {"__key__": key, "jpg": data[:len(data) // 2] if i in bad else data,
+                      "txt": f"picture number {i}"}
+            if i in missing:
+                del sample["txt"]
+            writer.write(sample)
+            shards[key] = f"part-{i // shard_size:03d}.tar"
     energon_prepare.main([str(root), "--non-interactive", "--split-ratio", "1,0,0", "--sample-type",
                           "CaptioningSample", "--field-map", json.dumps({"image": "jpg", "caption": "txt"}),
                           "--no-progress"], standalone_mode=False)
@@ -79,20 +83,19 @@ def consumed_rows(loader, micro_batches):
 
 
 def passed_bad_keys(clean_rows, rows, bad_keys) -> list[str]:
-    """The bad samples each worker's clean stream holds before the last good sample consumed from that worker."""
-    passed = []
-    for worker in {w for w, _ in rows}:
-        stream = [k for w, k in clean_rows if w == worker]
-        got = [k for w, k in rows if w == worker]
-        assert got == [k for k in stream if k not in bad_keys][:len(got)]  # the clean stream without the bad ones
-        good = 0
-        for key in stream:  # up to the last good sample consumed (keys recur: the buffer spans epochs)
-            if good == len(got):
-                break
-            if key in bad_keys:
-                passed.append(key)
-            else:
-                good += 1
+    """The bad samples the stream holds before the last good sample consumed. A lane's stream is its workers'
+    samples in turn, a bad sample keeping its turn (as a tombstone), so the good samples consumed are the clean
+    stream without the bad ones, and a bad sample counts once the loader has passed its place."""
+    good = [row for row in clean_rows if row[1] not in bad_keys]
+    assert rows == good[:len(rows)]  # the clean stream without the bad ones
+    passed, taken = [], 0
+    for _, key in clean_rows:  # up to the last good sample consumed (keys recur: the buffer spans epochs)
+        if taken == len(rows):
+            break
+        if key in bad_keys:
+            passed.append(key)
+        else:
+            taken += 1
     return passed
 
 
@@ -145,12 +148,14 @@ def test_a_sample_too_long_for_the_sequence_is_named_too(datasets):
     assert records and loader.skipped_samples == len(records)
     for record in records:
         assert record.reason == "too_long" and record.shard == shards[record.key]
-        assert record.describe().startswith(f"dataset {clean}, shard {shards[record.key]}, key {record.key}: ")
+        assert record.describe().startswith(f"(too long for seq_length): dataset {clean}, shard "
+                                            f"{shards[record.key]}, key {record.key}: needs ")
+        assert "raise seq_length" in record.error
 
 def test_skip_lines_are_rate_limited():
     now = [0.0]
     lines = []
-    records = [SkipRecord(key=f"k{i}", reason="error", error="file 'jpg' cannot be decoded", dataset="/d",
+    records = [SkipRecord(key=f"k{i}", reason="unreadable", error="file 'jpg' cannot be decoded", dataset="/d",
                           shard="s.tar") for i in range(12)]
 
     class Source:
@@ -160,30 +165,35 @@ def test_skip_lines_are_rate_limited():
 
     reporter = SkipReporter(Source(), enabled=True, limit=5, window=60.0, clock=lambda: now[0], out=lines.append)
     reporter.report()
-    assert len(lines) == 5 and lines[0] == ("skipped a sample: dataset /d, shard s.tar, key k0: "
+    assert len(lines) == 5 and lines[0] == ("skipped a sample (unreadable): dataset /d, shard s.tar, key k0: "
                                            "file 'jpg' cannot be decoded")
     now[0] = 61.0
     reporter.report()  # the window is over: the rest as one count
     assert lines[5] == "skipped 7 more samples in the last minute (not shown: at most 5 lines a minute)"
     records.append(SkipRecord(key="late", reason="too_long", error="", dataset="/d", shard="t.tar"))
     reporter.report()
-    assert lines[6] == "skipped a sample: dataset /d, shard t.tar, key late: too long"
+    assert lines[6] == ("skipped a sample (too long for seq_length): dataset /d, shard t.tar, key late: too long "
+                        "for seq_length")
     reporter.close()
     assert len(lines) == 7
 
 
 def test_energon_prints_go_to_the_debug_log(datasets, caplog, capfd):
-    """energon prints a line per failure in its error path; with a LaneLoader running they reach the debug log
-    only (in-process here, so that the log can be read; worker processes inherit the same filter)."""
+    """energon prints a line per failure in its error path (what still fails inside energon: here, read without the
+    lane loader's tombstones); with the filter installed they reach the debug log only (in-process here, so that
+    the log can be read; worker processes inherit the same filter)."""
+    from mimo.data import get_multimodal_train_loader
+    from mimo.data.energon_prints import route_energon_prints
+
     _, bad, _, _ = datasets
-    loader = LaneLoader(bad, encoder(), micro_batch_size=4, num_lanes=1, num_workers=0, seed=1,
-                        shuffle_buffer_size=None)
+    route_energon_prints()
+    loader, counter = get_multimodal_train_loader(bad, encoder(), batch_size=4, repeat=False)
     with caplog.at_level(logging.DEBUG, logger="mimo.data.energon"):
-        consumed_rows(loader, 6)
-    loader.close()
+        rows = sum(b["input_ids"].shape[0] for b in loader)
     out, err = capfd.readouterr()
+    assert rows == NUM_SAMPLES - len(BAD) and counter.count == len(BAD)
     assert "Except" not in out + err and "Traceback" not in out + err
-    assert any("Except" in r.getMessage() and "cannot be decoded" in r.getMessage() for r in caplog.records)
+    assert any("Except" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records][:3]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -208,7 +218,7 @@ def skip_lines(stdout: str) -> dict[int, list[str]]:
     """{iteration: the keys its skip lines name} (the lines come before their iteration's log line)."""
     out, pending = {}, []
     for line in stdout.splitlines():
-        if line.startswith("skipped a sample: "):
+        if line.startswith("skipped a sample ("):
             pending.append(line.split(", key ")[1].split(":")[0])
         elif line.startswith("iteration "):
             out[int(line.split()[1].split("/")[0])] = pending
@@ -243,10 +253,10 @@ def test_mimo_run_names_each_skipped_sample_and_counts_exactly_across_a_resume(t
     assert sorted(k for n in (1, 2, 3) for k in named[n]) == sorted(expected[3])
     assert sorted(k for keys in named.values() for k in keys) == sorted(expected[6])
     for line in result.stdout.splitlines():
-        if line.startswith("skipped a sample: "):
+        if line.startswith("skipped a sample ("):
             key = line.split(", key ")[1].split(":")[0]
-            assert line.startswith(f"skipped a sample: dataset {bad}, shard {shards[key]}, key {key}: file 'jpg' "
-                                   f"cannot be decoded (")
+            assert line.startswith(f"skipped a sample (unreadable): dataset {bad}, shard {shards[key]}, key {key}: "
+                                   f"file 'jpg' cannot be decoded (")
 
     resume = tmp_path / "resume"
     resume.mkdir()
@@ -268,10 +278,11 @@ def test_max_skip_fraction_stops_the_run_in_one_line(tmp_path, datasets):
     assert len(errors) == 1 and "--max-skip-fraction 0.05" in errors[0], errors
 
     def over(record):
-        read = record["consumed_samples"] + record["skipped_samples"]
+        read = record["samples"] + record["skipped_samples"]  # samples, not packed rows
         return read >= 100 and record["skipped_samples"] > 0.05 * read
 
     assert over(records[-1]) and not any(over(r) for r in records[:-1])  # stopped at the first iteration over
-    skipped, read = records[-1]["skipped_samples"], records[-1]["consumed_samples"] + records[-1]["skipped_samples"]
+    skipped, read = records[-1]["skipped_samples"], records[-1]["samples"] + records[-1]["skipped_samples"]
     assert errors[0].startswith(f"error: {skipped} of the {read} samples read were skipped")
+    assert errors[0].endswith("; nothing saved (no --save)")
     assert "Traceback" not in result.stdout + result.stderr

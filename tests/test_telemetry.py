@@ -44,16 +44,20 @@ def test_non_finite_iterations_are_skipped_counted_and_stop_the_run(tmp_path):
     metrics = tmp_path / "m.jsonl"
     args = ("run", "--provider", "mock-vlm", "--device", "cpu", "--train-iters", "12", "--log-interval", "1",
             "--max-nan-iters", "3", "--lr-decay-style", "linear", "--metrics-file", str(metrics))
-    result = run_mimo(*args, extra_path=[site], env={"NAN_AT_ITERATIONS": "2,5,6,7,8"})
+    save = tmp_path / "save"  # the stop saves first: the weights of non-finite iterations were not updated
+    result = run_mimo(*args, "--save", str(save), extra_path=[site], env={"NAN_AT_ITERATIONS": "2,5,6,7,8"})
     records = read_metrics(metrics)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1] == (
         "error: 3 iterations in a row had a non-finite loss or gradient norm (the last: iteration 7), so "
-        "training stopped; lower --lr, check the data, or raise --max-nan-iters")
+        f"training stopped; lower --lr, check the data, or raise --max-nan-iters; saved iteration 7 in {save} (resume "
+        f"with --load {save})")
+    assert (save / "iter_0000007" / "common.pt").is_file()
     by_iteration = {r["iteration"]: r for r in records}
     assert by_iteration[2]["nan_iterations"] == 1 and by_iteration[2]["skipped_iterations"] == 1
     assert by_iteration[3]["nan_iterations"] == 1 and by_iteration[4]["lm_loss"] == by_iteration[4]["lm_loss"]
-    assert by_iteration[6]["nan_iterations"] == 3 and 7 not in by_iteration  # stopped before logging it
+    assert by_iteration[6]["nan_iterations"] == 3 and by_iteration[7]["nan_iterations"] == 4  # the stop is logged
+    assert 8 not in by_iteration
     # A skipped iteration does not advance the schedule: iteration 3 uses the rate a clean run uses at 2.
     clean = run_mimo(*args[:-2], "--metrics-file", str(tmp_path / "clean.jsonl"))
     assert clean.returncode == 0

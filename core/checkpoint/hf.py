@@ -29,6 +29,7 @@ from mimo.plugins.kit import safetensors_io
 from ..config import CheckpointOptions, RunConfig, TrainingOptions
 from ..run.plan import prepare
 from ..run.world import World, join
+from . import atomic_dir
 from .checkpointer import Checkpointer
 from .foreign import foreign_directory
 from .layout import PRETRAINED_SOURCE_ENV, TRACKER, iteration_dir, read_common, read_tracker, run_info
@@ -170,13 +171,19 @@ def import_hf(hf_dir: Path, out: Path, provider: str | None = None, registry: Re
     registry = registry or Registry()
     hf_config = safetensors_io.read_config(hf_dir)
     provider, fields = find_provider(registry, hf_config, provider)
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise UsageError(f"{out} is not empty; import into a new folder")
-    out.mkdir(parents=True, exist_ok=True)
-    write_settings(out / SETTINGS_FILE, provider, fields)
-    _convert_into(registry, provider, out / SETTINGS_FILE, [], hf_dir, hf_config, out, device)
+    # written into a partial folder renamed to OUT at the end: a killed import leaves no OUT to trip on
+    with atomic_dir.writing(Path(out), what="import", unfinished=unfinished_import) as folder:
+        write_settings(folder / SETTINGS_FILE, provider, fields)
+        _convert_into(registry, provider, folder / SETTINGS_FILE, [], hf_dir, hf_config, folder, device)
     return provider
+
+
+def unfinished_import(out: Path) -> str | None:
+    """Why `out` looks like an import an older mimo left unfinished in place (provider.yaml, no tracker), or None."""
+    names = {p.name for p in out.iterdir()}
+    if SETTINGS_FILE in names and TRACKER not in names and names <= {SETTINGS_FILE, "iter_0000000", ".mimo-lock"}:
+        return f"{SETTINGS_FILE} without a checkpoint"
+    return None
 
 
 def _convert_into(registry, provider, settings_file, assignments, hf_dir, hf_config, out, device) -> None:

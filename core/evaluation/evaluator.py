@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from mimo.data.counts import DataCounts
 from mimo.errors import UsageError
 from mimo.plugins import DataContext
 
@@ -49,6 +50,7 @@ class EvalResult:
     samples: int  # sequences read (packed sequences when packing)
     seconds: float
     predictions: Predictions | None = None  # --eval-samples: answers generated and scored
+    data: dict | None = None  # --data: skipped samples by reason, answer tokens cut by seq_length (of those read)
 
     @property
     def ppl(self) -> float:
@@ -56,7 +58,8 @@ class EvalResult:
 
     def record(self) -> dict:
         record = {"split": self.split, "iteration": self.iteration, "lm_loss": self.lm_loss, "ppl": self.ppl,
-                  "num_tokens": self.num_tokens, "samples": self.samples, "eval_seconds": self.seconds}
+                  "num_tokens": self.num_tokens, "samples": self.samples, "eval_seconds": self.seconds,
+                  **(self.data or {})}
         if self.predictions is not None:
             p = self.predictions
             record.update(exact_match=p.exact_match, token_f1=p.token_f1, predictions=p.records)
@@ -92,9 +95,10 @@ class Evaluator:
         self._token_source = is_token_source(topology)
         # a schedule (and bridge communicator) of its own: the training step's is watched by the step timers
         self._schedule, _ = schedule_for(topology, model.config)
-        self._totals = torch.zeros(2, dtype=torch.float64, device=device)  # [loss sum, tokens]
+        # [loss sum, tokens, *DataCounts]: the loss and what the eval data skipped and cut, reduced at once
+        self._totals = torch.zeros(2 + len(DataCounts.names()), dtype=torch.float64, device=device)
         # the training step's forward and loss hook, summing into the totals
-        self._forward_step = ForwardLoss(hooks, settings, device, params_dtype, self._totals)
+        self._forward_step = ForwardLoss(hooks, settings, device, params_dtype, self._totals[:2])
         # A missing split fails now, not after training: opening the data reads the dataset's index, no sample.
         opened = self.hooks.data_provider(settings=settings, ctx=dataclasses.replace(data_ctx, opened_loaders=[]))
         if hasattr(opened, "close"):
@@ -125,6 +129,8 @@ class Evaluator:
                     predictions = self.predictor.predict() if self.predictor else None
                 finally:
                     self.model.train(was_training)
+            if hasattr(source, "data_counts"):
+                self._totals[2:] = torch.tensor(source.data_counts().vector(), dtype=torch.float64)
         finally:
             if hasattr(source, "close"):  # a loader's worker processes
                 source.close()
@@ -132,9 +138,15 @@ class Evaluator:
         # One rank per LLM lane counts, so the all-reduce gives every rank the totals over all lanes.
         totals = self._totals if self._token_source else torch.zeros_like(self._totals)
         dist.all_reduce(totals)
-        loss_sum, tokens = totals.tolist()
+        loss_sum, tokens = totals[:2].tolist()
+        counts = DataCounts.from_vector(totals[2:].tolist())
+        data = None if not ctx.data_path else {
+            "skipped_samples": counts.skipped, "skipped_unreadable": counts.unreadable,
+            "skipped_unsupported": counts.unsupported, "skipped_too_long": counts.too_long,
+            "truncated_answer_tokens": counts.cut_answer_tokens, "answer_tokens": counts.answer_tokens}
         return EvalResult(iteration, ctx.split, loss_sum / tokens if tokens else float("nan"), int(tokens),
-                          self.eval_iters * self.global_batch_size, time.perf_counter() - started, predictions)
+                          self.eval_iters * self.global_batch_size, time.perf_counter() - started, predictions,
+                          data)
 
 
 class EvalSchedule:
@@ -163,8 +175,13 @@ class EvalSchedule:
 
 def format_eval_line(result: EvalResult, total_iters: int | None = None) -> str:
     at = f"iteration {result.iteration}" + (f"/{total_iters}" if total_iters else "")
+    data = result.data or {}
+    extra = f" | skipped samples {data['skipped_samples']}" if data.get("skipped_samples") else ""
+    if data.get("truncated_answer_tokens"):
+        extra += (f" | answer tokens cut by seq_length {data['truncated_answer_tokens']} of "
+                  f"{data['answer_tokens']}")
     return (f"validation ({result.split}) at {at} | lm loss {result.lm_loss:.6E} | lm loss PPL {result.ppl:.6E} | "
-            f"samples {result.samples} | tokens {result.num_tokens} | {result.seconds:.2f} s")
+            f"samples {result.samples} | tokens {result.num_tokens} | {result.seconds:.2f} s{extra}")
 
 
 def report(result: EvalResult, logger, total_iters: int | None, consumed: int) -> None:

@@ -23,7 +23,8 @@ LAUNCHED_BY_MIMO = "MIMO_LAUNCHED_WORKER"
 
 def die_with_launcher() -> None:
     """In a worker of mimo's launcher: get SIGTERM when the launcher dies, even by SIGKILL (torch starts workers in
-    sessions of their own, so nothing else would stop them): they then stop at the next boundary and save."""
+    sessions of their own, so nothing else would stop them): they then stop at the next boundary and save, or end
+    themselves `lifeline.ORPHAN_GRACE_S` seconds later."""
     launcher = os.environ.get(LAUNCHED_BY_MIMO)
     if not launcher or not launcher.isdigit() or not sys.platform.startswith("linux"):
         return
@@ -33,6 +34,9 @@ def die_with_launcher() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(launcher):  # it died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
+    from .lifeline import ORPHAN_GRACE_S, watch_parent
+
+    watch_parent(int(launcher), grace=ORPHAN_GRACE_S)  # the stop and save must not take forever
 
 
 def external_world(launch_options) -> tuple[int, int, int] | None:

@@ -1,5 +1,6 @@
 """The training loop: start the session (session.py), then step, log, evaluate and save until the last
-iteration or a signal, and leave the world. The path of a run: config -> plan (plan.py) -> start-up checks
+iteration or a stop (stop.py: a signal, a data error, the NaN limit, the skip guard; saving first), and leave
+the world. The path of a run: config -> plan (plan.py) -> start-up checks
 (preflight.py) -> workers (launch.py) -> world (world.py) -> session -> loop -> step (step.py)."""
 
 from __future__ import annotations
@@ -13,17 +14,19 @@ from mimo.errors import UsageError
 from mimo.plugins import Registry
 
 from ..config import RunConfig
-from ..telemetry.skip_report import check_skip_fraction
 from ..telemetry.summary import summary_lines
 from . import signals
 from .plan import Plan, prepare
 from .session import Session, start
+from .stop import decide, is_scheduled_save, stop_run
 
 
-def advance(session: Session, iterations: int) -> None:
-    """Train `iterations` more iterations (at most to the end of the run): step, log, save."""
+def advance(session: Session, iterations: int, first_iteration: int | None = None) -> None:
+    """Train `iterations` more iterations (at most to the end of the run): step, log, evaluate, decide, save."""
     plan, s = session.plan, session
     c, flop_check = plan.config.checkpoint, plan.config.logging.flop_check_iteration
+    first_iteration = s.iteration if first_iteration is None else first_iteration
+    boundary = getattr(s.source, "mark_boundary", None) if c.save else None
     for iteration in range(s.iteration + 1, min(s.iteration + iterations, plan.train_iters) + 1):
         s.profiler.before(iteration)
         if s.compiles:
@@ -39,17 +42,19 @@ def advance(session: Session, iterations: int) -> None:
         s.iteration, s.consumed = iteration, s.consumed + plan.global_batch_size
         s.skips.report()
         s.logger.update(iteration, result, s.consumed)
-        if s.evaluations:
+        data_error = result.data is not None and result.data.data_error
+        if s.evaluations and not data_error:  # after a data error the weights are those of the iteration before
             s.evaluations.after_iteration(iteration, s.consumed)
-        if plan.config.data.data is not None:
-            check_skip_fraction(result.skipped_samples, s.consumed, plan.config.data.max_skip_fraction,
-                                plan.config.data.data)
+        received = s.signal_watch.agreed(s.device) if s.signal_watch is not None else None
+        stop = decide(s, result, received)
         if s.checkpointer and c.save:
             s.checkpointer.wait(blocking=False)
-            if iteration == plan.train_iters or (c.save_interval and iteration % c.save_interval == 0):
+            if is_scheduled_save(s, iteration) and not data_error:
                 s.checkpointer.save(iteration, s.consumed)
-        if s.signal_watch is not None and (received := s.signal_watch.agreed(s.device)):
-            signals.stop(s, received)
+            if boundary is not None and not data_error:
+                boundary()  # the loader's state at this boundary: what a save after a data error writes
+        if stop is not None:
+            stop_run(s, stop, first_iteration)
 
 
 def finish(session: Session) -> list[dict]:
@@ -84,7 +89,7 @@ def train(plan: Plan) -> list[dict]:
         try:
             if session.evaluations:
                 session.evaluations.at_start(session.iteration, session.consumed)
-            advance(session, plan.train_iters - session.iteration)
+            advance(session, plan.train_iters - session.iteration, first_iteration)
         except BaseException:
             session.logger.close()
             session.skips.close()

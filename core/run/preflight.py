@@ -17,7 +17,10 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from mimo.data.check import check_dataset
+
 from ..checkpoint.hf import pretrained_from_hf
+from ..checkpoint.layout import remove_unfinished
 from ..checkpoint.resume import check_resume
 from ..checkpoint.save_lock import lock_save_directory
 from ..config import RunConfig
@@ -37,9 +40,13 @@ def for_run(config: RunConfig) -> Iterator[Plan]:
     if not os.environ.get(launch.LAUNCHED_BY_MIMO):  # mimo's launcher checked this plan for its workers
         fit.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
     check_output_paths(config)  # likewise every path the run writes: created and test-written now
+    _check_datasets(config)
     speaks = launch.speaks_for_run(config.launch)
     if speaks and config.checkpoint.save is not None:
         lock_save_directory(config.checkpoint.save)  # held until this process exits
+        removed = remove_unfinished(config.checkpoint.save)  # what killed saves left: never loaded, never kept
+        if removed:
+            print(removed, flush=True)
     check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
     with pretrained_from_hf(plan) as plan:  # --pretrained HF_DIR: converted before the workers start
         yield plan
@@ -50,5 +57,13 @@ def for_eval(config: RunConfig, split: str) -> Iterator[Plan]:
     """The checked plan of `mimo eval`: the checkpoint's weights only, `--eval-iters` batches of `split`."""
     plan = prepare(eval_config(config, split))
     check_predictions(plan)
+    _check_datasets(plan.config)
     with pretrained_from_hf(plan) as plan:
         yield plan
+
+
+def _check_datasets(config: RunConfig) -> None:
+    """A dataset whose declared sample class cannot be imported is one line now, not a traceback from the loader."""
+    for flag, path in (("--data", config.data.data), ("--eval-data", config.evaluation.eval_data)):
+        if path is not None:
+            check_dataset(path, flag)

@@ -21,6 +21,7 @@ from ..telemetry.metrics import MetricsLogger
 from ..telemetry.profiler import StepProfiler
 from ..telemetry.skip_report import SkipReporter
 from ..telemetry.timers import StepTimers
+from ..telemetry.truncation import DataReport
 from . import signals
 from .compilation import FirstIterations
 from .cuda_graphs import LayerGraphs
@@ -83,6 +84,8 @@ def start(plan: Plan) -> Session:
     # Index-addressed data continues from the samples already seen; a loader with its own state restores it.
     data_ctx = world.data_context(consumed)
     source = iter(plan.hooks.data_provider(settings=plan.settings, ctx=data_ctx))
+    if hasattr(source, "hold_data_errors"):  # a data error mid-run: the loop stops at the boundary, saving first
+        source.hold_data_errors = True
     if checkpointer:
         checkpointer.run_info["lane_data_state"] = hasattr(source, "state_dict")  # then tied to its lane
     if data_state and data_state.get("loader") is not None:
@@ -101,7 +104,7 @@ def start(plan: Plan) -> Session:
                           micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches)
               if config.performance.cuda_graphs else None)
     step = TrainStep(t, world=world, model=model, optimizer=optimizer, scheduler=scheduler, seq_length=seq_length,
-                     skipped_samples=lambda: getattr(source, "skipped_samples", 0), timers=timers,
+                     data_counts=getattr(source, "data_counts", lambda: None), timers=timers,
                      layer_graphs=graphs)
 
     logging_rank = world.logging_rank  # lane 0 logs
@@ -111,11 +114,16 @@ def start(plan: Plan) -> Session:
                            tokens_per_iteration=plan.global_batch_size * seq_length,
                            flops_per_iteration=(3 * sum(flops.values()) * plan.global_batch_size  # fwd + 2x bwd
                                                 if flops else None),
-                           world_size=plan.world_size, device=device, timers=timers)
+                           world_size=plan.world_size, device=device, timers=timers,
+                           data_report=DataReport(share=config.data.truncation_warning, seq_length=seq_length,
+                                                  longest_needed=lambda: getattr(source, "longest_needed", 0)))
     if logging_rank:
         print(describe_run(plan, count_parameters(model), device, t.precision), flush=True)
         if start_iteration:
             print(f"resumed from {c.load} at iteration {start_iteration} ({consumed} samples consumed)", flush=True)
+        note = source.size_note() if hasattr(source, "size_note") else None
+        if note:  # a dataset smaller than a micro-batch: say that samples repeat
+            print(note, flush=True)
     profiler = StepProfiler(config.logging, rank=dist.get_rank(), device=device, report=logging_rank)
     model.train()
     reader = read_ahead(source, config.data.prefetch_microbatches, device)

@@ -1,6 +1,6 @@
 """Stopping on a signal (a SLURM preemption's SIGTERM, a Ctrl-C): the handler only notes the signal; every rank
-learns of it at the next iteration boundary (one collective), saves when `--save` is set, and stops together,
-so no rank waits forever in a collective the others left and no work since the last save is lost."""
+learns of it at the next iteration boundary (one collective), saves when `--save` is set, and stops together
+(stop.py), so no rank waits forever in a collective the others left and no work since the last save is lost."""
 
 from __future__ import annotations
 
@@ -9,17 +9,7 @@ import signal
 import torch
 import torch.distributed as dist
 
-from mimo.errors import TrainingStopped
-
 SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
-
-
-class Interrupted(TrainingStopped):
-    """A stop on a signal; `quiet` on every rank but the one that says it (one line for the run)."""
-
-    def __init__(self, message: str, quiet: bool):
-        super().__init__(message)
-        self.quiet = quiet
 
 
 class SignalWatch:
@@ -50,28 +40,3 @@ class SignalWatch:
         flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item()) or None
-
-
-def stop(session, number: int) -> None:
-    """Save (when --save is set and this iteration is not saved yet), then raise Interrupted on every rank."""
-    c, iteration, rank = session.plan.config.checkpoint, session.iteration, dist.get_rank()
-    name = signal.Signals(number).name
-    saved = ""
-    if session.checkpointer is not None and c.save:
-        if not _saved_at(session, iteration):
-            session.checkpointer.save(iteration, session.consumed)
-        session.checkpointer.wait(blocking=True)
-        saved = f"; saved iteration {iteration} in {c.save} (resume with --load {c.save})"
-    if hasattr(session.source, "close"):
-        session.source.close()
-    dist.barrier()
-    dist.destroy_process_group()
-    raise Interrupted(f"stopped by {name} after iteration {iteration}{saved}" if saved else
-                      f"stopped by {name} after iteration {iteration}; nothing saved (no --save)",
-                      quiet=rank != 0)
-
-
-def _saved_at(session, iteration: int) -> bool:
-    c = session.plan.config.checkpoint
-    return iteration == session.plan.train_iters or bool(c.save_interval and iteration % c.save_interval == 0)
-

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from mimo.data.counts import DataCounts
 from mimo.plugins import LANGUAGE
 
 from ..parallel.embedding_merge import placeholder_rows
@@ -38,10 +39,11 @@ class StepResult:
     skipped: bool  # no update was made (non-finite loss or gradients)
     lr: float  # the learning rate this iteration's update used
     module_grad_norms: dict[str, float]
-    skipped_samples: int = 0  # unreadable samples the data dropped so far, all lanes
+    skipped_samples: int = 0  # samples the data skipped so far (every reason), all lanes
     loss_scale: float = 1.0
     num_zeros: int | None = None
     moe_losses: dict[str, float] = field(default_factory=dict)  # each auxiliary loss, mean over MoE layers
+    data: DataCounts | None = None  # what --data's loaders consumed so far, all lanes (None: synthetic data)
 
 
 # Encoder arguments that describe the batch rather than feed a kernel: they stay on the host, where the encoder
@@ -104,9 +106,10 @@ class TrainStep:
     everything around it (when to step, log, evaluate and save)."""
 
     def __init__(self, options: TrainingOptions, *, world: World, model, optimizer, scheduler, seq_length: int,
-                 skipped_samples=lambda: 0, timers: StepTimers | None = None, layer_graphs=None):
+                 data_counts=lambda: None, timers: StepTimers | None = None, layer_graphs=None):
         """`world`: this rank's joined world (its plan, device, grids); `seq_length`: the tokens of a row;
-        `skipped_samples()`: the samples the data dropped so far; `layer_graphs`: --cuda-graphs' LayerGraphs."""
+        `data_counts()`: what the data consumed so far (a DataCounts, None for data that counts nothing);
+        `layer_graphs`: --cuda-graphs' LayerGraphs."""
         plan = world.plan
         hooks, settings, topology, device = plan.hooks, plan.settings, world.topology, world.device
         params_dtype, micro_batch_size = world.params_dtype, options.micro_batch_size
@@ -115,8 +118,9 @@ class TrainStep:
         self.device, self.params_dtype = device, params_dtype
         self.num_microbatches, self.global_batch_size = plan.num_microbatches, plan.global_batch_size
         self._token_source = is_token_source(topology)
-        self._totals = torch.zeros(3, dtype=torch.float64, device=device)  # [loss sum, tokens, skipped samples]
-        self._skipped_samples = skipped_samples
+        # [loss sum, tokens, *DataCounts, counted]: one all-reduce for the loss and the data's counts
+        self._totals = torch.zeros(3 + len(DataCounts.names()), dtype=torch.float64, device=device)
+        self._data_counts = data_counts
         config = model.config  # the language model's TransformerConfig; the schedule reads it
         config.finalize_model_grads_func = self._finalize_grads
         # The schedule holds back overlapped gradient reduction until the last micro-batch's backward.
@@ -136,7 +140,10 @@ class TrainStep:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         # Only one rank per LLM data lane contributes, so every rank of every grid learns the same totals.
-        self._totals[2] = self._skipped_samples()
+        counts = self._data_counts()
+        if counts is not None:
+            self._totals[2:-1] = torch.tensor(counts.vector(), dtype=torch.float64)
+            self._totals[-1] = 1
         totals = self._totals if self._token_source else torch.zeros_like(self._totals)
         dist.all_reduce(totals)
         self._global_totals = totals.tolist()
@@ -160,14 +167,17 @@ class TrainStep:
                 forward_step_func=self.forward_step, data_iterator=data_iterator, model=[self.model],
                 num_microbatches=self.num_microbatches, forward_only=False, **self._shape,
             )
-        loss_sum, tokens, skipped_samples = self._global_totals  # the same on every rank
+        loss_sum, tokens = self._global_totals[:2]  # the same on every rank
+        data = DataCounts.from_vector(self._global_totals[2:-1]) if self._global_totals[-1] else None
         moe_losses = _moe_losses()
         lm_loss = loss_sum / max(tokens, 1)
         # a rank whose modules are all frozen (an LLM rank in stage1) has no parameter groups: the schedule says
         groups = self.optimizer.param_groups
         lr = groups[0]["lr"] if groups else self.scheduler.get_lr({})
         ok, num_zeros, grad_norm = False, None, None
-        if math.isfinite(lm_loss):  # every rank agrees, so all skip the optimizer's collectives together
+        # every rank agrees, so all skip the optimizer's collectives together; after a data error the iteration
+        # read empty micro-batches from some point on: no update (the loop stops, saving the iteration before)
+        if math.isfinite(lm_loss) and not (data is not None and data.data_error):
             with self.timers.phase("optimizer"):
                 ok, _, num_zeros = self.optimizer.step()
             grad_norm = self.optimizer.grad_norm
@@ -175,8 +185,8 @@ class TrainStep:
             self.scheduler.step(increment=self.global_batch_size)
         return StepResult(lm_loss=lm_loss, num_tokens=int(tokens), grad_norm=grad_norm,
                           skipped=not ok, lr=lr, module_grad_norms=dict(self.optimizer.module_grad_norms),
-                          skipped_samples=int(skipped_samples), loss_scale=float(self.optimizer.get_loss_scale()),
-                          num_zeros=num_zeros, moe_losses=moe_losses)
+                          skipped_samples=data.skipped if data is not None else 0, loss_scale=float(self.optimizer.get_loss_scale()),
+                          num_zeros=num_zeros, moe_losses=moe_losses, data=data)
 
 
 def schedule_for(topology: Topology, config):

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import torch
 
-from mimo.errors import TrainingStopped
-
 from .timers import format_timers
+from .truncation import DataReport, data_parts
 
 # Dense bf16 peak TFLOP/s per GPU, for MFU (override with --peak-tflops).
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "GH200": 989.4, "A100": 312.0, "A800": 312.0,
@@ -33,8 +32,9 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
 class MetricsLogger:
     def __init__(self, options, *, total_iters: int, enabled: bool, global_batch_size: int,
                  tokens_per_iteration: int, flops_per_iteration: float | None, world_size: int, device: torch.device,
-                 timers):
-        """`options`: the run's LoggingOptions; `enabled`: this rank logs (one rank of the run)."""
+                 timers, data_report: DataReport | None = None):
+        """`options`: the run's LoggingOptions; `enabled`: this rank logs (one rank of the run); `data_report`:
+        what --data skipped and cut, per interval."""
         self.options, self.total_iters, self.enabled = options, total_iters, enabled
         self.global_batch_size = global_batch_size
         self.tokens_per_iteration, self.flops_per_iteration = tokens_per_iteration, flops_per_iteration
@@ -47,6 +47,8 @@ class MetricsLogger:
         self.progress = _progress(total_iters) if enabled and sys.stdout.isatty() else None
         self.records: list[dict] = []
         self.skipped_total = self.nan_total = self.nan_in_a_row = 0
+        self.nan_stop: str | None = None  # why the NaN limit stops the run (the loop saves, then stops)
+        self.data_report = data_report or DataReport(share=1.0, seq_length=None)
         self.trained_tokens, self.trained_seconds = 0, 0.0  # the whole run's, for its closing summary
         self._reset()
 
@@ -73,10 +75,10 @@ class MetricsLogger:
         if self.progress:
             self.progress.advance(self.progress.task_ids[0])
         if self.nan_in_a_row >= self.options.max_nan_iters:
-            raise TrainingStopped(f"{self.nan_in_a_row} iterations in a row had a non-finite loss or gradient norm "
-                                  f"(the last: iteration {iteration}), so training stopped; lower --lr, check the "
-                                  f"data, or raise --max-nan-iters")
-        if iteration % self.options.log_interval and iteration != self.total_iters:
+            self.nan_stop = (f"{self.nan_in_a_row} iterations in a row had a non-finite loss or gradient norm (the "
+                             f"last: iteration {iteration}), so training stopped; lower --lr, check the data, or raise "
+                             f"--max-nan-iters")
+        if iteration % self.options.log_interval and iteration != self.total_iters and not self.nan_stop:
             return None
         timers = self.timers.collect(self._iters)
         record = self._record(iteration, result, consumed_samples, timers)
@@ -106,6 +108,7 @@ class MetricsLogger:
             "skipped_iterations": self.skipped_total,
             "nan_iterations": self.nan_total,
             "skipped_samples": result.skipped_samples,
+            **self.data_report.fields(result.data, iteration),
             "peak_memory_gib": _peak_memory_gib(self.device),
             **_peaks_per_rank(self.device),
             **_alloc_retries(self.device),
@@ -122,6 +125,10 @@ class MetricsLogger:
     def _emit(self, record: dict, timers) -> None:
         line = format_line(record, self.total_iters, "GPU" if self.device.type == "cuda" else "rank")
         (self.progress.console.print if self.progress else print)(line)
+        warning = self.data_report.warning(record)
+        record.pop("interval_first_iteration", None)
+        if warning:
+            (self.progress.console.print if self.progress else print)(warning)
         if timers:
             (self.progress.console.print if self.progress else print)(format_timers(timers))
         sys.stdout.flush()
@@ -135,6 +142,12 @@ class MetricsLogger:
                 if key in record:
                     self.tensorboard.add_scalar(name, record[key], record["iteration"])
                     self.tensorboard.add_scalar(f"{name} vs samples", record[key], samples)
+            if record.get("answer_tokens"):
+                self.tensorboard.add_scalar("data/truncated-answer-share",
+                                            record["truncated_answer_tokens"] / record["answer_tokens"],
+                                            record["iteration"])
+            if "skipped_samples" in record and "samples" in record:
+                self.tensorboard.add_scalar("data/skipped-samples", record["skipped_samples"], record["iteration"])
             self.tensorboard.flush()
 
     def _per_iteration_scalars(self, iteration: int, result, samples: int) -> None:
@@ -173,8 +186,7 @@ def format_line(r: dict, total_iters: int, per: str = "GPU") -> str:
               f"loss scale {r['loss_scale']:g}", f"skipped {r['skipped_iterations']}", f"nan {r['nan_iterations']}"]
     if r["peak_memory_gib"] is not None:
         parts.append(f"peak mem {r['peak_memory_gib']:.2f} GiB")
-    if r["skipped_samples"]:
-        parts.append(f"unreadable samples skipped {r['skipped_samples']}")
+    parts += data_parts(r)
     return " | ".join(parts)
 
 

@@ -6,18 +6,17 @@ consumed, so the lines and the log's count agree, and no sample is named twice (
 same samples). No collective is needed; lines carry the rank when the run has several. At most `limit` lines per
 `window` seconds per rank; the rest are counted, and the count is printed once the window is over (or at the end).
 
-Stop. `check_skip_fraction` ends a run whose skipped samples exceed `--max-skip-fraction` of the samples read
-(trained plus skipped), once `MIN_SAMPLES_READ` have been read: one `UsageError` line, exit 2. Every rank gets
-the same totals from the step, so every rank stops at the same iteration.
+Stop. `skip_stop_message` says why a run whose skipped samples exceed `--max-skip-fraction` of the samples read
+(trained plus skipped, counted as samples, packed or not), once `MIN_SAMPLES_READ` have been read, stops; the loop
+saves and ends it with that line, exit 2 (run/stop.py). Every rank gets the same counts from the step, so every
+rank stops at the same iteration.
 """
 
 from __future__ import annotations
 
 import time
 
-from mimo.errors import UsageError
-
-__all__ = ["MIN_SAMPLES_READ", "SkipReporter", "check_skip_fraction"]
+__all__ = ["MIN_SAMPLES_READ", "SkipReporter", "skip_stop_message"]
 
 MIN_SAMPLES_READ = 100  # a few bad samples early on do not stop a run
 
@@ -51,7 +50,7 @@ class SkipReporter:
                 self._window_start, self._shown = now, 0
             if self._shown < self.limit:
                 self._shown += 1
-                self._out(f"{self._prefix}skipped a sample: {record.describe()}")
+                self._out(f"{self._prefix}skipped a sample {record.describe()}")
             else:
                 self._hidden += 1
 
@@ -67,11 +66,21 @@ class SkipReporter:
             self._hidden = 0
 
 
-def check_skip_fraction(skipped: int, trained: int, max_fraction: float, data_path) -> None:
-    """Stop the run (UsageError) when `skipped` exceeds `max_fraction` of the samples read (trained + skipped)."""
-    read = skipped + trained
+def skip_stop_message(counts, max_fraction: float, data_path, seq_length: int | None = None) -> str | None:
+    """Why the run stops when the skipped samples exceed `max_fraction` of the samples read (trained + skipped),
+    with a hint for each reason that occurred; None while within it. `counts`: the run's DataCounts."""
+    skipped = counts.skipped
+    read = skipped + counts.samples
     if read < MIN_SAMPLES_READ or skipped <= max_fraction * read:
-        return
-    raise UsageError(f"{skipped} of the {read} samples read were skipped ({skipped / read:.0%}), more than "
-                     f"--max-skip-fraction {max_fraction:g}: the lines above name them; repair --data {data_path} "
-                     f"or raise --max-skip-fraction")
+        return None
+    at = f" {seq_length}" if seq_length else ""
+    names = {"unreadable": "unreadable", "unsupported": "unsupported", "too_long": f"too long for seq_length{at}"}
+    reasons = ", ".join(f"{n} {names[r]}" for r, n in counts.by_reason().items() if n)
+    hints = []
+    if counts.too_long:
+        hints.append("raise seq_length (--set seq_length=N)")
+    if counts.unreadable or counts.unsupported:
+        hints.append(f"repair --data {data_path}")
+    hints.append("raise --max-skip-fraction")
+    return (f"{skipped} of the {read} samples read were skipped ({skipped / read:.1%}: {reasons}), more than "
+            f"--max-skip-fraction {max_fraction:g}: the lines above name them; {', or '.join(hints)}")

@@ -27,7 +27,7 @@ TINY = dict(
     max_image_size=256, image_size=64, min_patches=16, max_patches=64, projection_hidden_size=64,
     hybrid_pattern="M*EME", hidden_size=64, num_attention_heads=4, num_query_groups=2, kv_channels=16,
     num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=64,
-    mamba_num_heads=4, mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=16, vocab_size=264, seq_length=64,
+    mamba_num_heads=4, mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=16, vocab_size=264, seq_length=256,
     num_classes=8, cpe_augmentation=False,
 )
 

@@ -1,0 +1,77 @@
+"""Reading a JSON array (or JSON lines, or concatenated JSON values) one element at a time: memory holds one element
+and one chunk of text, not the file, so a LLaVA file of millions of records converts on a small machine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["JSONSyntaxError", "records"]
+
+CHUNK = 1 << 20  # characters read at a time
+MAX_RECORD = 64 << 20  # one element larger than this is an error (not a reason to read the whole file)
+
+
+class JSONSyntaxError(ValueError):
+    """The file is not valid JSON at a character offset."""
+
+
+class _Reader:
+    def __init__(self, handle, chunk: int):
+        self.handle, self.chunk = handle, chunk
+        self.buf, self.pos, self.consumed, self.eof = "", 0, 0, False  # consumed: characters dropped from the front
+
+    def fill(self) -> None:
+        more = self.handle.read(self.chunk)
+        self.eof = not more
+        self.buf, self.consumed, self.pos = self.buf[self.pos:] + more, self.consumed + self.pos, 0
+
+    def skip_space(self) -> None:
+        while True:
+            while self.pos < len(self.buf) and self.buf[self.pos] in " \t\r\n":
+                self.pos += 1
+            if self.pos < len(self.buf) or self.eof:
+                return
+            self.fill()
+
+    def at(self) -> str:
+        return self.buf[self.pos] if self.pos < len(self.buf) else ""
+
+
+def records(path: Path, chunk: int = CHUNK):
+    """Yield (index, character offset, value) for each element of a top-level JSON array, or each value of a JSON
+    lines / concatenated JSON file. Raises JSONSyntaxError naming the character where the JSON breaks."""
+    decoder = json.JSONDecoder()
+    with open(path, encoding="utf-8") as handle:
+        r = _Reader(handle, chunk)
+        r.fill()
+        r.skip_space()
+        in_array = r.at() == "["
+        if in_array:
+            r.pos += 1
+        index = 0
+        while True:
+            r.skip_space()
+            if not r.at():
+                if in_array:
+                    raise JSONSyntaxError(f"the array is not closed (the file ends at character {r.consumed + r.pos})")
+                return
+            if in_array and r.at() == "]":
+                return
+            while True:
+                try:
+                    value, end = decoder.raw_decode(r.buf, r.pos)
+                    break
+                except json.JSONDecodeError as err:
+                    if r.eof or len(r.buf) - r.pos > MAX_RECORD:
+                        raise JSONSyntaxError(f"not valid JSON at character {r.consumed + err.pos} ({err.msg})") \
+                            from None
+                    r.fill()  # the element may go on past the buffer: read more and try again
+            yield index, r.consumed + r.pos, value
+            index, r.pos = index + 1, end
+            r.skip_space()
+            if in_array and r.at():
+                if r.at() == ",":
+                    r.pos += 1
+                elif r.at() != "]":
+                    raise JSONSyntaxError(f"expected ',' or ']' at character {r.consumed + r.pos}")
