@@ -20,8 +20,8 @@ from .types import Provider
 
 ENTRY_POINT_GROUP = "mimo.providers"
 REQUIRED_HOOKS = ("model_shape", "build_encoders", "build_language_model", "data_provider")
-CALLED_HOOKS = REQUIRED_HOOKS + ("loss", "frozen_parameters", "model_flops", "module_memory", "hf_settings", "hf_to_mimo", "mimo_to_hf",
-                                  "load_pretrained")
+CALLED_HOOKS = REQUIRED_HOOKS + ("loss", "frozen_parameters", "model_flops", "module_memory", "hf_settings",
+                                  "hf_tensor_map", "hf_export_check", "hf_export", "load_pretrained")
 
 
 @dataclass
