@@ -6,9 +6,10 @@ the process the user started, not a traceback from a worker.
     with preflight.for_eval(config, split) as plan:   # `mimo eval`
 
 For `mimo run`: the plan (options, provider, settings, layout), the memory estimate against the GPU, the paths
-the run writes, the save directory's lock, what `--load` means, and `--pretrained HF_DIR` converted to a mimo
-checkpoint (removed when the block ends). Workers that mimo's launcher started repeat the plan and the cheap
-checks; the memory check was made for them.
+the run writes, the save directory's lock, what `--load` means, and what `--pretrained` and the Hugging Face
+parts (`--pretrained-llm`, `--pretrained-vision`) point at: each folder's tensors against the provider's map, from
+the headers alone (every rank then loads its own slices; there is no conversion step, so torchrun and srun need
+none either). Workers repeat the plan and the cheap checks; the memory check was made for them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from ..checkpoint.hf import pretrained_from_hf
+from ..checkpoint import hf
+from ..checkpoint.foreign import foreign_directory
 from ..checkpoint.resume import check_resume
 from ..checkpoint.save_lock import lock_save_directory
 from ..config import RunConfig
@@ -39,13 +41,21 @@ def for_run(config: RunConfig) -> Iterator[Plan]:
     if speaks and config.checkpoint.save is not None:
         lock_save_directory(config.checkpoint.save)  # held until this process exits
     check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
-    with pretrained_from_hf(plan) as plan:  # --pretrained HF_DIR: converted before the workers start
-        yield plan
+    check_pretrained(plan)
+    yield plan
 
 
 @contextlib.contextmanager
 def for_eval(config: RunConfig, split: str) -> Iterator[Plan]:
     """The checked plan of `mimo eval`: the checkpoint's weights only, `--eval-iters` batches of `split`."""
     plan = prepare(eval_config(config, split))
-    with pretrained_from_hf(plan) as plan:
-        yield plan
+    check_pretrained(plan)
+    yield plan
+
+
+def check_pretrained(plan: Plan) -> None:
+    """--pretrained names a checkpoint or a Hugging Face folder, and Hugging Face folders fit the provider's maps."""
+    c = plan.config.checkpoint
+    if c.pretrained and not hf.is_hf_folder(c.pretrained):
+        foreign_directory(c.pretrained)  # a folder holding no checkpoint is one line before workers start
+    hf.check_sources(plan)

@@ -349,12 +349,12 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def readable_by_all(folder: str | Path) -> None:
-    """Give every file in `folder` the mode a plain `open` gives under the process's umask (0644 under 022):
-    some writers (safetensors' save_file, tokenizers) create files 0600."""
-    mode = 0o666 & ~_umask()
+    """Give `folder` and everything in it the modes `mkdir` and a plain `open` give under the process's umask
+    (0755 and 0644 under 022): temporary directories and some writers (safetensors' save_file) use 0700 / 0600."""
+    umask = _umask()
+    os.chmod(folder, 0o777 & ~umask)  # a temporary directory is created 0700
     for path in Path(folder).rglob("*"):
-        if path.is_file():
-            os.chmod(path, mode)
+        os.chmod(path, (0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def _umask() -> int:

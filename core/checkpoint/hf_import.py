@@ -1,0 +1,69 @@
+"""`mimo ckpt import-hf`: a mimo checkpoint of a Hugging Face model folder, or of a VLM assembled from an LLM and a
+vision encoder. It starts as `mimo run` does (a world of one), loads the folders through the per-rank loader and
+saves weights only; nothing trains, so no gradient buffers exist: the process holds the model and one read buffer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mimo.errors import UsageError
+from mimo.plugins import Registry
+from mimo.plugins.kit.safetensors_io import is_hf_folder, read_config
+
+from ..config import CheckpointOptions, RunConfig, TrainingOptions
+from ..run.plan import prepare
+from ..run.world import join
+from .checkpointer import Checkpointer
+from .hf import SETTINGS_FILE, check_sources, find_provider, hf_sources, hf_sources_of, write_settings
+from .hf_load import load_hf
+from .layout import run_info
+
+
+def import_hf(out: Path, hf_dir: Path | None = None, llm: Path | None = None, vision: Path | None = None,
+              provider: str | None = None, registry: Registry | None = None, device: str = "cpu") -> str:
+    """A weights-only mimo checkpoint in `out` (and `out/provider.yaml`) of a Hugging Face model folder, or of a
+    VLM assembled from an LLM and a vision encoder (the rest seeded as `mimo run` initializes it). In this
+    process, streaming: it holds the model and one read buffer. Returns the provider's name."""
+    registry = registry or Registry()
+    options = CheckpointOptions(pretrained=hf_dir, pretrained_llm=llm, pretrained_vision=vision)
+    sources = hf_sources(options)
+    if hf_dir is not None and not is_hf_folder(hf_dir):
+        raise UsageError(f"{hf_dir} is not a Hugging Face model folder (config.json with model.safetensors or "
+                         f"model.safetensors.index.json)")
+    if not sources or (hf_dir is not None and (llm or vision)):
+        raise UsageError("import-hf takes a model folder HF_DIR, or its parts --llm DIR and/or --vision DIR")
+    configs = {part: read_config(folder) for part, folder in sources}
+    provider, fields = find_provider(registry, configs, provider)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise UsageError(f"{out} is not empty; import into a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    write_settings(out / SETTINGS_FILE, provider, fields)
+    precision = "bf16" if any(_dtype(c) == "bfloat16" for c in configs.values()) else "fp32"
+    config = RunConfig(provider=provider, provider_config=out / SETTINGS_FILE,
+                       checkpoint=CheckpointOptions(save=out, save_optim=False, save_rng=False, **vars(options)),
+                       training=TrainingOptions(micro_batch_size=1, train_iters=1, precision=precision, device=device))
+    plan = prepare(config, registry, world_size=1)
+    check_sources(plan)
+    world = join(plan, seed=0)
+    model = world.build_model(trainable=False)  # no gradient buffers: nothing trains here
+    load_hf(model, hf_sources_of(plan))
+    checkpointer = Checkpointer(config.checkpoint, model=model, topology=world.topology,
+                                run_info=run_info(plan, plan.settings, lane_data_state=False))
+    checkpointer.report_saves = False  # the caller says what it imported, and where
+    checkpointer.save(0, 0)
+    _finish_world()
+    return provider
+
+
+def _dtype(config: dict) -> str | None:
+    return config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
+
+
+def _finish_world() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
