@@ -72,7 +72,10 @@ def import_hf(paths: list[Path] = typer.Argument(..., metavar="[HF_DIR] OUT", sh
               vision: Path = typer.Option(None, "--vision", help="a Hugging Face folder of the vision encoder alone "
                                                                  "(radio): the VLM's encoder"),
               provider: str = typer.Option(None, help="the provider to read it with (default: the one whose "
-                                                      "plugin reads the config.json files)")):
+                                                      "plugin reads the config.json files)"),
+              assignments: list[str] = typer.Option(None, "--set", help="a setting the folders do not determine, "
+                                                                 "key=value (e.g. projection=mlp for the projector "
+                                                                 "of --llm and --vision); kept in provider.yaml")):
     """Write a weights-only mimo checkpoint in OUT, and OUT/provider.yaml (its provider and settings), of a Hugging
     Face model folder, or of a VLM assembled from an LLM (--llm) and a vision encoder (--vision), the rest starting
     from the provider's initialization: train from it with `mimo run --provider-config OUT/provider.yaml
@@ -85,7 +88,7 @@ def import_hf(paths: list[Path] = typer.Argument(..., metavar="[HF_DIR] OUT", sh
         if len(paths) > 2 or (len(paths) == 2) == bool(llm or vision):
             raise UsageError("import-hf takes HF_DIR OUT, or OUT with --llm DIR and/or --vision DIR")
         hf_dir, out = (paths[0], paths[1]) if len(paths) == 2 else (None, paths[0])
-        name = hf_import.import_hf(out, hf_dir, llm, vision, provider)
+        name = hf_import.import_hf(out, hf_dir, llm, vision, provider, assignments or [])
     except UsageError as err:
         raise fail(str(err)) from None
     sources = " and ".join(str(p) for p in (hf_dir, llm, vision) if p)

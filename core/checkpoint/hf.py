@@ -31,7 +31,7 @@ SETTINGS_FILE = "provider.yaml"
 PARTS = {"model": "--pretrained", "language": "--pretrained-llm", "vision": "--pretrained-vision"}
 WHAT = {"model": "a whole model", "language": "a language model", "vision": "a vision encoder"}
 
-__all__ = ["SETTINGS_FILE", "check_sources", "find_provider", "hf_sources", "hf_sources_of",
+__all__ = ["SETTINGS_FILE", "check_folder", "check_sources", "find_provider", "hf_sources", "hf_sources_of",
            "is_hf_folder", "part_settings", "plain_value", "write_settings"]
 
 
@@ -164,15 +164,20 @@ def check_sources(plan) -> None:
     with config.json. Shapes are checked per rank against the built model (hf_load.py)."""
     for what, folder, tmap in hf_sources_of(plan):
         with FolderSource(folder) as source:
-            names = set(source.names())
-            if missing := sorted(tmap.names() - names):
-                more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-                raise UsageError(f"{what} has no tensor {missing[0]}{more}, which these settings need (does its "
-                                 f"config.json describe its tensors?)")
-            unused = sorted(n for n in names - tmap.names() - set(tmap.checks) if not n.startswith(tmap.ignored))
-            if unused:
-                more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
-                raise UsageError(f"{what} has tensor {unused[0]}{more}, which the model has no place for")
-            for name, check in tmap.checks.items():
-                if name in names and (problem := check(source.read(name))):
-                    raise UsageError(f"{what}: tensor {name} {problem}")
+            check_folder(what, tmap, source)
+
+
+def check_folder(what: str, tmap, source) -> None:
+    """`tmap` against the tensors `source` holds (names and headers; the checked non-weights read whole)."""
+    names = set(source.names())
+    if missing := sorted(tmap.names() - names):
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UsageError(f"{what} has no tensor {missing[0]}{more}, which these settings need (does its config.json "
+                         f"describe its tensors?)")
+    unused = sorted(n for n in names - tmap.names() - set(tmap.checks) if not n.startswith(tmap.ignored))
+    if unused:
+        more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+        raise UsageError(f"{what} has tensor {unused[0]}{more}, which the model has no place for")
+    for name, check in tmap.checks.items():
+        if name in names and (problem := check(source.read(name))):
+            raise UsageError(f"{what}: tensor {name} {problem}")

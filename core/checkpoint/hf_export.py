@@ -144,6 +144,15 @@ def export_settings(provider, hooks, saved: dict, assignments: list[str]):
     return changed
 
 
+def export_note(hooks, settings) -> str | None:
+    """The start-of-run line for settings whose checkpoints cannot be exported (None: they can, or the provider
+    exports nothing)."""
+    refused = hooks.hf_export_check(settings=settings)
+    if not refused:
+        return None
+    return f"note: checkpoints of these settings cannot be exported to Hugging Face: {not_exportable(refused)}"
+
+
 def not_exportable(refused: dict) -> str:
     """`projection='affine', ...; to train an exportable model add --set projection=mlp ...`."""
     have = ", ".join(f"{name}={value[0]!r}" for name, value in refused.items())

@@ -5,11 +5,13 @@ saves weights only; nothing trains, so no gradient buffers exist: the process ho
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from mimo.errors import UsageError
 from mimo.plugins import Registry
 from mimo.plugins.kit.safetensors_io import is_hf_folder, read_config
+from mimo.plugins.settings import given_settings
 
 from ..config import CheckpointOptions, RunConfig, TrainingOptions
 from ..run.plan import prepare
@@ -21,10 +23,12 @@ from .layout import run_info
 
 
 def import_hf(out: Path, hf_dir: Path | None = None, llm: Path | None = None, vision: Path | None = None,
-              provider: str | None = None, registry: Registry | None = None, device: str = "cpu") -> str:
+              provider: str | None = None, assignments: list[str] = (), registry: Registry | None = None,
+              device: str = "cpu") -> str:
     """A weights-only mimo checkpoint in `out` (and `out/provider.yaml`) of a Hugging Face model folder, or of a
-    VLM assembled from an LLM and a vision encoder (the rest seeded as `mimo run` initializes it). In this
-    process, streaming: it holds the model and one read buffer. Returns the provider's name."""
+    VLM assembled from an LLM and a vision encoder (the rest seeded as `mimo run` initializes it, with the
+    settings `assignments` give it, e.g. projection=mlp). In this process, streaming: it holds the model and one
+    read buffer. Returns the provider's name."""
     registry = registry or Registry()
     options = CheckpointOptions(pretrained=hf_dir, pretrained_llm=llm, pretrained_vision=vision)
     sources = hf_sources(options)
@@ -38,13 +42,14 @@ def import_hf(out: Path, hf_dir: Path | None = None, llm: Path | None = None, vi
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         raise UsageError(f"{out} is not empty; import into a new folder")
-    out.mkdir(parents=True, exist_ok=True)
-    write_settings(out / SETTINGS_FILE, provider, fields)
     precision = "bf16" if any(_dtype(c) == "bfloat16" for c in configs.values()) else "fp32"
-    config = RunConfig(provider=provider, provider_config=out / SETTINGS_FILE,
-                       checkpoint=CheckpointOptions(save=out, save_optim=False, save_rng=False, **vars(options)),
+    config = RunConfig(provider=provider, provider_settings=list(assignments),
+                       checkpoint=dataclasses.replace(options, save=out, save_optim=False, save_rng=False),
                        training=TrainingOptions(micro_batch_size=1, train_iters=1, precision=precision, device=device))
-    plan = prepare(config, registry, world_size=1)
+    plan = prepare(config, registry, world_size=1)  # the folders' settings, then --set (one line per mismatch)
+    out.mkdir(parents=True, exist_ok=True)
+    chosen = given_settings(plan.provider, list(assignments))
+    write_settings(out / SETTINGS_FILE, provider, {**fields, **{k: getattr(plan.settings, k) for k in chosen}})
     check_sources(plan)
     world = join(plan, seed=0)
     model = world.build_model(trainable=False)  # no gradient buffers: nothing trains here

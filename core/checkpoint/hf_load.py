@@ -33,13 +33,14 @@ def dist_key(key: str) -> str:
     return _WRAPPER.sub(r"\1", key)
 
 
-def rank_tensors(module) -> list:
+def rank_tensors(module, metadata: dict | None = None) -> list:
     """(dist key, ShardedTensor) of every tensor this rank's modules save, as the Checkpointer saves them, with
-    factories applied: their `data` are views of the parameters and buffers."""
+    factories applied: their `data` are views of the parameters and buffers. `metadata`: for a megatron module
+    outside mimo's model wrapper, e.g. {"dp_cp_group": group}."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
-    state = module.sharded_state_dict()
+    state = module.sharded_state_dict() if metadata is None else module.sharded_state_dict(metadata=metadata)
     apply_factories(state)
     return [(dist_key(t.key), t) for t in nested_values(state) if isinstance(t, ShardedTensor)]
 
@@ -52,14 +53,15 @@ def rank_index(sh) -> tuple:
         tuple((o, o + n) for o, n in zip(sh.global_offset[pre:], sh.local_shape))
 
 
-def load_into(module, sources: Iterable[tuple[TensorMap, object]]) -> tuple[list[str], list[str], list[str]]:
+def load_into(module, sources: Iterable[tuple[TensorMap, object]],
+              metadata: dict | None = None) -> tuple[list[str], list[str], list[str]]:
     """Fill this rank's tensors of `module` from `sources` ((map, reader) pairs). Returns (keys read, keys left at
     initialization, error lines); never raises for a mismatch, so that the caller can agree errors first."""
     sources = list(sources)
     held = {p.untyped_storage().data_ptr() for p in list(module.parameters()) + list(module.buffers())}
     read, initial, errors = [], [], []
     with torch.no_grad():
-        for key, sh in rank_tensors(module):
+        for key, sh in rank_tensors(module, metadata):
             if key.endswith(EXTRA_STATE):
                 continue
             owner = next(((tmap, reader) for tmap, reader in sources if key in tmap.tensors), None)
@@ -140,11 +142,11 @@ def _grouped(keys: list[str]) -> str:
     return ", ".join(f"{head}.* ({n} tensor{'s' * (n != 1)})" for head, n in groups.items())
 
 
-def global_tensors(module) -> dict[str, torch.Tensor]:
+def global_tensors(module, metadata: dict | None = None) -> dict[str, torch.Tensor]:
     """{dist key: whole tensor} of a module held whole by this process (a world of one): for converting a model
     in memory (tests, the contract kit)."""
     out: dict[str, torch.Tensor] = {}
-    for key, sh in rank_tensors(module):
+    for key, sh in rank_tensors(module, metadata):
         if key.endswith(EXTRA_STATE):
             continue
         whole = out.setdefault(key, torch.empty(tuple(sh.global_shape), dtype=sh.data.dtype))

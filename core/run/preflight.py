@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 from ..checkpoint import hf
 from ..checkpoint.foreign import foreign_directory
+from ..checkpoint.hf_export import export_note
 from ..checkpoint.resume import check_resume
 from ..checkpoint.save_lock import lock_save_directory
 from ..config import RunConfig
@@ -42,6 +43,8 @@ def for_run(config: RunConfig) -> Iterator[Plan]:
         lock_save_directory(config.checkpoint.save)  # held until this process exits
     check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
     check_pretrained(plan)
+    if speaks and config.checkpoint.save is not None and (note := export_note(plan.hooks, plan.settings)):
+        print(note, flush=True)  # before training, not after it: these settings decide
     yield plan
 
 
