@@ -51,7 +51,7 @@ def import_hf(out: Path, hf_dir: Path | None = None, llm: Path | None = None, vi
     chosen = given_settings(plan.provider, list(assignments))
     write_settings(out / SETTINGS_FILE, provider, {**fields, **{k: getattr(plan.settings, k) for k in chosen}})
     check_sources(plan)
-    world = join(plan, seed=0)
+    world = join(plan)  # seeded as `mimo run` is: the parts' projector starts where a run's would
     model = world.build_model(trainable=False)  # no gradient buffers: nothing trains here
     load_hf(model, hf_sources_of(plan))
     checkpointer = Checkpointer(config.checkpoint, model=model, topology=world.topology,
