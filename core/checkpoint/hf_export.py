@@ -113,7 +113,14 @@ class _Reader:
 
         state = {self.saved[k][0]: torch.empty(tuple(self.saved[k][1].size), dtype=self.saved[k][1].properties.dtype)
                  for k in keys}
-        dcp.load(state, storage_reader=FileSystemReader(str(self.directory)), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=FileSystemReader(str(self.directory)), no_dist=True)
+        except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
+            if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                raise
+            first = (str(err).strip().splitlines() or [""])[0]
+            raise UsageError(f"checkpoint {self.directory} cannot be read ({type(err).__name__}: "
+                             f"{first[:300]})") from None
         return {k: state[self.saved[k][0]] for k in keys}
 
 

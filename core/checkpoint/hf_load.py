@@ -133,13 +133,17 @@ def load_hf(model, sources: list[tuple[str, object, TensorMap]]) -> None:
             print(f"starts from initialization: {_grouped(fresh)}", flush=True)
 
 
+_MODULE = re.compile(r"^(language_model\.|modality_submodules\.[^.]+\.(?:encoders|input_projections)\.[^.]+\.)")
+
+
 def _grouped(keys: list[str]) -> str:
-    """Keys by their module (the prefix before the first layer-level name), with counts."""
+    """Keys by the module they belong to (the LLM, an encoder, a projection), with counts."""
     groups: dict[str, int] = {}
     for key in keys:
-        head = key.split(".encoder.")[0] if ".encoder." in key else key.rsplit(".", 1)[0]
+        match = _MODULE.match(key)
+        head = match.group(1) if match else key.rsplit(".", 1)[0] + "."
         groups[head] = groups.get(head, 0) + 1
-    return ", ".join(f"{head}.* ({n} tensor{'s' * (n != 1)})" for head, n in groups.items())
+    return ", ".join(f"{head}* ({n} tensor{'s' * (n != 1)})" for head, n in groups.items())
 
 
 def global_tensors(module, metadata: dict | None = None) -> dict[str, torch.Tensor]:

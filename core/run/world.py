@@ -1,5 +1,5 @@
 """This process's part of the run, started the same way for every command that builds a model (`mimo run`,
-`mimo eval`, `mimo ckpt import-hf/export-hf`, the contract kit's worker): join the world, build the grids, seed,
+`mimo eval`, `mimo ckpt import-hf`, the contract kit's worker): join the world, build the grids, seed,
 describe the layout and the performance options to the provider's hooks, then build the model.
 
     world = join(plan)                  # the process group, grids, seeds and BuildContext of this rank
