@@ -122,7 +122,7 @@ def load_case(folder: Path, out: Path, tp: int) -> None:
     from mimo.core.run.plan import prepare
     from mimo.core.run.world import join
 
-    config = RunConfig(provider="nemotron-moe-vlm-tiny", layout=LayoutOptions(llm_tp=tp),
+    config = RunConfig(provider="nemotron-moe-vlm-tiny", layout=LayoutOptions(llm_tp=tp, encoder_tp=tp),
                        checkpoint=CheckpointOptions(pretrained_llm=folder),
                        training=TrainingOptions(micro_batch_size=1, train_iters=1, precision="bf16", device="cpu"))
     plan = prepare(config, world_size=tp)
