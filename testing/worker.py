@@ -202,7 +202,7 @@ def check_hf_conversion(hooks, settings, model, build, notes: set[str]) -> None:
     """The Hugging Face hooks: None for a model type the provider does not read; the trained model exported
     through `hf_export`'s map reads back (`hf_settings`) as the same settings and loads back through
     `hf_tensor_map` into a freshly built model with every bit. Settings the provider cannot export
-    (`hf_export_check`) are noted, not checked further."""
+    (`hf_export_check`) must be refused by `hf_export` too (one line), and are noted, not checked further."""
     import torch
 
     from mimo.core.checkpoint.hf import plain_value
@@ -224,6 +224,13 @@ def check_hf_conversion(hooks, settings, model, build, notes: set[str]) -> None:
     if refused is None:
         return
     if refused:
+        try:
+            hooks.hf_export(settings=settings)
+        except UsageError as err:
+            if "\n" in str(err):
+                raise ContractError("hf_export", "a refusal must be one line") from None
+        else:
+            raise ContractError("hf_export", "must refuse (UsageError) the settings hf_export_check refuses")
         notes.add(f"Hugging Face export not checked: these settings have no Hugging Face form "
                   f"({', '.join(f'{k}={v[0]!r}' for k, v in refused.items())})")
         return
