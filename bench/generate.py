@@ -5,7 +5,7 @@
 
 nemotron-moe-vlm-mid (RADIO 660M + the 20-layer Mamba/MoE/attention LLM), in the Hugging Face omni model's form
 (`OMNI_FORM`: an MLP projection), is built by mimo with random weights in bf16 (`backend=te`: megatron-core's
-MambaMixer with its Triton kernels, transformer-engine layers), exported with the provider's `mimo_to_hf` into a
+MambaMixer with its Triton kernels, transformer-engine layers), saved and exported (`mimo ckpt export-hf`'s code) into a
 Hugging Face folder, and loaded by transformers' `NemotronH_Omni_Reasoning_V3`
 (which uses mamba-ssm's and causal-conv1d's kernels when installed: the record says which ran). Both answer the
 same prompt (one 768 x 1024 image and a question, rendered by mimo's prompt format: the same token ids and image
@@ -33,7 +33,7 @@ os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # megatron-core's fused fun
 from common import device_description  # noqa: E402
 
 QUESTION = "Describe everything in this picture in detail."
-# What the Hugging Face omni model is (the provider's mimo_to_hf refuses other forms): an MLP projection with its
+# What the Hugging Face omni model is (export refuses other forms): an MLP projection with its
 # norm after pixel shuffle, dynamic resolution, RADIO with a video patch embedder. The LLM is the variant's.
 OMNI_FORM = ["pixel_shuffle=true", "projection=mlp", "projection_norm=true", "dynamic_resolution=true",
              "video_temporal_patch_size=2"]
@@ -51,16 +51,18 @@ def build_mimo(provider: str, settings: list[str], precision: str, device: str):
 
 
 def export(world, model, folder: Path) -> None:
-    """The model's weights as a Hugging Face folder, through the provider's hook (what `mimo ckpt export-hf` does)."""
-    from mimo.core.checkpoint.hf import whole_state
-    from mimo.plugins.kit import safetensors_io
+    """The model's weights as a Hugging Face folder, as `mimo ckpt export-hf` writes it from a checkpoint."""
+    from mimo.core.checkpoint.checkpointer import Checkpointer
+    from mimo.core.checkpoint.hf_export import export_hf
+    from mimo.core.checkpoint.layout import run_info
+    from mimo.core.config import CheckpointOptions
 
-    import torch
-
-    plan = world.plan
-    hf_config, tensors = plan.hooks.mimo_to_hf(settings=plan.settings, state=whole_state(model))
-    hf_config.setdefault("dtype", "bfloat16" if world.params_dtype == torch.bfloat16 else "float32")
-    safetensors_io.save(folder, {k: t.detach().cpu() for k, t in tensors.items()}, hf_config)
+    plan, checkpoint = world.plan, folder.parent / "checkpoint"
+    saver = Checkpointer(CheckpointOptions(save=checkpoint, save_optim=False, save_rng=False), model=model,
+                         topology=world.topology, run_info=run_info(plan, plan.settings, lane_data_state=False))
+    saver.report_saves = False
+    saver.save(0, 0)
+    export_hf(checkpoint, folder)
 
 
 def timed(call, device) -> float:

@@ -64,40 +64,74 @@ def inspect_checkpoint(directory: Path,
 
 
 @ckpt_app.command("import-hf")
-def import_hf(hf_dir: Path, out: Path,
-              provider: str = typer.Option(None, help="the provider to convert with (default: the one whose "
-                                                      "plugin reads the folder's config.json)")):
-    """Convert a Hugging Face model folder (config.json + safetensors) into a weights-only mimo checkpoint in OUT
-    and OUT/provider.yaml (its provider and settings): train from it with `mimo run --provider-config
-    OUT/provider.yaml --pretrained OUT`. One process on the CPU, the whole model in memory."""
-    from mimo.core.checkpoint import hf
+def import_hf(paths: list[Path] = typer.Argument(..., metavar="[HF_DIR] OUT", show_default=False,
+                                                help="a Hugging Face model folder and the checkpoint to write; OUT "
+                                                     "alone with --llm / --vision"),
+              llm: Path = typer.Option(None, "--llm", help="a Hugging Face folder of the language model alone "
+                                                           "(nemotron_h): the VLM's LLM"),
+              vision: Path = typer.Option(None, "--vision", help="a Hugging Face folder of the vision encoder alone "
+                                                                 "(radio): the VLM's encoder"),
+              provider: str = typer.Option(None, help="the provider to read it with (default: the one whose "
+                                                      "plugin reads the config.json files)"),
+              assignments: list[str] = typer.Option(None, "--set", help="a setting the folders do not determine, "
+                                                                 "key=value (e.g. projection=mlp for the projector "
+                                                                 "of --llm and --vision); kept in provider.yaml")):
+    """Write a weights-only mimo checkpoint in OUT, and OUT/provider.yaml (its provider and settings), of a Hugging
+    Face model folder, or of a VLM assembled from an LLM (--llm) and a vision encoder (--vision), the rest starting
+    from the provider's initialization: train from it with `mimo run --provider-config OUT/provider.yaml
+    --pretrained OUT`. One process, streaming: it holds the model and one read buffer."""
+    from mimo.core.checkpoint import hf, hf_import
     from mimo.core.run.lifeline import install as die_with_parent
 
     from .common import fail
 
     die_with_parent()
     try:
-        name = hf.import_hf(hf_dir, out, provider)
+        if len(paths) > 2 or (len(paths) == 2) == bool(llm or vision):
+            raise UsageError("import-hf takes HF_DIR OUT, or OUT with --llm DIR and/or --vision DIR")
+        hf_dir, out = (paths[0], paths[1]) if len(paths) == 2 else (None, paths[0])
+        name = hf_import.import_hf(out, hf_dir, llm, vision, provider, assignments or [])
     except UsageError as err:
         raise fail(str(err)) from None
-    typer.echo(f"imported {hf_dir} as provider {name}: train with mimo run --provider {name} --provider-config "
+    sources = " and ".join(str(p) for p in (hf_dir, llm, vision) if p)
+    typer.echo(f"imported {sources} as provider {name}: train with mimo run --provider {name} --provider-config "
                f"{out / hf.SETTINGS_FILE} --pretrained {out}")
 
 
 @ckpt_app.command("export-hf")
 def export_hf(checkpoint: Path, out: Path,
-              assignments: list[str] = typer.Option(None, "--set", help="override a saved provider setting for the "
-                                                                 "conversion, key=value (e.g. backend=local)")):
+              assignments: list[str] = typer.Option(None, "--set", help="change a saved setting that only decides "
+                                                                 "what goes beside the weights, key=value (e.g. "
+                                                                 "tokenizer_path=DIR); one that changes the model "
+                                                                 "is refused"),
+              max_shard_size: str = typer.Option("5GB", help="largest safetensors shard (e.g. 500MB, 5GB); more "
+                                                             "than one shard gets model.safetensors.index.json")):
     """Write the weights of a mimo checkpoint (CHECKPOINT: its save directory; any layout) as a Hugging Face
-    model folder OUT that transformers' from_pretrained loads. One process on the CPU, the whole model in memory."""
-    from mimo.core.checkpoint import hf
+    model folder OUT that transformers loads (AutoModelForImageTextToText, AutoProcessor), with its tokenizer
+    and processor files. Streaming, in one process: no model is built."""
+    from mimo.core.checkpoint import hf_export
     from mimo.core.run.lifeline import install as die_with_parent
 
     from .common import fail
 
     die_with_parent()
     try:
-        name = hf.export_hf(checkpoint, out, assignments or [])
+        name, notes = hf_export.export_hf(checkpoint, out, assignments or [], parse_size(max_shard_size))
     except UsageError as err:
         raise fail(str(err)) from None
+    for note in notes:
+        typer.echo(f"note: {note}")
     typer.echo(f"exported {checkpoint} (provider {name}) to {out}")
+
+
+UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """"5GB", "500MB", "100KiB", "1000000" -> bytes (transformers' units: GB is 10^9, GiB 2^30)."""
+    import re
+
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.I)
+    if not match or float(match.group(1)) <= 0:
+        raise UsageError(f"--max-shard-size {text!r}: give a size such as 500MB or 5GB")
+    return int(float(match.group(1)) * UNITS[(match.group(2) or "").upper()])

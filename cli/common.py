@@ -10,6 +10,6 @@ import typer
 
 
 def fail(message: str) -> typer.Exit:
-    """Print one line naming the problem and exit 2."""
-    typer.secho(f"error: {message}", err=True, fg=typer.colors.RED)
+    """Print one line naming the problem (one per problem, when there are several) and exit 2."""
+    typer.secho("\n".join(f"error: {line}" for line in message.splitlines() or [""]), err=True, fg=typer.colors.RED)
     return typer.Exit(code=2)

@@ -56,6 +56,9 @@ def with_options(function, params: list[inspect.Parameter]):
     return function
 
 
+# A run file's model parts, which a --pretrained typed on the command line replaces (stage 2 from stage 1's
+# run.yaml must not load the parts again).
+PART_OPTIONS = ("pretrained_llm", "pretrained_vision")
 CONTEXT = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
 
 
@@ -78,7 +81,8 @@ def run_config(kwargs: dict, ctx=None) -> RunConfig:
     for section, cls in run_file.sections().items():
         chosen = {}
         for f in dataclasses.fields(cls):
-            if file_values and f.name not in typed and f.name in file_values.get(section, {}):
+            replaced = f.name in PART_OPTIONS and "pretrained" in typed  # --pretrained on the command line wins
+            if file_values and f.name not in typed and f.name in file_values.get(section, {}) and not replaced:
                 chosen[f.name] = run_file.option_value(section, f.name, file_values[section][f.name],
                                                        values["config"])
             else:

@@ -34,7 +34,19 @@ def describe(plan, estimates=None, limit=None) -> dict:
         "micro_batch_size": plan.config.training.micro_batch_size, "num_microbatches": plan.num_microbatches,
         "llm_data_parallel_lanes": plan.num_lanes, "encoder_data_parallel": encoder_dp[0] if encoder_dp else None,
         "train_iters": plan.train_iters, "valid": True, "memory": summary(estimates, limit),
+        "hf_export": _hf_export(plan),
     }
+
+
+def _hf_export(plan) -> dict | None:
+    """Whether checkpoints of the plan's settings export to Hugging Face, and which settings stop them."""
+    from mimo.core.checkpoint.hf import plain_value
+
+    refused = plan.hooks.hf_export_check(settings=plan.settings)
+    if refused is None:
+        return None
+    return {"exportable": not refused, "settings": {k: {"value": plain_value(have), "needed": plain_value(need)}
+                                                    for k, (have, need) in refused.items()}}
 
 
 def print_plan(summary: dict, as_json: bool) -> None:
@@ -56,6 +68,12 @@ def print_plan(summary: dict, as_json: bool) -> None:
         console.print(memory_table(summary["memory"]))
     elif "memory" in summary:
         console.print("memory: not estimated (the provider has no module_memory hook)")
+    if summary.get("hf_export") and not summary["hf_export"]["exportable"]:
+        from mimo.core.checkpoint.hf_export import not_exportable
+
+        refused = {k: (v["value"], v["needed"]) for k, v in summary["hf_export"]["settings"].items()}
+        console.print(f"note: checkpoints of these settings cannot be exported to Hugging Face: "
+                      f"{not_exportable(refused)}", soft_wrap=True)
     console.print(f"global batch {summary['global_batch_size']} = {summary['num_microbatches']} micro-batches x "
                   f"{summary['micro_batch_size']} samples x {summary['llm_data_parallel_lanes']} LLM lanes; "
                   f"{summary['train_iters']} iterations. " + ("Layout valid." if summary["valid"] else

@@ -138,6 +138,12 @@ class CheckpointOptions:
     save_interval: int | None = option(None, "iterations between saves (default: only at the end)")
     load: Path | None = option(None, "resume from the latest checkpoint here, if there is one")
     pretrained: Path | None = option(None, "start from these weights (strict) when --load has no checkpoint")
+    pretrained_llm: Path | None = option(
+        None, "a Hugging Face folder of the language model alone (e.g. nemotron_h) to start it from, when --load has "
+              "no checkpoint; its config.json's settings are the run's; with --pretrained-vision, a VLM from parts "
+              "(the rest starts from initialization)")
+    pretrained_vision: Path | None = option(
+        None, "a Hugging Face folder of the vision encoder alone (e.g. radio) to start it from, as --pretrained-llm")
     finetune: bool = option(False, "load weights only; iteration, optimizer, schedule and data start anew")
     # Megatron's --no-save-optim etc., as --x / --no-x pairs (a field named no_x would read --no-no-x).
     save_optim: bool = option(True, "save optimizer state with the weights (--no-save-optim: weights only)")
@@ -364,6 +370,10 @@ class RunConfig:
             raise UsageError(f"--packing-buffer-size must be 1 or more, got {self.data.packing_buffer_size}")
         if self.data.num_workers < 0:
             raise UsageError(f"--num-workers must be 0 or more, got {self.data.num_workers}")
+        c = self.checkpoint
+        if c.pretrained and (c.pretrained_llm or c.pretrained_vision):
+            raise UsageError("give --pretrained (a whole model) or its parts (--pretrained-llm, --pretrained-vision), "
+                             "not both")
         if self.data.data is not None and not self.data.data.exists():
             raise UsageError(f"--data {self.data.data}: no such file or directory")
         self.evaluation.validate()

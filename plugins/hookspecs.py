@@ -97,28 +97,40 @@ def kernel_configs(settings):
 
 
 @hookspec(firstresult=True)
-def hf_settings(hf_config):
-    """Return this provider's settings (a dict of setting names to values) for a Hugging Face model's config.json
-    (`hf_config`, a dict), or None for a model type it does not read. A config it reads but cannot express raises
-    `mimo.errors.UsageError`, one line naming the field and its value. Optional: `mimo ckpt import-hf` and
-    `--pretrained HF_DIR` ask each provider plugin in turn.
+def hf_settings(hf_config, part):
+    """Return this provider's settings (a dict of setting names to values) that a Hugging Face config.json
+    (`hf_config`, a dict) determines for `part`: "model" (a whole model folder: `--pretrained HF_DIR`, `mimo ckpt
+    import-hf HF_DIR`), "language" (`--pretrained-llm DIR`: the LLM alone) or "vision" (`--pretrained-vision DIR`:
+    the vision encoder alone). None for a model type the provider does not read as that part. A config it reads
+    but cannot express raises `mimo.errors.UsageError`, one line naming the field and its value. Optional.
     """
 
 
 @hookspec(firstresult=True)
-def hf_to_mimo(settings, hf_config, hf_tensors):
-    """Return the model's weights `{MimoModel state-dict name: tensor}` (TP1, PP1: whole tensors) for a Hugging
-    Face checkpoint: `hf_tensors` maps its tensor names to tensors, read lazily. Names are megatron-core
-    MimoModel's: `language_model.`, `modality_submodules.<modality>.encoders.<encoder>.`,
-    `...input_projections.0.`. Optional (with hf_settings).
+def hf_tensor_map(settings, hf_config, part):
+    """Return a `mimo.plugins.kit.tensor_map.TensorMap` for `part` of a Hugging Face checkpoint: for every
+    dist-checkpoint key of the modules the part covers (the keys a mimo checkpoint saves: `language_model.`,
+    `modality_submodules.<modality>.encoders.<encoder>.`, `...input_projections.0.`, without DDP's `module.`),
+    where its global tensor is among the checkpoint's tensors (`Src`, `Cat`, `Stack`). The same on every rank: each
+    rank reads only the slices its layout holds. None for a model type the provider does not read as that part.
+    Optional (with hf_settings).
     """
 
 
 @hookspec(firstresult=True)
-def mimo_to_hf(settings, state):
-    """Return `(config.json dict, {Hugging Face tensor name: tensor})` for the model's weights `state` (MimoModel
-    state-dict names, TP1, `_extra_state` entries included), what `transformers`' `from_pretrained` loads.
-    Optional: `mimo ckpt export-hf` needs it.
+def hf_export_check(settings):
+    """Return `{setting: (this value, the value export needs)}` for every setting a Hugging Face export of the model
+    cannot express (`{}`: exportable), or None when the provider exports no Hugging Face models. `mimo run` (with
+    --save) and `mimo plan` say so at start; `mimo ckpt export-hf` refuses with all of them. Optional.
+    """
+
+
+@hookspec(firstresult=True)
+def hf_export(settings):
+    """Return a `mimo.plugins.kit.tensor_map.HFExport` for settings hf_export_check accepts: config.json, the
+    TensorMap of the whole model (its keys all saved in the checkpoint; `derived` for tensors rebuilt rather than
+    read), other files of the folder (tokenizer, processor) and notes. `mimo ckpt export-hf` streams the tensors
+    from the checkpoint through the map into shards. Optional.
     """
 
 

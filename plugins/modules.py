@@ -2,7 +2,7 @@
 
 A provider names its modules in `model_shape` (the language model under `LANGUAGE`, each encoder module by its
 modality) and passes the same names to `ctx.transformer_config`, `ctx.pg_collection` and the stage checks.
-Parameter names (`frozen_parameters`, `hf_to_mimo`, `mimo_to_hf`, checkpoints) put a module's parameters under
+Parameter names (`frozen_parameters`, `hf_tensor_map`, checkpoints) put a module's parameters under
 `module_prefix(name)`: MimoModel keeps the language model as `language_model` and each modality's submodules
 under `modality_submodules.<modality>`.
 """

@@ -36,25 +36,43 @@ def describe_fields(settings_cls: type, defaults: dict | None = None) -> list[di
 
 
 def build_settings(provider: Provider, assignments: list[str] = (), config_file: Path | None = None,
-                   run_file_values: dict | None = None, run_file: Path | None = None):
-    """The provider's settings object: its defaults, then a run file's `settings:` section, then the settings
-    file's values, then each `key=value`."""
-    values: dict[str, Any] = dict(provider.defaults)
-    if run_file_values:
-        values.update(_check_all(provider, run_file_values, source=f"--config {run_file}"))
-    if config_file is not None:
-        values.update(_check_all(provider, _without_provider(provider, _read_config_file(config_file), config_file),
-                                 source=str(config_file)))
-    for assignment in assignments:
-        key, sep, raw = assignment.partition("=")
-        if not sep or not key.strip():
-            raise UsageError(f"--set expects key=value, got '{assignment}'")
-        values.update(_check_all(provider, {key.strip(): raw}, source="--set", from_text=True))
+                   run_file_values: dict | None = None, run_file: Path | None = None, base: dict | None = None):
+    """The provider's settings object: its defaults, then `base` (what the run's Hugging Face folders determine),
+    then a run file's `settings:` section, then the settings file's values, then each `key=value`."""
+    values: dict[str, Any] = {**provider.defaults, **(base or {})}
+    for _, given in _given(provider, assignments, config_file, run_file_values, run_file):
+        values.update(given)
     constraints.check(provider.settings, {**_field_defaults(provider.settings), **values}, provider.name)
     try:
         return provider.settings(**values)
     except (TypeError, ValueError) as err:
         raise UsageError(f"invalid settings for provider '{provider.name}': {err}") from None
+
+
+def given_settings(provider: Provider, assignments: list[str] = (), config_file: Path | None = None,
+                   run_file_values: dict | None = None, run_file: Path | None = None) -> dict[str, tuple[Any, str]]:
+    """{setting: (value, where it was given)} of the settings given explicitly, the last source winning."""
+    out = {}
+    for source, given in _given(provider, assignments, config_file, run_file_values, run_file):
+        out.update({key: (value, source) for key, value in given.items()})
+    return out
+
+
+def _given(provider, assignments, config_file, run_file_values, run_file) -> list[tuple[str, dict]]:
+    """(source, checked values) of each explicit source, in the order they apply."""
+    layers = []
+    if run_file_values:
+        layers.append((f"--config {run_file}", _check_all(provider, run_file_values, source=f"--config {run_file}")))
+    if config_file is not None:
+        layers.append((str(config_file), _check_all(
+            provider, _without_provider(provider, _read_config_file(config_file), config_file),
+            source=str(config_file))))
+    for assignment in assignments:
+        key, sep, raw = assignment.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--set expects key=value, got '{assignment}'")
+        layers.append(("--set", _check_all(provider, {key.strip(): raw}, source="--set", from_text=True)))
+    return layers
 
 
 def _field_defaults(settings_cls: type) -> dict:

@@ -104,8 +104,8 @@ def run(name: str, assignments: list[str], workdir: Path) -> dict:
 
     Stage.current = "checkpoint"
     check_checkpoint(model, build, batches[0], workdir)
-    Stage.current = "hf_settings/hf_to_mimo/mimo_to_hf"
-    check_hf_conversion(plan.hooks, plan.settings, model, notes)
+    Stage.current = "hf_settings/hf_tensor_map/hf_export"
+    check_hf_conversion(plan.hooks, plan.settings, model, build, notes)
     Stage.current = "load_pretrained"
     check_foreign_checkpoint(plan.hooks, plan.settings, model, workdir)
     Stage.current = "prompt_format"  # the prompt rendered, then decoded incrementally and by recomputation
@@ -202,50 +202,74 @@ def check_training(results, trainable: dict[str, bool], encoders_fed: set[str]) 
 HF_PROBE = {"model_type": "mimo-contract-probe"}  # a Hugging Face model type no provider reads
 
 
-def check_hf_conversion(hooks, settings, model, notes: set[str]) -> None:
+def check_hf_conversion(hooks, settings, model, build, notes: set[str]) -> None:
     """The Hugging Face hooks: None for a model type the provider does not read; the trained model exported
-    (`mimo_to_hf`) reads back (`hf_settings`) as the same settings and converts back (`hf_to_mimo`) to the same
-    bits. Settings the provider cannot export are refused with one line (noted, not checked further)."""
+    through `hf_export`'s map reads back (`hf_settings`) as the same settings and loads back through
+    `hf_tensor_map` into a freshly built model with every bit. Settings the provider cannot export
+    (`hf_export_check`) must be refused by `hf_export` too (one line), and are noted, not checked further."""
     import torch
 
-    from mimo.core.checkpoint.hf import plain_value, whole_state
+    from mimo.core.checkpoint.hf import plain_value
+    from mimo.core.checkpoint.hf_load import global_tensors, load_into
     from mimo.errors import UsageError
+    from mimo.plugins.kit.safetensors_io import TensorsSource
+    from mimo.plugins.kit.tensor_map import HFExport, to_hf
 
     from .report import ContractError
 
-    if hooks.hf_settings(hf_config=dict(HF_PROBE)) is not None:
-        raise ContractError("hf_settings", f"must return None for a model type the provider does not read "
-                                           f"({HF_PROBE['model_type']!r})")
-    if hooks.hf_to_mimo(settings=settings, hf_config=dict(HF_PROBE), hf_tensors={}) is not None:
-        raise ContractError("hf_to_mimo", f"must return None for a model type the provider does not read "
-                                          f"({HF_PROBE['model_type']!r})")
-    state = whole_state(model)
+    for part in ("model", "language", "vision"):
+        if hooks.hf_settings(hf_config=dict(HF_PROBE), part=part) is not None:
+            raise ContractError("hf_settings", f"must return None for a model type the provider does not read "
+                                               f"({HF_PROBE['model_type']!r}, part {part!r})")
+        if hooks.hf_tensor_map(settings=settings, hf_config=dict(HF_PROBE), part=part) is not None:
+            raise ContractError("hf_tensor_map", f"must return None for a model type the provider does not read "
+                                                 f"({HF_PROBE['model_type']!r}, part {part!r})")
+    refused = hooks.hf_export_check(settings=settings)
+    if refused is None:
+        return
+    if refused:
+        try:
+            hooks.hf_export(settings=settings)
+        except UsageError as err:
+            if "\n" in str(err):
+                raise ContractError("hf_export", "a refusal must be one line") from None
+        else:
+            raise ContractError("hf_export", "must refuse (UsageError) the settings hf_export_check refuses")
+        notes.add(f"Hugging Face export not checked: these settings have no Hugging Face form "
+                  f"({', '.join(f'{k}={v[0]!r}' for k, v in refused.items())})")
+        return
     try:
-        exported = hooks.mimo_to_hf(settings=settings, state=state)
+        export = hooks.hf_export(settings=settings)
     except UsageError as err:
-        if "\n" in str(err):
-            raise ContractError("mimo_to_hf", "a refusal must be one line") from None
-        notes.add(f"Hugging Face export not checked: these settings have no Hugging Face form ({err})")
-        return
-    if exported is None:
-        return
-    hf_config, tensors = exported
-    fields = hooks.hf_settings(hf_config=hf_config)
+        raise ContractError("hf_export", f"refuses settings hf_export_check accepts ({err})") from None
+    if not isinstance(export, HFExport):
+        raise ContractError("hf_export", f"must return a mimo.plugins.kit.tensor_map.HFExport, got "
+                                         f"{type(export).__name__}")
+    fields = hooks.hf_settings(hf_config=export.config, part="model")
     if not isinstance(fields, dict):
-        raise ContractError("hf_settings", "must read the config.json that mimo_to_hf writes (got None)")
+        raise ContractError("hf_settings", "must read the config.json that hf_export writes (got None)")
     for name, value in fields.items():
         have = getattr(settings, name, None)  # None: a setting left to resolve itself (may be read back resolved)
-        if have is not None and plain_value(have) != plain_value(value):
-            raise ContractError("hf_settings", f"reads {name}={value!r} from mimo_to_hf's config.json, the model "
-                                               f"it came from has {have!r}")
-    back = hooks.hf_to_mimo(settings=settings, hf_config=hf_config, hf_tensors=tensors)
-    weights = {k: t for k, t in state.items() if not k.endswith("_extra_state")}
-    if not isinstance(back, dict) or set(back) != set(weights):
-        raise ContractError("hf_to_mimo", "must give back every weight mimo_to_hf exported, under its name")
-    changed = [k for k, t in weights.items() if not torch.equal(back[k], t)]
+        if have is not None and plain_value(have) != plain_value(value) and not export.notes:
+            raise ContractError("hf_settings", f"reads {name}={value!r} from hf_export's config.json, the model "
+                                               f"it came from has {have!r} (and hf_export's notes say nothing)")
+    trained = global_tensors(model)
+    try:
+        tensors = to_hf(export.tensors, trained)
+    except KeyError as err:
+        raise ContractError("hf_export", f"its map names {err}, which the model does not save") from None
+    tmap = hooks.hf_tensor_map(settings=settings, hf_config=export.config, part="model")
+    if tmap is None:
+        raise ContractError("hf_tensor_map", "must map the config.json that hf_export writes (got None)")
+    fresh = build(SEED + 2)
+    _, initial, errors = load_into(fresh, [(tmap, TensorsSource(tensors))])
+    if errors or initial:
+        raise ContractError("hf_tensor_map", f"loading hf_export's tensors back: {(errors or initial)[0]}")
+    back = global_tensors(fresh)
+    changed = [k for k, t in trained.items() if not torch.equal(back[k], t)]
     if changed:
-        raise ContractError("hf_to_mimo", f"mimo_to_hf then hf_to_mimo changes {changed[0]}: the round trip must "
-                                          f"keep every bit")
+        raise ContractError("hf_tensor_map", f"hf_export then hf_tensor_map changes {changed[0]}: the round trip "
+                                             f"must keep every bit")
 
 
 def check_checkpoint(model, build, batch: dict, workdir: Path) -> None:

@@ -30,3 +30,41 @@ def save_omni(folder, text: dict = TEXT):
                 tensor.add_(torch.randn_like(tensor) * 0.02)
     model.save_pretrained(folder)
     return folder
+
+
+# The same LLM without MoE layers (M * - M -): megatron-core needs sequence parallelism for MoE under TP, which
+# the CPU lacks, so tensor-parallel tests use this one.
+DENSE_TEXT = {**TEXT, "layers_block_type": ["mamba", "attention", "mlp", "mamba", "mlp"]}
+# A released C-RADIO's shape scaled down: no video patch embedder, 1 class token and 1 register.
+PART_RADIO = {k: v for k, v in RADIO.items() if k != "video_temporal_patch_size"}
+
+
+def _away_from_init(model) -> None:
+    """Every weight moved off its initial value (LayerScale and the input conditioner are no weights)."""
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if tensor.is_floating_point() and "lambda1" not in name and "input_conditioner" not in name:
+                tensor.add_(torch.randn_like(tensor) * 0.02)
+
+
+def save_llm(folder, text: dict = TEXT):
+    """A random `NemotronHForCausalLM` with config `text`, saved sharded (several files and the index)."""
+    import transformers
+
+    config = transformers.NemotronHConfig(**{k: v for k, v in text.items() if k != "model_type"}, dtype="float32")
+    torch.manual_seed(1)
+    model = transformers.NemotronHForCausalLM(config).eval()
+    _away_from_init(model)
+    model.save_pretrained(folder, max_shard_size="100KB")
+    return folder
+
+
+def save_radio(folder, radio: dict = PART_RADIO):
+    """A random `RadioModel` (C-RADIO's layout: no video embedder), saved into `folder`."""
+    from transformers import RadioConfig, RadioModel
+
+    torch.manual_seed(2)
+    model = RadioModel(RadioConfig(**{k: v for k, v in radio.items() if k != "model_type"})).eval()
+    _away_from_init(model)
+    model.save_pretrained(folder)
+    return folder

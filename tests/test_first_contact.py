@@ -73,7 +73,8 @@ sys.meta_path = [_WithoutExtras if f is importlib.machinery.PathFinder else f fo
 
 def test_plain_install_without_extras_trains_evaluates_plans_and_says_what_an_extra_adds(tmp_path, tmp_target):
     """Without the hf, te, ssm and bench extras' modules (blocked at import): run, eval, plan, ckpt inspect and
-    a third-party provider work; import-hf is one line naming the extra."""
+    a third-party provider work; import-hf reads safetensors itself (no extra), a folder without weights is one
+    line."""
     blocker = tmp_path / "blocker"
     blocker.mkdir()
     (blocker / "sitecustomize.py").write_text(BLOCKER)
@@ -99,7 +100,8 @@ def test_plain_install_without_extras_trains_evaluates_plans_and_says_what_an_ex
     (hf / "config.json").write_text('{"model_type": "nemotron_h"}')
     result = run_mimo("ckpt", "import-hf", str(hf), str(tmp_path / "out"), extra_path=path)
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: Hugging Face folders need the safetensors library: pip install 'mimo[hf]'"
+    assert result.stderr.strip() == (f"error: {hf} is not a Hugging Face model folder (config.json with "
+                                     f"model.safetensors or model.safetensors.index.json)")
 
 
 def test_a_whole_run_in_one_file(tmp_path):

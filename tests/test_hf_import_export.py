@@ -1,4 +1,4 @@
-"""Hugging Face Nemotron omni checkpoints in and out of mimo (core/checkpoint/hf.py, providers/nemotron/hf/vlm.py), through the CLI:
+"""Hugging Face Nemotron omni checkpoints in and out of mimo (core/checkpoint/hf*.py, providers/nemotron/hf/vlm.py), through the CLI:
 a tiny random transformers `NemotronH_Omni_Reasoning_V3` shaped like nemotron-moe-vlm-tiny is saved, imported
 (`mimo ckpt import-hf`), trained from (`--pretrained OUT` and `--pretrained HF_DIR`, colocated and heterogeneous)
 and exported (`mimo ckpt export-hf`) back into a folder transformers loads, with the original bits."""
@@ -130,12 +130,13 @@ def test_a_config_the_provider_cannot_express_exits_2_with_one_line(hf_dir, tmp_
 def test_which_provider_reads_a_config():
     registry = Registry()
     with pytest.raises(UsageError, match="^no installed provider reads Hugging Face model_type 'llama'"):
-        hf.find_provider(registry, {"model_type": "llama"})
-    with pytest.raises(UsageError, match="^Hugging Face config model_type='nemotron_h': the checkpoint holds only "
-                                         "the language model"):
-        hf.find_provider(registry, {"model_type": "nemotron_h"})
-    with pytest.raises(UsageError, match="^provider 'mock-vlm' does not read Hugging Face model_type"):
-        hf.find_provider(registry, {"model_type": "nemotron_h_omni"}, "mock-vlm")
+        hf.find_provider(registry, {"model": {"model_type": "llama"}})
+    with pytest.raises(UsageError, match=r"^Hugging Face config model_type='nemotron_h' is only the language model "
+                                         r"of a VLM: give it as a part \(mimo run --pretrained-llm DIR"):
+        hf.find_provider(registry, {"model": {"model_type": "nemotron_h"}})
+    with pytest.raises(UsageError, match="^provider 'mock-vlm' does not read Hugging Face model_type "
+                                         "'nemotron_h_omni' as a whole model"):
+        hf.find_provider(registry, {"model": {"model_type": "nemotron_h_omni"}}, "mock-vlm")
 
 
 def test_a_settings_file_for_another_provider_is_refused(tmp_path):
@@ -153,5 +154,5 @@ def test_the_contract_checks_export_read_back_and_import_of_a_trained_model(monk
 
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
     report = check_provider(PROVIDER, ["projection=mlp", "projection_norm=true", "video_temporal_patch_size=2"])
-    assert {"hf_settings", "hf_to_mimo", "mimo_to_hf"} <= report.hooks_called
+    assert {"hf_settings", "hf_tensor_map", "hf_export_check", "hf_export"} <= report.hooks_called
     assert not any("Hugging Face" in note for note in report.notes), report.notes

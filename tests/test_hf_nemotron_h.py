@@ -1,7 +1,8 @@
 """Hugging Face NemotronH <-> the Nemotron provider's language model (providers/nemotron/hf/nemotron_h.py), proven against
 transformers' reference implementation: a tiny random NemotronHForCausalLM with every layer kind (Mamba, MoE,
-attention, MLP) is saved, read back through safetensors_io, converted, loaded into mimo's HybridModel (local
-backend), and both compute the same logits; converted back and saved, transformers loads the same bits."""
+attention, MLP) is saved (sharded), loaded through its tensor map into mimo's HybridModel (local backend) by the
+per-rank loader, and both compute the same logits; exported back through the same map, transformers loads the same
+bits. Also the slice reader and shard writer (mimo.plugins.kit.safetensors_io)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import transformers
 
 from helpers import world_of_one
 from megatron.core.transformer.spec_utils import build_module
+from mimo.core.checkpoint.hf import check_folder
+from mimo.core.checkpoint.hf_load import global_tensors, load_into
 from mimo.core.parallel import topology
 from mimo.core.config import LayoutOptions
 from mimo.core.run.launch import seed_everything
@@ -18,12 +21,15 @@ from mimo.errors import UsageError
 from mimo.plugins import BuildContext
 from mimo.providers.nemotron.hf import nemotron_h
 from mimo.plugins.kit import safetensors_io
+from mimo.plugins.kit.safetensors_io import FolderSource, TensorsSource
+from mimo.plugins.kit.tensor_map import TensorMap, to_hf
 from mimo.providers import nemotron
 from mimo.providers.nemotron import TINY, NemotronVLMSettings
 from mimo.providers.nemotron.counts import parameter_counts
 from mimo.providers.nemotron.mamba_mixer import LocalMambaMixer
 
 PATTERN = ["linear_attention", "moe", "full_attention", "mlp", "linear_attention", "moe", "full_attention"]  # M E * -
+ALONE = {"dp_cp_group": None}  # a module outside mimo's model wrapper: its world is this process (set in tests)
 MAX_RELATIVE_ERROR = 1e-4  # of the logits, relative to their largest magnitude; measured: about 4e-7
 
 
@@ -65,12 +71,11 @@ def _language_model(fields: dict):
     return model
 
 
-def _load_strictly(model, state: dict) -> None:
-    """load_state_dict, refusing any unexpected or missing tensor; only the linears' `_extra_state` (empty, no
-    tensors) may be absent."""
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert not unexpected, unexpected
-    assert all(name.endswith("._extra_state") for name in missing), missing
+def _load(model, tmap, source) -> None:
+    """Every tensor of the model from `source` through `tmap`, nothing left at initialization, nothing left over."""
+    check_folder("the folder", tmap, source)
+    read, initial, errors = load_into(model, [(tmap, source)], ALONE)
+    assert not initial and not errors, (initial, errors)
 
 
 def _max_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -91,16 +96,18 @@ def saved_reference(tmp_path_factory):
 def test_mimo_computes_the_reference_logits_and_exports_the_same_bits(saved_reference, tmp_path):
     reference, folder = saved_reference
     hf_config = safetensors_io.read_config(folder)
-    hf_state = safetensors_io.SafetensorsFolder(folder)
     fields = nemotron_h.config_fields(hf_config)
     assert fields["hybrid_pattern"] == "ME*-ME*" and fields["mamba_dt_clamp_min"] == 0.001
+    tmap = nemotron_h.tensor_map(fields)
 
     input_ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = reference(input_ids).logits
     with world_of_one():
         model = _language_model(fields)
-        _load_strictly(model, nemotron_h.to_megatron(hf_state, hf_config))
+        with FolderSource(folder) as source:
+            _load(model, tmap, source)
+            assert source.meter.bytes == sum(t.numel() * t.element_size() for t in reference.state_dict().values())
         with torch.no_grad():
             got = model(input_ids, position_ids=None, attention_mask=None)
             error = _max_relative_error(got, want)
@@ -109,10 +116,11 @@ def test_mimo_computes_the_reference_logits_and_exports_the_same_bits(saved_refe
             for mixer in (m for m in model.modules() if isinstance(m, LocalMambaMixer)):
                 mixer.dt_limit = (0.0, float("inf"))
             assert _max_relative_error(model(input_ids, position_ids=None, attention_mask=None), want) > 100 * error
-        exported = nemotron_h.from_megatron(model.state_dict(), hf_config)
+        exported = to_hf(tmap, global_tensors(model, ALONE))
 
-    assert exported.keys() == hf_state.keys()
-    assert all(torch.equal(exported[name], hf_state[name]) for name in hf_state)  # bit for bit
+    with FolderSource(folder) as source:
+        assert sorted(exported) == sorted(source.names())
+        assert all(torch.equal(exported[name], source.read(name)) for name in exported)  # bit for bit
     safetensors_io.save(tmp_path / "export", exported, hf_config, max_shard_bytes=100_000)
     reloaded = transformers.NemotronHForCausalLM.from_pretrained(tmp_path / "export").state_dict()
     original = reference.state_dict()
@@ -121,30 +129,24 @@ def test_mimo_computes_the_reference_logits_and_exports_the_same_bits(saved_refe
         assert reloaded[name].dtype == tensor.dtype and torch.equal(reloaded[name], tensor), name
 
 
-def test_round_trips_are_bit_identical_in_both_expert_layouts_and_from_a_loaded_model(saved_reference):
-    reference, folder = saved_reference
-    hf_config, hf_state = safetensors_io.read_config(folder), safetensors_io.SafetensorsFolder(folder)
-    for experts in ("sequential", "grouped"):
-        state = nemotron_h.to_megatron(hf_state, hf_config, experts=experts)
-        assert ("decoder.layers.1.mlp.experts.linear_fc1.weight5" in state) == (experts == "grouped")
-        back = nemotron_h.from_megatron(state, hf_config)
-        assert back.keys() == hf_state.keys() and all(torch.equal(back[n], hf_state[n]) for n in hf_state)
-    # A loaded model's own state dict (model. prefix, stacked experts) converts to the same tensors.
-    from_model = nemotron_h.to_megatron(reference.state_dict(), hf_config)
-    from_files = nemotron_h.to_megatron(hf_state, hf_config)
-    assert from_model.keys() == from_files.keys()
-    assert all(torch.equal(from_model[n], from_files[n]) for n in from_files)
-
-
 def test_qkv_rows_are_interleaved_per_key_value_group():
     d, hidden = 2, 3
     q, k, v = (torch.full((n * d, hidden), float(i)) for i, n in enumerate((4, 2, 2)))  # 4 heads, 2 groups
     q += torch.arange(4 * d)[:, None] * 10  # q rows told apart
-    fields = dict(num_query_groups=2, kv_channels=d, num_attention_heads=4)
-    qkv = nemotron_h._fuse_qkv(q, k, v, fields)
-    rows = qkv[:, 0].tolist()
-    assert rows == [0, 10, 20, 30, 1, 1, 2, 2, 40, 50, 60, 70, 1, 1, 2, 2]  # [q heads 0-1, k0, v0, q 2-3, k1, v1]
-    assert all(torch.equal(a, b) for a, b in zip(nemotron_h._split_qkv(qkv, fields), (q, k, v)))
+    fields = dict(hybrid_pattern="*", num_query_groups=2, kv_channels=d, num_attention_heads=4)
+    tmap = nemotron_h.tensor_map(fields)
+    key, prefix = "decoder.layers.0.self_attention.linear_qkv.weight", "backbone.layers.0.mixer."
+    source = TensorsSource({f"{prefix}{p}_proj.weight": t for p, t in zip("qkv", (q, k, v))})
+    qkv = torch.empty(16, hidden)
+    from mimo.plugins.kit.tensor_map import read_into
+
+    read_into(tmap.tensors[key], ((0, 16), (0, hidden)), qkv, source)
+    assert qkv[:, 0].tolist() == [0, 10, 20, 30, 1, 1, 2, 2, 40, 50, 60, 70, 1, 1, 2, 2]  # [q 0-1, k0, v0, q 2-3, k1, v1]
+    half = torch.empty(8, hidden)  # the second TP rank's rows: group 1 alone
+    read_into(tmap.tensors[key], ((8, 16), (0, hidden)), half, source)
+    assert torch.equal(half, qkv[8:])
+    back = to_hf(TensorMap({key: tmap.tensors[key]}), {key: qkv})
+    assert all(torch.equal(back[f"{prefix}{p}_proj.weight"], t) for p, t in zip("qkv", (q, k, v)))
 
 
 @pytest.mark.parametrize("field, value", [
@@ -159,14 +161,16 @@ def test_an_unsupported_config_value_is_one_line_naming_the_field(saved_referenc
     assert "\n" not in message and f"{field}={value!r}" in message, message
 
 
-def test_conversion_refuses_tensors_the_config_does_not_describe(saved_reference):
-    hf_config, hf_state = safetensors_io.read_config(saved_reference[1]), dict(safetensors_io.SafetensorsFolder(
-        saved_reference[1]))
-    with pytest.raises(UsageError, match="has tensors the config does not describe: backbone.extra"):
-        nemotron_h.to_megatron({**hf_state, "backbone.extra": torch.zeros(1)}, hf_config)
-    del hf_state["backbone.layers.2.mixer.k_proj.weight"]
-    with pytest.raises(UsageError, match="has no backbone.layers.2.mixer.k_proj.weight"):
-        nemotron_h.to_megatron(hf_state, hf_config)
+def test_a_folder_with_tensors_the_config_does_not_describe_is_one_line(saved_reference):
+    folder = saved_reference[1]
+    tmap = nemotron_h.tensor_map(nemotron_h.config_fields(safetensors_io.read_config(folder)))
+    with FolderSource(folder) as source:
+        tensors = {name: source.read(name) for name in source.names()}
+    with pytest.raises(UsageError, match="has tensor backbone.extra, which the model has no place for"):
+        check_folder("DIR", tmap, TensorsSource({**tensors, "backbone.extra": torch.zeros(1)}))
+    del tensors["backbone.layers.2.mixer.k_proj.weight"]
+    with pytest.raises(UsageError, match="^DIR has no tensor backbone.layers.2.mixer.k_proj.weight, which"):
+        check_folder("DIR", tmap, TensorsSource(tensors))
 
 
 def test_the_te_backend_refuses_the_step_size_clamp_the_local_mixer_applies():
@@ -178,14 +182,28 @@ def test_the_te_backend_refuses_the_step_size_clamp_the_local_mixer_applies():
         specs.hybrid_stack_spec("te", 4, 8, 0.001)
 
 
-def test_safetensors_folder_single_file_shared_memory_and_no_overwrite(tmp_path):
-    stacked = torch.arange(12.0).reshape(3, 4)
-    tensors = {"a": stacked, "first_row": stacked[0], "half": torch.ones(2).half()}
-    safetensors_io.save(tmp_path, tensors, {"model_type": "x"})  # overlapping memory, which safetensors refuses
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
-    back = safetensors_io.SafetensorsFolder(tmp_path)
-    assert sorted(back) == sorted(tensors) and all(torch.equal(back[n], t) and back[n].dtype == t.dtype
-                                                   for n, t in tensors.items())
-    assert safetensors_io.read_config(tmp_path) == {"model_type": "x"}
+def test_the_slice_reader_reads_only_what_is_asked_and_the_writer_shards(tmp_path):
+    """Row and column windows, casts and scalars read from a sharded folder as the reference slices them; the
+    reader counts every byte it delivers; the writer's shards and index load back; a folder holding a checkpoint
+    is not written over."""
+    generator = torch.Generator().manual_seed(0)
+    tensors = {"rows": torch.randn(40, 8, generator=generator), "cols": torch.randn(6, 50, generator=generator),
+               "experts": torch.randn(4, 6, 5, generator=generator).bfloat16(), "scalar": torch.tensor(2.5),
+               "index": torch.arange(5)}
+    safetensors_io.save(tmp_path, tensors, {"model_type": "x"}, max_shard_bytes=1000)
+    assert (tmp_path / safetensors_io.INDEX_FILE).exists() and len(list(tmp_path.glob("*.safetensors"))) > 2
+    assert oct((tmp_path / "config.json").stat().st_mode & 0o777) == "0o644"
+    cases = [("rows", ((10, 30), (0, 8))), ("cols", ((0, 6), (25, 50))), ("experts", ((2, 4), (0, 6), (0, 5))),
+             ("experts", ((1, 2), (0, 6), (2, 4))), ("scalar", ()), ("index", ((1, 4),))]
+    with FolderSource(tmp_path, chunk_bytes=64) as source:  # column reads in blocks of a row or two
+        for name, index in cases:
+            want = tensors[name][tuple(slice(a, b) for a, b in index)]
+            got = torch.empty(want.shape, dtype=torch.float64)  # a cast on the way
+            source.read_into(name, index, got)
+            assert torch.equal(got, want.double()), (name, index)
+        assert source.meter.bytes == sum(tensors[n][tuple(slice(a, b) for a, b in i)].numel() *
+                                         tensors[n].element_size() for n, i in cases)
+        assert source.meter.whole == ["scalar"]
+        assert source.meter.disk > source.meter.bytes  # the column slice read whole rows
     with pytest.raises(UsageError, match="already holds a checkpoint"):
         safetensors_io.save(tmp_path, tensors, {})

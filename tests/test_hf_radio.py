@@ -1,9 +1,10 @@
 """C-RADIO checkpoints of Hugging Face (providers/nemotron/hf/radio.py) against mimo's vision encoder (providers/nemotron).
 
 A tiny random transformers `RadioModel` is saved as a checkpoint, converted, and loaded into the provider's
-`RadioEncoder`; both encode the same images (dynamic resolution, packed; and fixed tiles): the reference
-normalizes raw pixels itself, mimo gets them from its data path (`image_mean` / `image_std`). Then the encoder's
-state is exported back and must load into `RadioModel` bit for bit.
+`RadioEncoder` through its tensor map by the per-rank loader; both encode the same images (dynamic resolution,
+packed; and fixed tiles): the reference normalizes raw pixels itself, mimo gets them from its data path
+(`image_mean` / `image_std`). Then the encoder is exported back through the same map and must load into
+`RadioModel` bit for bit.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ from megatron.core.models.vision.radio import RADIOViTModel
 from megatron.core.transformer.spec_utils import build_module
 from safetensors.torch import load_file, save_file
 from transformers import RadioConfig, RadioModel
+
+from mimo.core.checkpoint.hf import check_folder
+from mimo.core.checkpoint.hf_load import global_tensors, load_into
+from mimo.plugins.kit.safetensors_io import FolderSource, TensorsSource
+from mimo.plugins.kit.tensor_map import to_hf
 
 from mimo.core.parallel import topology
 from mimo.core.config import LayoutOptions
@@ -34,6 +40,7 @@ TINY_RADIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ml
                   max_img_size=256, num_cls_tokens=2, num_registers=1)
 IMAGE_SIZES = [(64, 96), (128, 64), (96, 96)]  # (height, width) in pixels: grids 4x6, 8x4, 6x6
 TOLERANCE = 1e-4  # max |mimo - reference| / max |reference|
+ALONE = {"dp_cp_group": None}  # modules outside mimo's model wrapper: their world is this process
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -88,11 +95,11 @@ def build_encoder(settings: NemotronVLMSettings):
     return build_module(spec.submodules["encoders"][ENCODER]).eval()
 
 
-def load_strictly(encoder, state: dict) -> None:
-    """Every parameter from `state`, nothing left over (megatron's empty `_extra_state` entries aside)."""
-    result = encoder.load_state_dict(state, strict=False)
-    assert not result.unexpected_keys
-    assert all(key.endswith("_extra_state") for key in result.missing_keys), result.missing_keys
+def load_strictly(module, tmap, source) -> None:
+    """Every tensor of `module` from `source` through `tmap`, nothing left at initialization or left over."""
+    check_folder("the checkpoint", tmap, source)
+    _, initial, errors = load_into(module, [(tmap, source)], ALONE)
+    assert not initial and not errors, (initial, errors)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +108,8 @@ def converted(world, checkpoint):
     folder, hf_config, _ = checkpoint
     settings = settings_for(hf_config)
     encoder = build_encoder(settings)
-    load_strictly(encoder, radio.to_megatron(load_file(folder / "model.safetensors"), hf_config))
+    with FolderSource(folder) as source:
+        load_strictly(encoder, radio.tensor_map(settings, hf_config), source)
     return settings, encoder
 
 
@@ -182,7 +190,8 @@ def test_fixed_tiles_match_the_reference(checkpoint, converted):
     folder, hf_config, reference = checkpoint
     settings = settings_for(hf_config, dynamic_resolution=False, image_size=64)
     encoder = build_encoder(settings)
-    load_strictly(encoder, converted[1].state_dict())  # the same weights, a fixed-tile encoder
+    result = encoder.load_state_dict(converted[1].state_dict(), strict=False)  # the same weights, fixed tiles
+    assert not result.unexpected_keys and all(k.endswith("_extra_state") for k in result.missing_keys)
     tiles = torch.rand(2, 3, 64, 64, generator=torch.Generator().manual_seed(2))
     mode = FixedTiles(image_size=64, patch_size=16, mean=settings.image_mean, std=settings.image_std)
     with torch.no_grad():
@@ -198,8 +207,8 @@ def test_fixed_tiles_match_the_reference(checkpoint, converted):
 
 def test_export_loads_into_radio_bit_for_bit(tmp_path, checkpoint, converted):
     folder, hf_config, reference = checkpoint
-    _, encoder = converted
-    exported = radio.from_megatron(encoder.state_dict(), hf_config)
+    settings, encoder = converted
+    exported = to_hf(radio.tensor_map(settings, hf_config), global_tensors(encoder, ALONE))
     save_file(exported, tmp_path / "model.safetensors", metadata={"format": "pt"})
     (tmp_path / "config.json").write_text(json.dumps(hf_config))
 
@@ -216,8 +225,9 @@ def test_export_loads_into_radio_bit_for_bit(tmp_path, checkpoint, converted):
         assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
 
 
-def test_checkpoint_tensors_the_encoder_cannot_hold_are_refused(checkpoint):
+def test_checkpoint_tensors_the_encoder_cannot_hold_are_refused(checkpoint, converted):
     folder, hf_config, _ = checkpoint
+    tmap = radio.tensor_map(converted[0], hf_config)
     state = load_file(folder / "model.safetensors")
     lambda1 = "radio_model.model.blocks.1.layer_scale2.lambda1"
     mean = "radio_model.input_conditioner.norm_mean"
@@ -225,10 +235,10 @@ def test_checkpoint_tensors_the_encoder_cannot_hold_are_refused(checkpoint):
                              ({mean: state[mean] + 0.1}, "config.json gives"),
                              ({"radio_model.model.extra.weight": torch.zeros(1)}, "has no place for")):
         with pytest.raises(UsageError, match=message):
-            radio.to_megatron({**state, **changed}, hf_config)
+            check_folder("DIR", tmap, TensorsSource({**state, **changed}))
     missing = {k: v for k, v in state.items() if "blocks.0.attn.qkv.bias" not in k}
-    with pytest.raises(UsageError, match="has no tensor 'radio_model.model.blocks.0.attn.qkv.bias'"):
-        radio.to_megatron(missing, hf_config)
+    with pytest.raises(UsageError, match="^DIR has no tensor radio_model.model.blocks.0.attn.qkv.bias"):
+        check_folder("DIR", tmap, TensorsSource(missing))
 
 
 # ------------------------------------------------------------------------ nemotron_h_omni: shuffle and projector
@@ -280,9 +290,11 @@ def test_omni_image_features_entering_the_llm_match_the_reference(world, omni_ch
     spec = nemotron.build_encoders(settings, ctx)[IMAGES].spec
     vision = spec.module.from_spec(spec).eval()  # VisionModalitySubmodules: the encoder and the projection
     assert parameter_counts(settings)[IMAGES].total == sum(p.numel() for p in vision.parameters())
-    states = omni.to_megatron(load_file(folder / "model.safetensors"), hf_config)
-    load_strictly(vision.encoders[ENCODER], states["encoder"])
-    load_strictly(vision.input_projections[0], states["projection"])
+    tmap = radio.tensor_map(settings, omni._vision_config(hf_config), conditioner=False).prefixed(
+        f"encoders.{ENCODER}.", "vision_model.").merged(omni.projector_map().prefixed("input_projections.0.", ""))
+    with FolderSource(folder) as source:
+        tmap.ignored = ("language_model.",)
+        load_strictly(vision, tmap, source)
 
     p, images = settings.patch_size, raw_images(seed=5)
     grids = torch.tensor([(h // p, w // p) for h, w in IMAGE_SIZES])
@@ -299,8 +311,7 @@ def test_omni_image_features_entering_the_llm_match_the_reference(world, omni_ch
     assert got.shape == want.shape == (int(grids.prod(-1).sum()) // 4, TINY_TEXT["hidden_size"])
     assert error <= TOLERANCE
 
-    exported = omni.from_megatron({"encoder": vision.encoders[ENCODER].state_dict(),
-                                   "projection": vision.input_projections[0].state_dict()}, hf_config)
+    exported = to_hf(tmap, global_tensors(vision, ALONE))
     original = {name: t for name, t in load_file(folder / "model.safetensors").items()
                 if name.startswith(("vision_model.", "mlp1."))}
     assert sorted(exported) == sorted(original)

@@ -79,17 +79,24 @@ def _main(root: Path) -> None:
     """One random model of nemotron-moe-vlm-tiny (moved away from the initialization a run would make), saved as a
     mimo checkpoint (root/mimo) and as a Nemotron-format checkpoint (root/nemotron)."""
     import torch
-    from mimo.core.checkpoint import hf
-    from mimo.core.config import CheckpointOptions
-    from mimo.plugins import Registry
+    from mimo.core.checkpoint.checkpointer import Checkpointer
+    from mimo.core.checkpoint.layout import run_info
+    from mimo.core.config import CheckpointOptions, RunConfig, TrainingOptions
+    from mimo.core.run.plan import prepare
+    from mimo.core.run.world import join
     from mimo.providers.nemotron.checkpoint import save_nemotron_checkpoint
 
-    world, model = hf._build(Registry(), PROVIDER, None, [], "fp32", "cpu")
+    options = CheckpointOptions(save=root / "mimo", save_optim=False, save_rng=False)
+    plan = prepare(RunConfig(provider=PROVIDER, checkpoint=options, training=TrainingOptions(
+        micro_batch_size=1, train_iters=1, precision="fp32", device="cpu")), world_size=1)
+    world = join(plan, seed=0)
+    model = world.build_model()
     generator = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(torch.randn(param.shape, generator=generator) * 0.05)
-    hf._checkpointer(world, model, CheckpointOptions(save=root / "mimo", save_optim=False, save_rng=False)).save(0, 0)
+    Checkpointer(options, model=model, topology=world.topology,
+                 run_info=run_info(plan, plan.settings, lane_data_state=False)).save(0, 0)
     (root / "nemotron").mkdir()
     save_nemotron_checkpoint(model, str(root / "nemotron"))
 

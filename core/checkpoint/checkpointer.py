@@ -7,7 +7,6 @@ into another layout (another DP size; colocated <-> heterogeneous) wherever the 
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from mimo.errors import UsageError
 from . import checksums
 from .foreign import foreign_directory
 from .layout import (
-    COMMON, PRETRAINED_SOURCE_ENV, RUN_FILE, TRACKER, VERSION, atomic_write, fault_point, iteration_dir, prune,
+    COMMON, RUN_FILE, TRACKER, VERSION, atomic_write, fault_point, iteration_dir, prune,
     read_common, read_tracker, report_io,
 )
 from .match import check_kept_options, check_model_fits
@@ -38,14 +37,16 @@ class Checkpointer:
     """Saves and loads one run's state. Every method is collective over the world."""
 
     def __init__(self, options: CheckpointOptions, *, model, topology: Topology, run_info: dict, optimizer=None,
-                 scheduler=None, data_state=lambda: {"loader": None}, load_foreign=None):
+                 scheduler=None, data_state=lambda: {"loader": None}, load_foreign=None, load_hf=None):
         """`optimizer` and `scheduler` None: weights only. `data_state()` is this lane's data state to save;
-        `load_foreign(path, directory)` loads a --pretrained format the provider reads itself."""
+        `load_foreign(path, directory)` loads a --pretrained format the provider reads itself; `load_hf()` the
+        run's Hugging Face folders (hf_load.hf_loader: None when there are none)."""
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
         self.options, self.model, self.optimizer, self.scheduler = options, model, optimizer, scheduler
         self.topology, self.run_info, self.data_state_fn = topology, run_info, data_state
         self.load_foreign = load_foreign  # (path, directory): a --pretrained format the provider reads itself
+        self.load_hf = load_hf  # () -> None: --pretrained HF_DIR, --pretrained-llm, --pretrained-vision
         # One strategy for the whole run: with cached_metadata it reuses the first save's plan.
         self.strategy = TorchDistSaveShardedStrategy(cached_metadata=options.ckpt_assume_constant_structure)
         self.last_saved: Path | None = None  # the newest checkpoint this run committed
@@ -184,7 +185,10 @@ class Checkpointer:
         if iteration is None:
             if opts.load and opts.finetune:
                 raise UsageError(f"--finetune: no checkpoint in {opts.load} ({TRACKER} is missing)")
-            if opts.pretrained:
+            if self.load_hf is not None:  # Hugging Face folders: each rank reads its slices
+                self.load_hf()
+                self._refresh_main_params()
+            elif opts.pretrained:
                 self._load_pretrained(opts.pretrained)
             return 0, 0, None
         directory = iteration_dir(opts.load, iteration)
@@ -269,9 +273,7 @@ class Checkpointer:
         self._load_model(self._dist_load({"model": model_state}, directory)["model"])
         self._refresh_main_params()
         if dist.get_rank() == 0:
-            source = os.environ.get(PRETRAINED_SOURCE_ENV) if what == "--pretrained" else None
-            origin = (f"{source} (a Hugging Face folder, converted)" if source else
-                      f"{directory} (saved at iteration {iteration} by provider {common['run']['provider']})")
+            origin = f"{directory} (saved at iteration {iteration} by provider {common['run']['provider']})"
             fresh = "; optimizer, schedule and data start anew" if self.optimizer is not None else ""
             print(f"loaded weights from {origin} in {time.perf_counter() - started:.2f} s{fresh}", flush=True)
 

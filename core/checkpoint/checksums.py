@@ -39,7 +39,9 @@ def write(directory: Path, sums: dict[str, str], atomic_write) -> None:
 
 
 def verify(directory: Path) -> None:
-    """Collective: the ranks check the listed files between them; every rank raises the first mismatch."""
+    """Collective: the ranks check the listed files between them; every rank raises the first mismatch. Without
+    a process group (export-hf), this process checks them all."""
+    alone = not dist.is_initialized()
     path = Path(directory) / NAME
     problem = None
     if path.is_file():
@@ -47,12 +49,14 @@ def verify(directory: Path) -> None:
             sums = json.loads(path.read_text())
         except ValueError:
             sums, problem = {}, f"checkpoint file {path} cannot be read (not JSON)"
-        rank, size = dist.get_rank(), dist.get_world_size()
+        rank, size = (0, 1) if alone else (dist.get_rank(), dist.get_world_size())
         for name in sorted(sums)[rank::size]:
             if problem is None and (directory / name).is_file() and crc32(directory / name) != sums[name]:
                 problem = f"checkpoint file {directory / name} is damaged (its CRC32 differs from the one saved)"
-    problems = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
+    problems = [problem]
+    if not alone:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
     first = next((p for p in problems if p), None)
     if first:
         raise UsageError(first)

@@ -1,74 +1,125 @@
-"""Hugging Face model folders <-> mimo checkpoints, in one process (a world of one, TP1, the whole model).
+"""Hugging Face model folders as a run's starting weights: a whole model (`--pretrained HF_DIR`) or parts
+(`--pretrained-llm DIR`, `--pretrained-vision DIR`), and `mimo ckpt import-hf`.
 
-The provider converts names and tensors (hooks `hf_settings`, `hf_to_mimo`, `mimo_to_hf`); this module builds the
-model through mimo's own machinery, loads the converted weights strictly, and reads or writes checkpoints with
-`Checkpointer` (Megatron dist-ckpt), so a converted checkpoint loads into any layout and any layout exports.
+The provider reads each folder's config.json (hook `hf_settings`: the settings it determines for that part) and
+declares where each of the model's tensors is in it (hook `hf_tensor_map`). Here, before any worker starts and in
+every worker (cheap: config.json and the safetensors headers only):
 
-    import_hf(HF_DIR, OUT)          OUT: a weights-only mimo checkpoint + OUT/provider.yaml (provider and settings)
-    export_hf(CKPT, OUT)            OUT: config.json + safetensors that `from_pretrained` loads
-    pretrained_from_hf(plan)        `mimo run --pretrained HF_DIR`: converted to a temporary checkpoint first
+    part_settings(...)      the settings the folders determine: the base of the run's settings (over the
+                            variant's defaults; an explicit setting that differs is one line per mismatch)
+    check_sources(plan)     every tensor a map reads exists, every tensor of a folder has a place, non-weights
+                            agree with config.json
+    hf_sources_of(plan)     (what, folder, map) for the per-rank loader (hf_load.py), which each rank runs on its
+                            own slices: no conversion step, under mimo's launcher, torchrun or srun alike
+
+`mimo ckpt import-hf` (hf_import.py) and `export-hf` (hf_export.py) build on the same pieces.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import gc
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-import torch
 import yaml
 
 from mimo.errors import UsageError
-from mimo.plugins import Registry, module_prefix
-from mimo.plugins.kit import safetensors_io
+from mimo.plugins import Registry
+from mimo.plugins.kit.safetensors_io import FolderSource, is_hf_folder, read_config
 
-from ..config import CheckpointOptions, RunConfig, TrainingOptions
-from ..run.plan import prepare
-from ..run.world import World, join
-from . import atomic_dir
-from .checkpointer import Checkpointer
-from .foreign import foreign_directory
-from .layout import PRETRAINED_SOURCE_ENV, TRACKER, iteration_dir, read_common, read_tracker, run_info
+from ..config import CheckpointOptions
 
 SETTINGS_FILE = "provider.yaml"
-# Set by `mimo run` for its workers: the temporary mimo checkpoint converted from `--pretrained HF_DIR`.
-CONVERTED_ENV = "MIMO_PRETRAINED_CONVERTED"
+PARTS = {"model": "--pretrained", "language": "--pretrained-llm", "vision": "--pretrained-vision"}
+WHAT = {"model": "a whole model", "language": "a language model", "vision": "a vision encoder"}
+
+__all__ = ["SETTINGS_FILE", "check_folder", "check_sources", "find_provider", "hf_sources", "hf_sources_of",
+           "is_hf_folder", "part_settings", "plain_value", "write_settings"]
 
 
-def is_hf_folder(path: Path | None) -> bool:
-    path = Path(path) if path else None
-    return bool(path) and (path / safetensors_io.CONFIG_FILE).is_file() and (
-        (path / safetensors_io.SINGLE_FILE).is_file() or (path / safetensors_io.INDEX_FILE).is_file())
+def hf_sources(options: CheckpointOptions) -> list[tuple[str, Path]]:
+    """(part, folder) of every Hugging Face folder the options start from."""
+    out = []
+    if options.pretrained is not None and is_hf_folder(options.pretrained):
+        out.append(("model", Path(options.pretrained)))
+    for part, path in (("language", options.pretrained_llm), ("vision", options.pretrained_vision)):
+        if path is not None:
+            if not is_hf_folder(path):
+                raise UsageError(f"{PARTS[part]} {path}: not a Hugging Face model folder (config.json with "
+                                 f"model.safetensors or model.safetensors.index.json)")
+            out.append((part, Path(path)))
+    return out
 
 
-# ------------------------------------------------------------------------------------------------- providers
+def plain_value(value):
+    """A setting as YAML and config.json hold it (tuples as lists), for comparing values from either."""
+    return list(value) if isinstance(value, tuple) else value
 
 
-def find_provider(registry: Registry, hf_config: dict, name: str | None = None) -> tuple[str, dict]:
-    """(provider name, settings) for a config.json: the named provider's, or that of the one plugin whose
-    `hf_settings` reads it (the variant whose defaults agree with the most settings)."""
-    model_type = hf_config.get("model_type")
+def write_settings(path: Path, provider: str, fields: dict) -> None:
+    """A `--provider-config` file: `provider:` and the settings."""
+    values = {"provider": provider, **{k: plain_value(v) for k, v in fields.items()}}
+    path.write_text(yaml.safe_dump(values, sort_keys=False))
+
+
+# ---------------------------------------------------------------------------------------------------- settings
+
+
+def part_settings(hooks, provider: str, sources: list[tuple[str, Path]]) -> tuple[dict, dict]:
+    """(settings, {setting: where it comes from}) that the folders' config.json files determine. A folder of a
+    model type the provider does not read as that part, or two parts disagreeing on a setting, is one line."""
+    fields, origins = {}, {}
+    for part, folder in sources:
+        config = read_config(folder)
+        found = hooks.hf_settings(hf_config=config, part=part)
+        if found is None:
+            raise UsageError(f"{PARTS[part]} {folder}: provider '{provider}' does not read Hugging Face model_type "
+                             f"{config.get('model_type')!r} as {WHAT[part]}")
+        for name, value in found.items():
+            if name in fields and plain_value(fields[name]) != plain_value(value):
+                raise UsageError(f"{PARTS[part]} {folder} has {name}={value!r}, {origins[name]} has "
+                                 f"{fields[name]!r}: the parts do not fit together")
+            fields[name] = value
+            origins[name] = f"{PARTS[part]} {folder}"
+    return fields, origins
+
+
+def mismatches(fields: dict, origins: dict, given: dict) -> list[str]:
+    """One line per setting given explicitly (--set, --provider-config, --config) that differs from a folder's."""
+    return [f"{origins[name]} has {name}={plain_value(fields[name])!r} (its config.json), this run sets "
+            f"{plain_value(value)!r} ({source})"
+            for name, (value, source) in given.items()
+            if name in fields and plain_value(value) != plain_value(fields[name])]
+
+
+def find_provider(registry: Registry, configs: dict[str, dict], name: str | None = None) -> tuple[str, dict]:
+    """(provider name, settings) for config.json files by part: the named provider's, or that of the one plugin
+    whose `hf_settings` reads them all (the variant whose defaults agree with the most settings)."""
+    def read(provider_name):
+        fields = {}
+        for part, config in configs.items():
+            found = registry.hooks(provider_name).hf_settings(hf_config=config, part=part)
+            if found is None:
+                return None, part
+            fields.update(found)
+        return fields, None
+
+    types = " and ".join(repr(c.get("model_type")) for c in configs.values())
     if name is not None:
-        fields = registry.hooks(name).hf_settings(hf_config=hf_config)
+        fields, part = read(name)
         if fields is None:
-            raise UsageError(f"provider '{name}' does not read Hugging Face model_type {model_type!r}")
+            raise UsageError(f"provider '{name}' does not read Hugging Face model_type "
+                             f"{configs[part].get('model_type')!r} as {WHAT[part]}")
         return name, fields
     readers = []
     for plugin in registry.plugins:
         if plugin.providers:
-            fields = registry.hooks(plugin.providers[0].name).hf_settings(hf_config=hf_config)
+            fields, _ = read(plugin.providers[0].name)
             if fields is not None:
                 readers.append((plugin, fields))
     if not readers:
-        raise UsageError(f"no installed provider reads Hugging Face model_type {model_type!r} (see: mimo "
-                         f"providers list)")
+        raise UsageError(f"no installed provider reads Hugging Face model_type {types} (see: mimo providers list)")
     if len(readers) > 1:
         names = " and ".join(f"'{p.providers[0].name}' ({p.distribution})" for p, _ in readers)
-        raise UsageError(f"providers {names} both read model_type {model_type!r}: choose one with --provider")
+        raise UsageError(f"providers {names} both read model_type {types}: choose one with --provider")
     plugin, fields = readers[0]
     return _closest_variant(plugin.providers, fields).name, fields
 
@@ -92,195 +143,41 @@ def _closest_variant(providers, fields: dict):
     return max(valid, key=agreement)  # the first registered among equals
 
 
-def plain_value(value):
-    """A setting as YAML and config.json hold it (tuples as lists), for comparing values from either."""
-    return list(value) if isinstance(value, tuple) else value
+# ------------------------------------------------------------------------------------------------- the folders
 
 
-def write_settings(path: Path, provider: str, fields: dict) -> None:
-    """A `--provider-config` file: `provider:` and the settings."""
-    values = {"provider": provider, **{k: plain_value(v) for k, v in fields.items()}}
-    path.write_text(yaml.safe_dump(values, sort_keys=False))
+def hf_sources_of(plan) -> list[tuple[str, Path, object]]:
+    """(what, folder, tensor map) of each Hugging Face folder the plan starts from, for hf_load.load_hf."""
+    out = []
+    for part, folder in hf_sources(plan.config.checkpoint):
+        tmap = plan.hooks.hf_tensor_map(settings=plan.settings, hf_config=read_config(folder), part=part)
+        if tmap is None:
+            raise UsageError(f"{PARTS[part]} {folder}: provider '{plan.config.provider}' maps no tensors of "
+                             f"Hugging Face model_type {read_config(folder).get('model_type')!r}")
+        out.append((f"{PARTS[part]} {folder}", folder, tmap))
+    return out
 
 
-# ---------------------------------------------------------------------------------------------- one process
+def check_sources(plan) -> None:
+    """Before any worker: each map against its folder's headers. Every tensor a map reads exists; every tensor
+    of the folder is read, checked or ignored by design; the checked ones (non-weights, read whole: tiny) agree
+    with config.json. Shapes are checked per rank against the built model (hf_load.py)."""
+    for what, folder, tmap in hf_sources_of(plan):
+        with FolderSource(folder) as source:
+            check_folder(what, tmap, source)
 
 
-def _build(registry: Registry, provider: str, settings_file: Path | None, assignments: list[str],
-           precision: str, device: str) -> tuple[World, object]:
-    """The whole model in a world of one (TP1), built as `mimo run` builds it (seeded with 0)."""
-    config = RunConfig(provider=provider, provider_settings=list(assignments), provider_config=settings_file,
-                       training=TrainingOptions(micro_batch_size=1, train_iters=1, precision=precision, device=device))
-    world = join(prepare(config, registry, world_size=1), seed=0)
-    return world, world.build_model()
-
-
-def _checkpointer(world: World, model, options: CheckpointOptions) -> Checkpointer:
-    info = run_info(world.plan, world.plan.settings, lane_data_state=False)
-    return Checkpointer(options, model=model, topology=world.topology, run_info=info,
-                        data_state=lambda: {"loader": None})
-
-
-def whole_state(model) -> dict[str, torch.Tensor]:
-    from ..parallel.model import held_modules
-
-    return {module_prefix(name) + key: t for name, wrapped in held_modules(model)
-            for key, t in wrapped.module.state_dict().items()}
-
-
-def _load_whole_state(model, state: dict[str, torch.Tensor], source: Path) -> None:
-    """Every weight of the model from `state` (MimoModel names), nothing left over: else one line."""
-    from ..parallel.model import held_modules
-
-    missing, used = [], set()
-    for name, wrapped in held_modules(model):
-        prefix = module_prefix(name)
-        part = {k[len(prefix):]: t for k, t in state.items() if k.startswith(prefix)}
-        used |= {prefix + k for k in part}
-        result = wrapped.module.load_state_dict(part, strict=False)
-        missing += [prefix + k for k in result.missing_keys if not k.endswith("_extra_state")]
-        used -= {prefix + k for k in result.unexpected_keys}
-    if missing:
-        raise UsageError(f"{source} lacks {len(missing)} weights the model needs, e.g. {', '.join(missing[:3])}")
-    if unexpected := sorted(set(state) - used):
-        raise UsageError(f"{source} converts to {len(unexpected)} weights the model has no place for, e.g. "
-                         f"{', '.join(unexpected[:3])}")
-
-
-def _finish_world() -> None:
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def _precision(hf_config: dict) -> str:
-    dtype = hf_config.get("dtype") or hf_config.get("torch_dtype") or (hf_config.get("text_config") or {}).get("dtype")
-    return "bf16" if dtype == "bfloat16" else "fp32"
-
-
-# ------------------------------------------------------------------------------------------------ conversions
-
-
-def import_hf(hf_dir: Path, out: Path, provider: str | None = None, registry: Registry | None = None,
-              device: str = "cpu") -> str:
-    """Convert a Hugging Face folder into a weights-only mimo checkpoint in `out` and `out/provider.yaml`.
-    Returns the provider's name."""
-    safetensors_io.library()  # the hf extra, before any work
-    registry = registry or Registry()
-    hf_config = safetensors_io.read_config(hf_dir)
-    provider, fields = find_provider(registry, hf_config, provider)
-    # written into a partial folder renamed to OUT at the end: a killed import leaves no OUT to trip on
-    with atomic_dir.writing(Path(out), what="import", unfinished=unfinished_import) as folder:
-        write_settings(folder / SETTINGS_FILE, provider, fields)
-        _convert_into(registry, provider, folder / SETTINGS_FILE, [], hf_dir, hf_config, folder, device)
-    return provider
-
-
-def unfinished_import(out: Path) -> str | None:
-    """Why `out` looks like an import an older mimo left unfinished in place (provider.yaml, no tracker), or None."""
-    names = {p.name for p in out.iterdir()}
-    if SETTINGS_FILE in names and TRACKER not in names and names <= {SETTINGS_FILE, "iter_0000000", ".mimo-lock"}:
-        return f"{SETTINGS_FILE} without a checkpoint"
-    return None
-
-
-def _convert_into(registry, provider, settings_file, assignments, hf_dir, hf_config, out, device) -> None:
-    world, model = _build(registry, provider, settings_file, assignments, _precision(hf_config), device)
-    state = world.plan.hooks.hf_to_mimo(settings=world.plan.settings, hf_config=hf_config,
-                                        hf_tensors=safetensors_io.SafetensorsFolder(hf_dir))
-    if state is None:
-        raise UsageError(f"provider '{provider}' converts no Hugging Face model_type {hf_config.get('model_type')!r}")
-    _load_whole_state(model, state, Path(hf_dir))
-    del state
-    checkpointer = _checkpointer(world, model, CheckpointOptions(save=Path(out), save_optim=False, save_rng=False))
-    checkpointer.report_saves = False  # the caller says what it converted, and where
-    checkpointer.save(0, 0)
-    _finish_world()
-
-
-def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), registry: Registry | None = None,
-              device: str = "cpu") -> str:
-    """Write the weights of a mimo checkpoint (saved under any layout) as a Hugging Face folder. Returns the
-    provider's name."""
-    safetensors_io.library()
-    registry = registry or Registry()
-    checkpoint = Path(checkpoint)
-    iteration = read_tracker(checkpoint)
-    if iteration is None:
-        raise UsageError(f"no checkpoint in {checkpoint} ({TRACKER} is missing; give the save directory)")
-    run = read_common(iteration_dir(checkpoint, iteration))["run"]
-    with tempfile.TemporaryDirectory(prefix="mimo-export-") as scratch:
-        settings_file = Path(scratch) / SETTINGS_FILE
-        write_settings(settings_file, run["provider"], run["settings"])
-        world, model = _build(registry, run["provider"], settings_file, list(assignments),
-                              run["options"]["training"]["precision"], device)
-    _checkpointer(world, model, CheckpointOptions(pretrained=checkpoint)).load()
-    exported = world.plan.hooks.mimo_to_hf(settings=world.plan.settings, state=whole_state(model))
-    if exported is None:
-        raise UsageError(f"provider '{run['provider']}' exports no Hugging Face checkpoints (no mimo_to_hf hook)")
-    hf_config, tensors = exported
-    dtypes = {t.dtype for t in tensors.values() if t.is_floating_point()}
-    hf_config.setdefault("dtype", "bfloat16" if dtypes == {torch.bfloat16} else "float32")
-    safetensors_io.save(out, tensors, hf_config)
-    _finish_world()
-    return run["provider"]
-
-
-# ------------------------------------------------------------------------------------ mimo run --pretrained
-
-
-@contextlib.contextmanager
-def pretrained_from_hf(plan, registry: Registry | None = None):
-    """Yield the plan, its `--pretrained` pointing at a mimo checkpoint: a Hugging Face folder is converted first
-    (in this process, before any worker starts; the workers find it through CONVERTED_ENV) and removed after."""
-    c = plan.config.checkpoint
-    if not is_hf_folder(c.pretrained) or (c.load and read_tracker(c.load) is not None):
-        if c.pretrained and not is_hf_folder(c.pretrained):
-            foreign_directory(c.pretrained)  # a folder holding no checkpoint is one line before workers start
-        yield plan  # a mimo checkpoint, or a resumed run (--pretrained unused)
-        return
-    if os.environ.get(CONVERTED_ENV):
-        yield _with_pretrained(plan, Path(os.environ[CONVERTED_ENV]))
-        return
-    from ..run.launch import external_world
-
-    if external_world(plan.config.launch) is not None:  # torchrun's ranks, or an srun step's
-        raise UsageError(f"--pretrained {c.pretrained} is a Hugging Face folder, which mimo converts before it "
-                         f"starts workers: under torchrun/srun convert it first (mimo ckpt import-hf)")
-    safetensors_io.library()
-    registry = registry or Registry()
-    hf_config = safetensors_io.read_config(c.pretrained)
-    fields = registry.hooks(plan.config.provider).hf_settings(hf_config=hf_config)
-    if fields is None:
-        raise UsageError(f"--pretrained {c.pretrained}: provider '{plan.config.provider}' does not read Hugging "
-                         f"Face model_type {hf_config.get('model_type')!r}")
-    for name, value in fields.items():
-        if plain_value(getattr(plan.settings, name)) != plain_value(value):
-            raise UsageError(f"--pretrained {c.pretrained} has {name}={value!r}, this run's settings "
-                             f"{getattr(plan.settings, name)!r} (use the --provider-config that mimo ckpt "
-                             f"import-hf writes)")
-    converted = Path(tempfile.mkdtemp(prefix="mimo-hf-pretrained-"))
-    try:
-        with tempfile.TemporaryDirectory(prefix="mimo-settings-") as scratch:
-            settings_file = Path(scratch) / SETTINGS_FILE
-            write_settings(settings_file, plan.config.provider, dataclasses.asdict(plan.settings))
-            _convert_into(registry, plan.config.provider, settings_file, [], c.pretrained, hf_config, converted,
-                          plan.config.training.device)
-        gc.collect()  # the launching process keeps no model (nor, on a GPU, its cached memory) while workers train
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        os.environ[CONVERTED_ENV] = str(converted)
-        os.environ[PRETRAINED_SOURCE_ENV] = str(c.pretrained)
-        yield _with_pretrained(plan, converted)
-    finally:
-        os.environ.pop(CONVERTED_ENV, None)
-        os.environ.pop(PRETRAINED_SOURCE_ENV, None)
-        shutil.rmtree(converted, ignore_errors=True)
-
-
-def _with_pretrained(plan, path: Path):
-    config = dataclasses.replace(plan.config, checkpoint=dataclasses.replace(plan.config.checkpoint,
-                                                                             pretrained=path))
-    return dataclasses.replace(plan, config=config)
+def check_folder(what: str, tmap, source) -> None:
+    """`tmap` against the tensors `source` holds (names and headers; the checked non-weights read whole)."""
+    names = set(source.names())
+    if missing := sorted(tmap.names() - names):
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        raise UsageError(f"{what} has no tensor {missing[0]}{more}, which these settings need (does its config.json "
+                         f"describe its tensors?)")
+    unused = sorted(n for n in names - tmap.names() - set(tmap.checks) if not n.startswith(tmap.ignored))
+    if unused:
+        more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+        raise UsageError(f"{what} has tensor {unused[0]}{more}, which the model has no place for")
+    for name, check in tmap.checks.items():
+        if name in names and (problem := check(source.read(name))):
+            raise UsageError(f"{what}: tensor {name} {problem}")

@@ -25,8 +25,6 @@ TRACKER = "latest_checkpointed_iteration.txt"
 COMMON = "common.pt"
 RUN_FILE = "run.yaml"  # the effective configuration of the run that saved it (core/run_file.py)
 VERSION = 1
-# Set for `mimo run --pretrained HF_DIR`'s workers: the Hugging Face folder their converted checkpoint came from.
-PRETRAINED_SOURCE_ENV = "MIMO_PRETRAINED_SOURCE"
 
 
 def fault_point(stage: str, iteration: int) -> None:

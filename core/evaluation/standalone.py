@@ -18,6 +18,7 @@ import torch.distributed as dist
 from mimo.errors import UsageError
 
 from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.hf_load import hf_loader
 from ..checkpoint.layout import read_tracker, run_info
 from ..config import RunConfig
 from ..run.world import join
@@ -31,9 +32,9 @@ def eval_config(config: RunConfig, split: str) -> RunConfig:
     c, e = config.checkpoint, config.evaluation
     if c.load and c.pretrained:
         raise UsageError("mimo eval: give one of --load CKPT and --pretrained PATH")
-    if not (c.load or c.pretrained):
+    if not (c.load or c.pretrained or c.pretrained_llm or c.pretrained_vision):
         raise UsageError("mimo eval needs --load CKPT (a mimo checkpoint) or --pretrained PATH (a mimo checkpoint "
-                         "or a Hugging Face folder)")
+                         "or a Hugging Face folder; or its parts --pretrained-llm, --pretrained-vision)")
     if split not in ("val", "test"):
         raise UsageError(f"--split {split}: use val or test")
     if split != "val" and not (e.eval_data or config.data.data):
@@ -56,7 +57,7 @@ def evaluate_checkpoint(plan, split: str, json_path: Path | None = None) -> Eval
         model = world.build_model()
         checkpoint = config.checkpoint.pretrained
         Checkpointer(config.checkpoint, model=model, topology=world.topology,
-                     run_info=run_info(plan, plan.settings, False)).load()
+                     run_info=run_info(plan, plan.settings, False), load_hf=hf_loader(plan, model)).load()
         path = eval_data_path(config)
         data_ctx = eval_context(world.data_context(0), split, path)
         evaluator = Evaluator(config.evaluation, world=world, model=model, data_ctx=data_ctx)

@@ -22,10 +22,11 @@ from mimo.data.prompts import from_dataset, from_text
 from mimo.errors import UsageError
 
 from ..checkpoint.checkpointer import Checkpointer
-from ..checkpoint.hf import pretrained_from_hf
+from ..checkpoint.hf_load import hf_loader
 from ..checkpoint.layout import read_tracker, run_info
 from ..config import RunConfig
 from ..run.plan import Plan, prepare
+from ..run.preflight import check_pretrained
 from ..run.world import join
 from .answers import answer_all, prompt_format_of
 from .decoder import Decoder, check_plan
@@ -97,8 +98,8 @@ def checked_plan(config: RunConfig, request: GenerateRequest):
     check_plan(plan, WAY_OUT)
     prompt_format_of(plan.hooks, plan.settings, plan.config.provider)
     request.prompts(config.data.data)  # an unreadable image or dataset is one line now, not in every worker
-    with pretrained_from_hf(plan) as plan:
-        yield plan
+    check_pretrained(plan)  # a checkpoint, or Hugging Face folders that fit the provider's maps
+    yield plan
 
 
 def generate(plan: Plan, request: GenerateRequest) -> None:
@@ -109,7 +110,7 @@ def generate(plan: Plan, request: GenerateRequest) -> None:
         model = world.build_model()
         with contextlib.redirect_stdout(sys.stderr):  # stdout carries the answers alone
             Checkpointer(config.checkpoint, model=model, topology=world.topology,
-                         run_info=run_info(plan, plan.settings, False)).load()
+                         run_info=run_info(plan, plan.settings, False), load_hf=hf_loader(plan, model)).load()
         fmt = prompt_format_of(plan.hooks, plan.settings, config.provider)
         prompts, without_answer = request.prompts(config.data.data)
         decoder = Decoder(model, device=world.device, params_dtype=world.params_dtype)

@@ -59,10 +59,11 @@ def _seeded_mimo_model_class():
 
 
 def build_model(performance, *, hooks, settings, provider: str, topology: Topology, context: BuildContext,
-                device: torch.device, seed: int, distributed_optimizer: bool = False):
+                device: torch.device, seed: int, distributed_optimizer: bool = False, trainable: bool = True):
     """The provider's MimoModel for the modules this rank holds: built from its hooks' specs with `context`,
     seeded per module with `seed`, frozen where it says, on `device`, each module wrapped in DDP over its grid
-    (with the overlap options of `performance`, a PerformanceOptions, or none). Collective over the world."""
+    (with the overlap options of `performance`, a PerformanceOptions, or none); `trainable` False freezes every
+    module (no gradient buffers: a model that only converts). Collective over the world."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.enums import ModelType
     from megatron.core.models.mimo import MimoModelConfig
@@ -95,6 +96,9 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
     model = model_class(config, tp_group=llm_tp).to(device)
     model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
     freeze(model, hooks.frozen_parameters(settings=settings), provider, device)
+    if not trainable:
+        for param in model.parameters():
+            param.requires_grad_(False)
     _attach_tp_groups(model, topology)
     overlap_grads = bool(performance and performance.overlap_grad_reduce)
     ddp_config = DistributedDataParallelConfig(
@@ -170,6 +174,11 @@ def freeze(model, prefixes: list[str], provider_name: str, device: torch.device)
             if name.startswith(prefix):
                 param.requires_grad_(False)
                 matches[i] += 1
+    # megatron-core moves a MoE router's expert bias outside the optimizer, from the routing counts, unless told
+    # the module is frozen (finalize_model_grads): a frozen LLM must keep it too.
+    for name, module in model.named_modules():
+        if hasattr(module, "frozen_expert_bias") and f"{name}.".startswith(tuple(prefixes) or ("\0",)):
+            module.frozen_expert_bias = True
     if prefixes:
         dist.all_reduce(matches)
     unmatched = [p for p, n in zip(prefixes, matches.tolist()) if n == 0]

@@ -9,9 +9,10 @@ import torch
 
 from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE, ModuleParallelism, Provider, Registry
-from mimo.plugins.settings import build_settings
+from mimo.plugins.settings import build_settings, given_settings
 
 from .. import run_file
+from ..checkpoint import hf
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from ..parallel import topology
 from . import launch
@@ -50,7 +51,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     if config.provider_config is not None:
         run_file.refuse_loop_options(config.provider_config, provider.settings)
     settings = build_settings(provider, config.provider_settings, config.provider_config, config.provider_values,
-                              config.config_file)
+                              config.config_file, base=hf_base_settings(config, provider, hooks))
     shapes = hooks.model_shape(settings=settings)
     t = config.training
     if world_size is None:
@@ -72,3 +73,17 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
         raise UsageError(f"--train-samples {t.train_samples} is less than one global batch ({global_batch})")
     return Plan(config, provider, hooks, settings, shapes, parallelism, world_size, global_batch,
                 global_batch // per_microbatch, train_iters)
+
+
+def hf_base_settings(config: RunConfig, provider: Provider, hooks) -> dict:
+    """The settings the run's Hugging Face folders determine (--pretrained HF_DIR, --pretrained-llm,
+    --pretrained-vision), over which explicit settings may not differ: all mismatches, one line each."""
+    sources = hf.hf_sources(config.checkpoint)
+    if not sources:
+        return {}
+    fields, origins = hf.part_settings(hooks, config.provider, sources)
+    given = given_settings(provider, config.provider_settings, config.provider_config, config.provider_values,
+                           config.config_file)
+    if lines := hf.mismatches(fields, origins, given):
+        raise UsageError("\n".join(lines))
+    return fields

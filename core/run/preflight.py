@@ -6,9 +6,10 @@ the process the user started, not a traceback from a worker.
     with preflight.for_eval(config, split) as plan:   # `mimo eval`
 
 For `mimo run`: the plan (options, provider, settings, layout), the memory estimate against the GPU, the paths
-the run writes, the save directory's lock, what `--load` means, and `--pretrained HF_DIR` converted to a mimo
-checkpoint (removed when the block ends). Workers that mimo's launcher started repeat the plan and the cheap
-checks; the memory check was made for them.
+the run writes, the save directory's lock, what `--load` means, and what `--pretrained` and the Hugging Face
+parts (`--pretrained-llm`, `--pretrained-vision`) point at: each folder's tensors against the provider's map, from
+the headers alone (every rank then loads its own slices; there is no conversion step, so torchrun and srun need
+none either). Workers repeat the plan and the cheap checks; the memory check was made for them.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from collections.abc import Iterator
 
 from mimo.data.check import check_dataset
 
-from ..checkpoint.hf import pretrained_from_hf
+from ..checkpoint import hf
+from ..checkpoint.foreign import foreign_directory
+from ..checkpoint.hf_export import export_note
 from ..checkpoint.layout import remove_unfinished
 from ..checkpoint.resume import check_resume
 from ..checkpoint.save_lock import lock_save_directory
@@ -48,8 +51,10 @@ def for_run(config: RunConfig) -> Iterator[Plan]:
         if removed:
             print(removed, flush=True)
     check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
-    with pretrained_from_hf(plan) as plan:  # --pretrained HF_DIR: converted before the workers start
-        yield plan
+    check_pretrained(plan)
+    if speaks and config.checkpoint.save is not None and (note := export_note(plan.hooks, plan.settings)):
+        print(note, flush=True)  # before training, not after it: these settings decide
+    yield plan
 
 
 @contextlib.contextmanager
@@ -58,8 +63,16 @@ def for_eval(config: RunConfig, split: str) -> Iterator[Plan]:
     plan = prepare(eval_config(config, split))
     check_predictions(plan)
     _check_datasets(plan.config)
-    with pretrained_from_hf(plan) as plan:
-        yield plan
+    check_pretrained(plan)
+    yield plan
+
+
+def check_pretrained(plan: Plan) -> None:
+    """--pretrained names a checkpoint or a Hugging Face folder, and Hugging Face folders fit the provider's maps."""
+    c = plan.config.checkpoint
+    if c.pretrained and not hf.is_hf_folder(c.pretrained):
+        foreign_directory(c.pretrained)  # a folder holding no checkpoint is one line before workers start
+    hf.check_sources(plan)
 
 
 def _check_datasets(config: RunConfig) -> None:

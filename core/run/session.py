@@ -12,6 +12,7 @@ from mimo.errors import UsageError
 
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.foreign import load_foreign
+from ..checkpoint.hf_load import hf_loader
 from ..checkpoint.layout import run_info
 from ..evaluation.evaluator import EvalSchedule, Evaluator, eval_context, eval_data_path
 from ..parallel.model import count_parameters
@@ -74,12 +75,13 @@ def start(plan: Plan) -> Session:
                                 train_samples=plan.train_iters * plan.global_batch_size)
 
     checkpointer, start_iteration, consumed, data_state, source = None, 0, 0, None, None
-    if c.save or c.load or c.pretrained:
+    if c.save or c.load or c.pretrained or c.pretrained_llm or c.pretrained_vision:
         info = run_info(plan, plan.settings, lane_data_state=False)  # known once the data is open, below
         checkpointer = Checkpointer(
             c, model=model, topology=topo, run_info=info, optimizer=optimizer, scheduler=scheduler,
             data_state=lambda: {"loader": source.state_dict() if hasattr(source, "state_dict") else None},
-            load_foreign=lambda path, directory: load_foreign(plan.hooks, plan.settings, model, path, directory))
+            load_foreign=lambda path, directory: load_foreign(plan.hooks, plan.settings, model, path, directory),
+            load_hf=hf_loader(plan, model))
         start_iteration, consumed, data_state = checkpointer.load()
     # Index-addressed data continues from the samples already seen; a loader with its own state restores it.
     data_ctx = world.data_context(consumed)

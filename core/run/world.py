@@ -1,5 +1,5 @@
 """This process's part of the run, started the same way for every command that builds a model (`mimo run`,
-`mimo eval`, `mimo ckpt import-hf/export-hf`, the contract kit's worker): join the world, build the grids, seed,
+`mimo eval`, `mimo ckpt import-hf`, the contract kit's worker): join the world, build the grids, seed,
 describe the layout and the performance options to the provider's hooks, then build the model.
 
     world = join(plan)                  # the process group, grids, seeds and BuildContext of this rank
@@ -37,13 +37,14 @@ class World:
     def params_dtype(self) -> torch.dtype:
         return self.context.params_dtype
 
-    def build_model(self, seed: int | None = None):
-        """The provider's MimoModel for the modules this rank holds (every rank calls it: collective)."""
+    def build_model(self, seed: int | None = None, trainable: bool = True):
+        """The provider's MimoModel for the modules this rank holds (every rank calls it: collective); `trainable`
+        False: every module frozen, no gradient buffers."""
         config = self.plan.config
         return build_model(config.performance, hooks=self.plan.hooks, settings=self.plan.settings,
                            provider=config.provider, topology=self.topology, context=self.context, device=self.device,
                            seed=self.seed if seed is None else seed,
-                           distributed_optimizer=config.optimizer.use_distributed_optimizer)
+                           distributed_optimizer=config.optimizer.use_distributed_optimizer, trainable=trainable)
 
     def data_context(self, start_sample: int = 0) -> DataContext:
         """What this rank's data iterator reads: its positions of every micro-batch, from `start_sample` on."""

@@ -133,24 +133,31 @@ def kernel_configs(settings: NemotronVLMSettings):
 
 
 @hookimpl
-def hf_settings(hf_config: dict):
+def hf_settings(hf_config: dict, part: str):
     from .hf.vlm import hf_settings as settings_of
 
-    return settings_of(hf_config)
+    return settings_of(hf_config, part)
 
 
 @hookimpl
-def hf_to_mimo(settings: NemotronVLMSettings, hf_config: dict, hf_tensors):
-    from .hf.vlm import hf_to_mimo as convert
+def hf_tensor_map(settings: NemotronVLMSettings, hf_config: dict, part: str):
+    from .hf.vlm import hf_tensor_map as tensor_map
 
-    return convert(settings, hf_config, hf_tensors)
+    return tensor_map(settings, hf_config, part)
 
 
 @hookimpl
-def mimo_to_hf(settings: NemotronVLMSettings, state: dict):
-    from .hf.vlm import mimo_to_hf as convert
+def hf_export_check(settings: NemotronVLMSettings):
+    from .hf.vlm import hf_export_check as check
 
-    return convert(settings, state)
+    return check(settings)
+
+
+@hookimpl
+def hf_export(settings: NemotronVLMSettings):
+    from .hf.vlm import hf_export as export
+
+    return export(settings)
 
 
 @hookimpl

@@ -1,6 +1,6 @@
 """The Nemotron provider's te backend against transformers' references, on a GPU (fp32): a tiny random NemotronH
-(Mamba, MoE, attention and MLP layers) and a tiny random C-RADIO, converted with mimo.providers.nemotron.hf, loaded strictly
-into the te-backend modules, and run on the same inputs. Prints the max relative errors (target <= 1e-4).
+(Mamba, MoE, attention and MLP layers) and a tiny random C-RADIO, loaded strictly into the te-backend modules through
+the tensor maps of mimo.providers.nemotron.hf (the per-rank loader: te's keys are local's), and run on the same inputs. Prints the max relative errors (target <= 1e-4).
 
     NVIDIA_TF32_OVERRIDE=0 python scripts/gpu/hf_te_parity.py   # transformer-engine, mamba-ssm and a GPU
 
@@ -24,12 +24,14 @@ import torch.distributed as dist
 import transformers
 from megatron.core.transformer.spec_utils import build_module
 
+from mimo.core.checkpoint.hf import check_folder
+from mimo.core.checkpoint.hf_load import load_into
 from mimo.core.parallel import topology
 from mimo.core.config import LayoutOptions
 from mimo.core.run.launch import seed_everything
 from mimo.plugins import BuildContext
 from mimo.providers.nemotron.hf import nemotron_h, radio
-from mimo.plugins.kit import safetensors_io
+from mimo.plugins.kit.safetensors_io import FolderSource
 from mimo.providers import nemotron
 from mimo.providers.nemotron import ENCODER, IMAGES, TINY, NemotronVLMSettings
 
@@ -56,11 +58,11 @@ def randomize(model, dt_bias=(-4.0, -2.0)) -> None:
                 tensor.normal_(0.0, 0.05)
 
 
-def saved(model) -> tuple[dict, safetensors_io.SafetensorsFolder]:
-    """(config.json, the tensors) as `save_pretrained` writes them: the converters read the files' names."""
+def saved(model) -> tuple[dict, FolderSource]:
+    """(config.json, the folder's reader) as `save_pretrained` writes them: the maps read the files' names."""
     folder = Path(tempfile.mkdtemp())
     model.save_pretrained(folder)
-    return json.loads((folder / "config.json").read_text()), safetensors_io.SafetensorsFolder(folder)
+    return json.loads((folder / "config.json").read_text()), FolderSource(folder)
 
 
 def module_context(settings):
@@ -70,10 +72,12 @@ def module_context(settings):
     return BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
 
 
-def load_strictly(module, state) -> None:
-    result = module.load_state_dict(state, strict=False)
-    assert not result.unexpected_keys, result.unexpected_keys
-    assert all(k.endswith("_extra_state") for k in result.missing_keys), result.missing_keys
+def load_strictly(module, tmap, source) -> None:
+    """Every tensor of the module through its map, nothing left at initialization or over (a module outside mimo's
+    model wrapper: its data-parallel world is this process)."""
+    check_folder("the reference", tmap, source)
+    _, initial, errors = load_into(module, [(tmap, source)], {"dp_cp_group": None})
+    assert not initial and not errors, (initial, errors)
 
 
 def language_model_parity(backend: str = "te") -> float:
@@ -90,8 +94,7 @@ def language_model_parity(backend: str = "te") -> float:
     fields = {**nemotron_h.config_fields(hf_config), "mamba_dt_clamp_min": 0.0}
     settings = NemotronVLMSettings(**{**TINY, **fields, "backend": backend})
     model = build_module(nemotron.build_language_model(settings, module_context(settings))).cuda().eval()
-    experts = "grouped" if backend == "te" else "sequential"
-    load_strictly(model, nemotron_h.to_megatron(hf_state, hf_config, experts=experts))
+    load_strictly(model, nemotron_h.tensor_map(fields), hf_state)
     input_ids = torch.randint(0, 96, (2, 40), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad():
         want = reference.cuda()(input_ids).logits
@@ -111,7 +114,7 @@ def radio_parity(backend: str = "te") -> float:
                                       "image_size": 64})
     spec = nemotron.build_encoders(settings, module_context(settings))[IMAGES].spec
     encoder = build_module(spec.submodules["encoders"][ENCODER]).cuda().eval()
-    load_strictly(encoder, radio.to_megatron(dict(hf_state.items()), hf_config))
+    load_strictly(encoder, radio.tensor_map(settings, hf_config), hf_state)
     return _radio_features_error(reference.cuda(), encoder, settings)
 
 

@@ -2,29 +2,26 @@
 attention language model of the Nemotron VLM family, alone.
 
 Hugging Face names are a checkpoint's, as `save_pretrained` writes them and the hub holds them
-(`backbone.layers.N.mixer.experts.E.up_proj.weight`, `lm_head.weight`); `to_megatron` also takes a loaded model's
-own state dict (`model.` prefix, each layer's experts stacked in one tensor). Megatron names are
-`HybridModel.state_dict()`'s at TP1 / PP1, which mimo's `local` and `te` backends share except for the routed
-experts: `experts="sequential"` (megatron's SequentialMLP, the local backend) names them
-`mlp.experts.local_experts.E.linear_fc1.weight`, `experts="grouped"` (TEGroupedMLP) `mlp.experts.linear_fc1.weightE`.
+(`backbone.layers.N.mixer.experts.E.up_proj.weight`, `lm_head.weight`). Keys are the HybridModel's dist-checkpoint
+keys (what a mimo checkpoint saves, the same for the `local` and `te` backends): Mamba's `in_proj.weight` is saved
+as five parts `.z .x .B .C .dt` and its conv1d as three `.x .B .C`, each a row window of the Hugging Face tensor;
+each MoE layer's experts are one stacked key `mlp.experts.experts.linear_fc1.weight` [E, ffn, h].
 
-Tensors are renamed and never cast; the one layout change is attention's: Hugging Face keeps separate q, k and v
+Tensors keep their values and dtype; the one layout change is attention's: Hugging Face keeps separate q, k and v
 projections, megatron one `linear_qkv` whose rows are grouped per key/value head, `[q heads of group g, k_g, v_g]`
-for each group g. Each layer's input norm is megatron's norm fused into the layer's first linear
-(`...in_proj.layer_norm_weight`, `...linear_qkv.layer_norm_weight`, `...linear_fc1.layer_norm_weight`), except in
-MoE layers (`pre_mlp_layernorm.weight`).
+for each group g (a TP rank holds whole groups, so its rows are a run of windows). Each layer's input norm is
+megatron's norm fused into the layer's first linear (`...in_proj.layer_norm_weight`,
+`...linear_qkv.layer_norm_weight`, `...linear_fc1.layer_norm_weight`), except in MoE layers (`pre_mlp_layernorm`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal
 
 import torch
 
 from mimo.errors import UsageError
-
-Experts = Literal["sequential", "grouped"]
+from mimo.plugins.kit.tensor_map import Cat, Src, Stack, TensorMap
 
 # layers_block_type entries -> the provider's hybrid_pattern symbols (and the legacy spellings transformers remaps).
 LAYER_SYMBOLS = {"linear_attention": "M", "mamba": "M", "moe": "E", "full_attention": "*", "attention": "*",
@@ -129,103 +126,96 @@ def _check_fixed_fields(cfg: Mapping, pattern: str) -> None:
                              f"({field}={value!r})")
 
 
-# ------------------------------------------------------------------------------------------------ tensor names
+# ------------------------------------------------------------------------------------------------- tensor map
+
+# layers_block_type names of the provider's layer symbols (as NemotronHConfig writes them).
+LAYER_TYPES = {"M": "mamba", "E": "moe", "*": "attention", "-": "mlp"}
 
 
-def _expert(e: int, linear: str, experts: Experts) -> str:
-    if experts == "grouped":
-        return f"mlp.experts.{linear}.weight{e}"
-    return f"mlp.experts.local_experts.{e}.{linear}.weight"
+def tensor_map(f: Mapping) -> TensorMap:
+    """Where each dist-checkpoint key of the language model (relative to it: `decoder.layers.N....`) is in a
+    NemotronH checkpoint, for settings `f` (a mapping of NemotronVLMSettings fields)."""
+    t = {"embedding.word_embeddings.weight": Src("backbone.embeddings.weight"),
+         "decoder.final_norm.weight": Src("backbone.norm_f.weight"),
+         "output_layer.weight": Src("lm_head.weight")}
+    for i, symbol in enumerate(f["hybrid_pattern"]):
+        t.update({f"decoder.layers.{i}.{key}": _in_layer(spec, f"backbone.layers.{i}.")
+                  for key, spec in _layer(symbol, f).items()})
+    return TensorMap(t, covers=("",), ignored=IGNORED_PREFIXES)
 
 
-def _layer_renames(symbol: str, fields: dict, experts: Experts) -> list[tuple[str, str]]:
-    """(Hugging Face name, megatron name) of one layer's tensors that are copied as they are, relative to the
-    layer (`backbone.layers.N.` and `decoder.layers.N.`)."""
-    if symbol == "M":  # in_proj rows are [z, x, B, C, dt] and conv channels [x, B, C] in both
-        return [("norm.weight", "mixer.in_proj.layer_norm_weight"), ("mixer.in_proj.weight", "mixer.in_proj.weight"),
-                ("mixer.conv1d.weight", "mixer.conv1d_weight"), ("mixer.conv1d.bias", "mixer.conv1d_bias"),
-                ("mixer.dt_bias", "mixer.dt_bias"), ("mixer.A_log", "mixer.A_log"), ("mixer.D", "mixer.D"),
-                ("mixer.norm.weight", "mixer.norm.weight"), ("mixer.out_proj.weight", "mixer.out_proj.weight")]
-    if symbol == "*":  # q_proj, k_proj and v_proj: see _fuse_qkv
-        return [("norm.weight", "self_attention.linear_qkv.layer_norm_weight"),
-                ("mixer.o_proj.weight", "self_attention.linear_proj.weight")]
+def _in_layer(spec, prefix: str):
+    if isinstance(spec, Src):
+        return Src(prefix + spec.name, spec.rows)
+    if isinstance(spec, Cat):
+        return Cat(tuple(_in_layer(p, prefix) for p in spec.parts))
+    return Stack(tuple(_in_layer(i, prefix) for i in spec.items))
+
+
+def _layer(symbol: str, f: Mapping) -> dict:
+    """One layer's keys and specs, relative to `decoder.layers.N.` and `backbone.layers.N.`."""
+    if symbol == "M":
+        inner, groups = f["mamba_num_heads"] * f["mamba_head_dim"], f["mamba_num_groups"] * f["mamba_state_dim"]
+        rows = _windows(z=inner, x=inner, B=groups, C=groups, dt=f["mamba_num_heads"])
+        conv = _windows(x=inner, B=groups, C=groups)
+        t = {"mixer.in_proj.layer_norm_weight": Src("norm.weight")}
+        t.update({f"mixer.in_proj.weight.{part}": Src("mixer.in_proj.weight", w) for part, w in rows.items()})
+        for kind in ("weight", "bias"):
+            t.update({f"mixer.conv1d.{kind}.{part}": Src(f"mixer.conv1d.{kind}", w) for part, w in conv.items()})
+        t.update({f"mixer.{name}": Src(f"mixer.{name}") for name in ("dt_bias", "A_log", "D", "norm.weight",
+                                                                       "out_proj.weight")})
+        return t
+    if symbol == "*":
+        heads, groups, d = f["num_attention_heads"], f["num_query_groups"], f["kv_channels"]
+        q = heads // groups * d
+        parts = []
+        for g in range(groups):
+            parts += [Src("mixer.q_proj.weight", (g * q, (g + 1) * q)), Src("mixer.k_proj.weight", (g * d, (g + 1) * d)),
+                      Src("mixer.v_proj.weight", (g * d, (g + 1) * d))]
+        return {"self_attention.linear_qkv.layer_norm_weight": Src("norm.weight"),
+                "self_attention.linear_qkv.weight": Cat(tuple(parts)),
+                "self_attention.linear_proj.weight": Src("mixer.o_proj.weight")}
     if symbol == "E":
-        routed = [(f"mixer.experts.{e}.{hf}.weight", _expert(e, mg, experts))
-                  for e in range(fields["num_experts"]) for hf, mg in (("up_proj", "linear_fc1"),
-                                                                         ("down_proj", "linear_fc2"))]
-        return [("norm.weight", "pre_mlp_layernorm.weight"), ("mixer.gate.weight", "mlp.router.weight"),
-                ("mixer.gate.e_score_correction_bias", "mlp.router.expert_bias"),
-                ("mixer.shared_experts.up_proj.weight", "mlp.shared_experts.linear_fc1.weight"),
-                ("mixer.shared_experts.down_proj.weight", "mlp.shared_experts.linear_fc2.weight"), *routed]
-    return [("norm.weight", "mlp.linear_fc1.layer_norm_weight"), ("mixer.up_proj.weight", "mlp.linear_fc1.weight"),
-            ("mixer.down_proj.weight", "mlp.linear_fc2.weight")]
+        experts = range(f["num_experts"])
+        return {"pre_mlp_layernorm.weight": Src("norm.weight"), "mlp.router.weight": Src("mixer.gate.weight"),
+                "mlp.router.expert_bias": Src("mixer.gate.e_score_correction_bias"),
+                "mlp.shared_experts.linear_fc1.weight": Src("mixer.shared_experts.up_proj.weight"),
+                "mlp.shared_experts.linear_fc2.weight": Src("mixer.shared_experts.down_proj.weight"),
+                "mlp.experts.experts.linear_fc1.weight": Stack(tuple(Src(f"mixer.experts.{e}.up_proj.weight")
+                                                                     for e in experts)),
+                "mlp.experts.experts.linear_fc2.weight": Stack(tuple(Src(f"mixer.experts.{e}.down_proj.weight")
+                                                                     for e in experts))}
+    return {"mlp.linear_fc1.layer_norm_weight": Src("norm.weight"), "mlp.linear_fc1.weight": Src("mixer.up_proj.weight"),
+            "mlp.linear_fc2.weight": Src("mixer.down_proj.weight")}
 
 
-def _renames(fields: dict, experts: Experts) -> list[tuple[str, str]]:
-    """(Hugging Face name, megatron name) of every tensor copied as it is."""
-    pairs = [("backbone.embeddings.weight", "embedding.word_embeddings.weight")]
-    for i, symbol in enumerate(fields["hybrid_pattern"]):
-        pairs += [(f"backbone.layers.{i}.{hf}", f"decoder.layers.{i}.{mg}")
-                  for hf, mg in _layer_renames(symbol, fields, experts)]
-    return pairs + [("backbone.norm_f.weight", "decoder.final_norm.weight"), ("lm_head.weight", "output_layer.weight")]
-
-
-def _attention_layers(fields: dict) -> list[int]:
-    return [i for i, symbol in enumerate(fields["hybrid_pattern"]) if symbol == "*"]
-
-
-# ---------------------------------------------------------------------------------------------- attention qkv
-
-
-def _fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fields: dict) -> torch.Tensor:
-    """q [heads * d, h], k and v [groups * d, h] -> megatron's linear_qkv [groups * (heads/groups + 2) * d, h]."""
-    heads, groups, d = fields["num_attention_heads"], fields["num_query_groups"], fields["kv_channels"]
-    if q.shape[0] != heads * d or k.shape[0] != groups * d or v.shape[0] != groups * d:
-        raise UsageError(f"attention projections q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
-                         f"hold {heads} query and {groups} key/value heads of {d}")
-    return torch.cat([t.reshape(groups, -1, q.shape[-1]) for t in (q, k, v)], dim=1).reshape(-1, q.shape[-1])
-
-
-def _split_qkv(qkv: torch.Tensor, fields: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """megatron's linear_qkv -> q, k, v (contiguous copies: the same bits)."""
-    groups, d = fields["num_query_groups"], fields["kv_channels"]
-    q_rows = fields["num_attention_heads"] // groups * d
-    q, k, v = qkv.reshape(groups, q_rows + 2 * d, qkv.shape[-1]).split([q_rows, d, d], dim=1)
-    return tuple(t.reshape(-1, qkv.shape[-1]).contiguous() for t in (q, k, v))
-
-
-# ------------------------------------------------------------------------------------------------- conversion
-
-
-def to_megatron(hf_state: Mapping[str, torch.Tensor], hf_config: Mapping,
-                experts: Experts = "sequential") -> dict[str, torch.Tensor]:
-    """A NemotronH checkpoint's tensors (read lazily from `hf_state`) -> HybridModel state-dict tensors. Every
-    tensor of `hf_state` is used (multi-token-prediction heads `mtp.*` aside, which the reference ignores too),
-    and every one the model needs must be there."""
-    if experts not in ("sequential", "grouped"):
-        raise ValueError(f"experts must be 'sequential' or 'grouped', got {experts!r}")
-    fields = config_fields(hf_config)
-    source = _Taken(_checkpoint_layout(hf_state))
-    state = {mg: source[hf] for hf, mg in _renames(fields, experts)}
-    for i in _attention_layers(fields):
-        q, k, v = (source[f"backbone.layers.{i}.mixer.{p}_proj.weight"] for p in "qkv")
-        state[f"decoder.layers.{i}.self_attention.linear_qkv.weight"] = _fuse_qkv(q, k, v, fields)
-    source.check_all_taken()
-    return state
-
-
-def from_megatron(state: Mapping[str, torch.Tensor], hf_config: Mapping) -> dict[str, torch.Tensor]:
-    """HybridModel state-dict tensors (either experts layout; `_extra_state` entries are skipped) -> a NemotronH
-    checkpoint's tensors, named as `save_pretrained` writes them."""
-    fields = config_fields(hf_config)
-    grouped = any(name.startswith("decoder.layers.") and ".mlp.experts.linear_fc1.weight" in name for name in state)
-    source = _Taken({k: v for k, v in state.items() if not k.endswith("._extra_state")}, side="megatron")
-    out = {hf: source[mg] for hf, mg in _renames(fields, "grouped" if grouped else "sequential")}
-    for i in _attention_layers(fields):
-        qkv = _split_qkv(source[f"decoder.layers.{i}.self_attention.linear_qkv.weight"], fields)
-        out.update({f"backbone.layers.{i}.mixer.{p}_proj.weight": t for p, t in zip("qkv", qkv)})
-    source.check_all_taken()
+def _windows(**sizes: int) -> dict[str, tuple[int, int]]:
+    """Consecutive row windows of the given sizes, by name."""
+    out, start = {}, 0
+    for name, size in sizes.items():
+        out[name] = (start, start + size)
+        start += size
     return out
+
+
+def text_config(s) -> dict:
+    """The NemotronH config.json of settings `s` (the omni model's text_config)."""
+    return dict(
+        model_type="nemotron_h", architectures=["NemotronHForCausalLM"],
+        layers_block_type=[LAYER_TYPES[c] for c in s.hybrid_pattern],
+        hidden_size=s.hidden_size, vocab_size=s.vocab_size, hidden_dropout=s.dropout, attention_dropout=s.dropout,
+        initializer_range=s.init_method_std, num_attention_heads=s.num_attention_heads,
+        num_key_value_heads=s.num_query_groups, head_dim=s.kv_channels, mamba_num_heads=s.mamba_num_heads,
+        mamba_head_dim=s.mamba_head_dim, n_groups=s.mamba_num_groups, ssm_state_size=s.mamba_state_dim,
+        conv_kernel=s.mamba_conv_kernel, n_routed_experts=s.num_experts, num_experts_per_tok=s.moe_router_topk,
+        moe_intermediate_size=s.moe_ffn_hidden_size,
+        moe_shared_expert_intermediate_size=s.moe_shared_expert_intermediate_size,
+        routed_scaling_factor=s.moe_router_topk_scaling_factor, intermediate_size=s.ffn_hidden_size,
+        tie_word_embeddings=False, num_nextn_predict_layers=0,
+        time_step_min=s.mamba_dt_clamp_min)  # the reference clamps dt at time_step_min, mimo at mamba_dt_clamp_min
+
+
+# ------------------------------------------------------------------------------------------------ loaded models
 
 
 def _checkpoint_layout(hf_state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:
@@ -242,24 +232,3 @@ def _checkpoint_layout(hf_state: Mapping[str, torch.Tensor]) -> Mapping[str, tor
         else:
             out[name] = tensor
     return out
-
-
-class _Taken:
-    """A mapping's tensors handed out by name, remembering which were asked for: a tensor the conversion does not
-    use, or one it needs and cannot find, is a wrong configuration or a different model, never silently right."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor], side: str = "Hugging Face"):
-        self.tensors, self.side, self.names, self.taken = tensors, side, set(tensors), set()
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.names:
-            raise UsageError(f"the {self.side} state has no {name} (does its config match the checkpoint?)")
-        self.taken.add(name)
-        return self.tensors[name]
-
-    def check_all_taken(self) -> None:
-        unused = sorted(n for n in self.names - self.taken if not n.startswith(IGNORED_PREFIXES))
-        if unused:
-            more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
-            raise UsageError(f"the {self.side} state has tensors the config does not describe: "
-                             f"{', '.join(unused[:3])}{more}")

@@ -1,5 +1,5 @@
 """The image path of Nemotron omni checkpoints (transformers' `nemotron_h_omni`) <-> the provider's vision modality:
-the RADIO encoder (`vision_model.`, converted by `radio`) and the projector `mlp1` into the LLM.
+the RADIO encoder (`vision_model.`, mapped by `radio`) and the projector `mlp1` into the LLM.
 
 Between the two, both models pixel-shuffle each image's patch grid the same way: 2 x 2 blocks of patches, the
 blocks row-major, each block's channels ordered (row in block, column in block, channel) - transformers'
@@ -17,9 +17,8 @@ does. The language model (`language_model.`) and the audio branch are not this m
 
 from __future__ import annotations
 
-import torch
-
 from mimo.errors import UsageError
+from mimo.plugins.kit.tensor_map import Src, TensorMap
 
 from . import radio
 
@@ -65,31 +64,6 @@ def config_fields(hf_config: dict, processor_config: dict | None = None) -> dict
     return fields
 
 
-def to_megatron(hf_state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, dict[str, torch.Tensor]]:
-    """An omni checkpoint's tensors -> {"encoder": RADIOViTModel state, "projection": MultimodalProjector state}.
-    Tensors outside `vision_model.` and `mlp1.` (the LLM, audio) are left alone."""
-    config_fields(hf_config)
-    vision = {name[len(VISION):]: t for name, t in hf_state.items() if name.startswith(VISION)}
-    projector = {name: t for name, t in hf_state.items() if name.startswith("mlp1.")}
-    if missing := sorted(set(PROJECTOR) - set(projector)):
-        raise UsageError(f"the omni checkpoint's projector lacks {missing}")
-    if extra := sorted(set(projector) - set(PROJECTOR)):
-        raise UsageError(f"the omni checkpoint's projector has tensors the provider's has no place for: {extra}")
-    return {"encoder": radio.to_megatron(vision, _vision_config(hf_config)),
-            "projection": {PROJECTOR[name]: t for name, t in projector.items()}}
-
-
-def from_megatron(states: dict[str, dict[str, torch.Tensor]], hf_config: dict) -> dict[str, torch.Tensor]:
-    """`to_megatron`'s inverse: the omni checkpoint's `vision_model.` and `mlp1.` tensors, bit for bit."""
-    config_fields(hf_config)
-    vision = radio.from_megatron(states["encoder"], _vision_config(hf_config))
-    # The omni model's RADIO has no input conditioner (its image processor normalizes): no mean / std tensors.
-    out = {VISION + name: t for name, t in vision.items() if not name.startswith(radio.CONDITIONER)}
-    projection = {name: t for name, t in states["projection"].items() if not name.endswith("_extra_state")}
-    for hf_name, mg_name in PROJECTOR.items():
-        if mg_name not in projection:
-            raise UsageError(f"the projection state has no tensor {mg_name!r}")
-        out[hf_name] = projection.pop(mg_name)
-    if projection:
-        raise UsageError(f"the projection state has tensors the omni projector has no place for: {sorted(projection)}")
-    return out
+def projector_map() -> TensorMap:
+    """The projector's keys (relative to `input_projections.0.`) in an omni checkpoint."""
+    return TensorMap({mg: Src(hf) for hf, mg in PROJECTOR.items()}, covers=("",))

@@ -1,20 +1,22 @@
-"""C-RADIO checkpoints of Hugging Face (transformers' `RadioModel`) <-> megatron-core `RADIOViTModel` state dicts.
+"""C-RADIO checkpoints of Hugging Face (transformers' `RadioModel`) <-> megatron-core `RADIOViTModel`.
 
 The Hugging Face side is the checkpoint's own names: what `RadioModel.save_pretrained` writes and the Hub holds
-(RADIO's original names; transformers renames them when it loads). The megatron side is `RADIOViTModel.state_dict()`
-at TP 1 without any MimoModel prefix (the provider's `RadioEncoder` has the same names). One query group per head.
+(RADIO's original names; transformers renames them when it loads). The megatron side is the encoder's
+dist-checkpoint keys (relative to it): its TransformerBlock saves each parameter kind once, stacked over layers
+(`decoder.layers.self_attention.linear_qkv.weight` [L, 3h, h]). One query group per head.
 
     radio_model.model.patch_generator.                 (RADIOViTModel)
         embedder.weight                                    embedder.weight        [h, 3*P*P], patches (c, y, x)
         video_embedder.weight (omni checkpoints)           video_embedder.weight  [h, T*3*P*P], (frame, c, y, x)
         pos_embed                                          position_embeddings    [1, G*G, h], G = max_img_size / P
         cls_token.token                                    class_token            [class + register tokens, h]
-    radio_model.model.blocks.{i}.                      decoder.layers.{i}.
+    radio_model.model.blocks.{i}.                      decoder.layers.
         norm1.{weight,bias}                                self_attention.linear_qkv.layer_norm_{weight,bias}
         attn.qkv.{weight,bias}                             self_attention.linear_qkv.{weight,bias}  (regrouped)
         attn.proj.{weight,bias}                            self_attention.linear_proj.{weight,bias}
         norm2.{weight,bias}                                mlp.linear_fc1.layer_norm_{weight,bias}
         mlp.fc1.{weight,bias}, mlp.fc2.{weight,bias}       mlp.linear_fc1.{weight,bias}, mlp.linear_fc2.{weight,bias}
+    (decoder.layers.<param> stacks blocks 0..L-1)
 
 RADIO's fused qkv rows are [all query heads; all key heads; all value heads]; megatron's are per head group
 [q_0; k_0; v_0; q_1; ...]. Every other tensor keeps its values and layout, so a round trip is bit-identical.
@@ -27,11 +29,10 @@ the settings `image_mean` / `image_std` that `config_fields` gives), `summary_id
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 
 from mimo.errors import UsageError
+from mimo.plugins.kit.tensor_map import Cat, Src, Stack, TensorMap
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -102,108 +103,98 @@ def config_fields(hf_config: dict) -> dict:
     }
 
 
-# ------------------------------------------------------------------------------------------------------- names
+# -------------------------------------------------------------------------------------------------- tensor map
+
+LAYER_TENSORS = {  # key under decoder.layers. -> name under radio_model.model.blocks.{i}.
+    "self_attention.linear_qkv.layer_norm_weight": "norm1.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "norm1.bias",
+    "self_attention.linear_proj.weight": "attn.proj.weight", "self_attention.linear_proj.bias": "attn.proj.bias",
+    "mlp.linear_fc1.layer_norm_weight": "norm2.weight", "mlp.linear_fc1.layer_norm_bias": "norm2.bias",
+    "mlp.linear_fc1.weight": "mlp.fc1.weight", "mlp.linear_fc1.bias": "mlp.fc1.bias",
+    "mlp.linear_fc2.weight": "mlp.fc2.weight", "mlp.linear_fc2.bias": "mlp.fc2.bias",
+}
 
 
-def _has_video(hf_config: dict) -> bool:
-    return _field(hf_config, "video_temporal_patch_size") is not None
+def tensor_map(s, hf_config: dict | None = None, conditioner: bool = True) -> TensorMap:
+    """Where each dist-checkpoint key of the encoder is in a RADIO checkpoint, for settings `s`. `hf_config`:
+    the checkpoint's config.json, against which its non-weight tensors are checked (import); `conditioner`: the
+    checkpoint holds the input conditioner (a RADIO folder does, the omni model's RADIO does not)."""
+    layers, heads = s.vision_layers, s.vision_heads
+    d = s.vision_hidden_size // heads
+    t = {"embedder.weight": Src(MODEL + "patch_generator.embedder.weight"),
+         "position_embeddings": Src(MODEL + "patch_generator.pos_embed")}
+    if s.video_temporal_patch_size > 1:
+        t["video_embedder.weight"] = Src(MODEL + "patch_generator.video_embedder.weight")
+    if s.class_tokens:  # RADIOViTModel holds no class_token parameter without class tokens
+        t[CLASS_TOKEN[1]] = Src(CLASS_TOKEN[0])
+    for key, name in LAYER_TENSORS.items():
+        t["decoder.layers." + key] = Stack(tuple(Src(f"{MODEL}blocks.{i}.{name}") for i in range(layers)))
+    for kind in ("weight", "bias"):  # [q heads; k heads; v heads] -> per head [q_h; k_h; v_h]: whole heads per rank
+        t[f"decoder.layers.self_attention.linear_qkv.{kind}"] = Stack(tuple(
+            Cat(tuple(Src(f"{MODEL}blocks.{i}.attn.qkv.{kind}", (w * heads * d + h * d, w * heads * d + (h + 1) * d))
+                      for h in range(heads) for w in range(3))) for i in range(layers)))
+    checks, derived = {}, {}
+    for name, make in _non_weights(s, conditioner).items():
+        checks[name] = _check(name, make, hf_config)
+        derived[name] = (("embedder.weight",), make)  # export: in the weights' dtype, as RadioModel.to(dtype)
+    if not s.class_tokens:
+        checks[CLASS_TOKEN[0]] = lambda x: None if x.numel() == 0 else f"holds {x.shape[0]} class tokens, the " \
+                                                                         f"settings none"
+        derived[CLASS_TOKEN[0]] = (("embedder.weight",), lambda w: w.new_empty(0, w.shape[0]))
+    return TensorMap(t, covers=("",), checks=checks, derived=derived)
 
 
-def _renamed(num_layers: int, video: bool) -> Iterator[tuple[str, str]]:
-    """(checkpoint name, megatron name) of every tensor that only changes its name."""
-    yield MODEL + "patch_generator.embedder.weight", "embedder.weight"
-    if video:
-        yield MODEL + "patch_generator.video_embedder.weight", "video_embedder.weight"
-    yield MODEL + "patch_generator.pos_embed", "position_embeddings"
-    for i in range(num_layers):
-        hf, mg = f"{MODEL}blocks.{i}.", f"decoder.layers.{i}."
-        for kind in ("weight", "bias"):
-            yield hf + f"norm1.{kind}", mg + f"self_attention.linear_qkv.layer_norm_{kind}"
-            yield hf + f"attn.proj.{kind}", mg + f"self_attention.linear_proj.{kind}"
-            yield hf + f"norm2.{kind}", mg + f"mlp.linear_fc1.layer_norm_{kind}"
-            yield hf + f"mlp.fc1.{kind}", mg + f"mlp.linear_fc1.{kind}"
-            yield hf + f"mlp.fc2.{kind}", mg + f"mlp.linear_fc2.{kind}"
-
-
-def _qkv(num_layers: int) -> Iterator[tuple[str, str]]:
-    for i in range(num_layers):
-        for kind in ("weight", "bias"):
-            yield f"{MODEL}blocks.{i}.attn.qkv.{kind}", f"decoder.layers.{i}.self_attention.linear_qkv.{kind}"
-
-
-def _qkv_to_megatron(fused: torch.Tensor, heads: int) -> torch.Tensor:
-    """[q heads; k heads; v heads] -> [q_0; k_0; v_0; q_1; k_1; v_1; ...] (rows of head_dim each)."""
-    return fused.reshape(3, heads, -1, *fused.shape[1:]).transpose(0, 1).reshape(fused.shape)
-
-
-def _qkv_from_megatron(fused: torch.Tensor, heads: int) -> torch.Tensor:
-    return fused.reshape(heads, 3, -1, *fused.shape[1:]).transpose(0, 1).reshape(fused.shape)
-
-
-def _take(state: dict, name: str, where: str) -> torch.Tensor:
-    if name not in state:
-        raise UsageError(f"{where} has no tensor {name!r}")
-    return state.pop(name)
-
-
-def _non_weights(hf_config: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The checkpoint's tensors that are no encoder weights, as config.json determines them (in `dtype`, as
-    `RadioModel.to(dtype)` leaves them; the indices stay int64)."""
-    tensors = {CONDITIONER + f"norm_{stat}": torch.tensor(_field(hf_config, f"norm_{stat}"), dtype=torch.float32)
-               .view(-1, 1, 1).to(dtype) for stat in ("mean", "std")}
-    tensors[SUMMARY_IDXS] = torch.tensor(_field(hf_config, "summary_idxs"), dtype=torch.long)
-    hidden = _field(hf_config, "hidden_size")
-    for i in range(_field(hf_config, "num_hidden_layers")):
+def _non_weights(s, conditioner: bool) -> dict:
+    """The checkpoint's tensors that are no encoder weights, as the settings determine them: name -> fn(embedder
+    weight) -> tensor (in its dtype; the indices stay int64)."""
+    makers = {SUMMARY_IDXS: lambda w: torch.tensor(list(range(min(2, s.class_tokens))), dtype=torch.long)}
+    if conditioner:
+        for stat, values in (("mean", s.image_mean), ("std", s.image_std)):
+            makers[CONDITIONER + f"norm_{stat}"] = \
+                lambda w, values=values: torch.tensor(values, dtype=torch.float32).view(-1, 1, 1).to(w.dtype)
+    for i in range(s.vision_layers):
         for k in (1, 2):
-            tensors[f"{MODEL}blocks.{i}.layer_scale{k}.lambda1"] = torch.ones(hidden, dtype=dtype)
-    return tensors
+            makers[f"{MODEL}blocks.{i}.layer_scale{k}.lambda1"] = lambda w: torch.ones(s.vision_hidden_size,
+                                                                                        dtype=w.dtype)
+    return makers
 
 
-def _check_non_weights(state: dict, hf_config: dict) -> None:
-    """Take the checkpoint's non-weight tensors out of `state`, refusing any that config.json does not explain
-    (a checkpoint may leave them out: `RadioModel` then builds them from the config)."""
-    for name, expected in _non_weights(hf_config, torch.float32).items():
-        if name not in state:
-            continue
-        found = state.pop(name)
-        if not torch.equal(found, expected.to(found.dtype)):
-            what = "not all ones (megatron-core's ViT layer has no LayerScale)" if "lambda1" in name else \
-                f"{found.flatten().tolist()}, config.json gives {expected.flatten().tolist()}"
-            raise UsageError(f"RADIO checkpoint tensor {name} is {what}")
+def _check(name: str, make, hf_config: dict | None):
+    """A check of one non-weight tensor read from a checkpoint: LayerScale must be the identity, the
+    conditioner's statistics and summary_idxs what config.json says (import takes image_mean / image_std from
+    there)."""
+    def check(found: torch.Tensor) -> str | None:
+        if "lambda1" in name:
+            return None if torch.all(found == 1) else "is not all ones (megatron-core's ViT layer has no LayerScale)"
+        if hf_config is None:
+            return None
+        field = "summary_idxs" if name == SUMMARY_IDXS else name.rpartition(".")[2]  # norm_mean, norm_std
+        expected = torch.tensor(_field(hf_config, field))
+        if not torch.equal(found.flatten(), expected.flatten().to(found.dtype)):
+            return f"is {found.flatten().tolist()}, config.json gives {expected.flatten().tolist()}"
+        return None
+
+    return check
 
 
-# ------------------------------------------------------------------------------------------------ conversions
+def vision_config(s) -> dict:
+    """The RADIO config.json of settings `s` (the omni model's vision_config). mimo keeps one count of class and
+    register tokens (all dropped before the LLM): all class tokens here."""
+    mlp_ratio = s.vision_ffn_hidden_size / s.vision_hidden_size
+    return dict(
+        model_type="radio", hidden_size=s.vision_hidden_size, num_hidden_layers=s.vision_layers,
+        num_attention_heads=s.vision_heads, mlp_ratio=mlp_ratio, hidden_act=HF_ACTIVATIONS[s.vision_activation],
+        layer_norm_eps=s.vision_layernorm_epsilon, patch_size=s.patch_size, max_img_size=s.max_image_size,
+        num_cls_tokens=s.class_tokens, num_registers=0, summary_idxs=list(range(min(2, s.class_tokens))),
+        norm_mean=list(s.image_mean), norm_std=list(s.image_std),
+        video_temporal_patch_size=s.video_temporal_patch_size if s.video_temporal_patch_size > 1 else None,
+        qkv_bias=True, use_swiglu_ffn=False, layerscale_value=1.0, num_channels=3)
 
 
-def to_megatron(hf_state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
-    """A RADIO checkpoint's tensors -> RADIOViTModel's state dict (without `_extra_state` entries)."""
-    config_fields(hf_config)  # refuses what the provider's encoder cannot compute
-    state, where = dict(hf_state), "the RADIO checkpoint"
-    layers, heads = _field(hf_config, "num_hidden_layers"), _field(hf_config, "num_attention_heads")
-    out = {mg: _take(state, hf, where) for hf, mg in _renamed(layers, _has_video(hf_config))}
-    out.update({mg: _qkv_to_megatron(_take(state, hf, where), heads) for hf, mg in _qkv(layers)})
-    class_token = _take(state, CLASS_TOKEN[0], where)
-    if class_token.shape[0]:  # RADIOViTModel holds no class_token parameter without class tokens
-        out[CLASS_TOKEN[1]] = class_token
-    _check_non_weights(state, hf_config)
-    if state:
-        raise UsageError(f"the RADIO checkpoint has tensors the encoder has no place for: {sorted(state)}")
-    return out
+HF_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
-def from_megatron(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
-    """RADIOViTModel's state dict -> the tensors of a RADIO checkpoint (`RadioModel.from_pretrained` loads them
-    with nothing missing or unexpected). `_extra_state` entries are ignored."""
-    config_fields(hf_config)
-    state = {name: t for name, t in state.items() if not name.endswith("_extra_state")}
-    where = "the RADIOViTModel state dict"
-    layers, heads = _field(hf_config, "num_hidden_layers"), _field(hf_config, "num_attention_heads")
-    out = {hf: _take(state, mg, where) for hf, mg in _renamed(layers, _has_video(hf_config))}
-    out.update({hf: _qkv_from_megatron(_take(state, mg, where), heads) for hf, mg in _qkv(layers)})
-    weights = out[MODEL + "patch_generator.embedder.weight"]
-    out[CLASS_TOKEN[0]] = state.pop(CLASS_TOKEN[1]) if CLASS_TOKEN[1] in state else weights.new_empty(
-        0, weights.shape[0])
-    out.update(_non_weights(hf_config, weights.dtype))
-    if state:
-        raise UsageError(f"{where} has tensors a RADIO checkpoint has no place for: {sorted(state)}")
-    return out
+def inflated_video_embedder(frames: int):
+    """A video patch embedder made from the image embedder [h, 3P^2]: `frames` identical frames embed as the image
+    patch (patches ordered (frame, c, y, x)). For an omni export of a RADIO that has none."""
+    return lambda w: torch.cat([w / frames] * frames, dim=1)
