@@ -117,3 +117,17 @@ def test_language_is_one_name_exported_by_the_public_api():
     assert mimo.LANGUAGE == mimo.plugins.LANGUAGE == topology.LANGUAGE == "language"
     assert mimo.module_prefix(mimo.LANGUAGE) == "language_model."
     assert mimo.module_prefix("images") == "modality_submodules.images."
+
+
+def test_no_merge_conflict_markers_in_tracked_files():
+    # A merge once committed its markers into two docs: every tracked text file is checked.
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    marked = []
+    for name in files:
+        try:
+            lines = (REPO / name).read_text().splitlines()
+        except (UnicodeDecodeError, FileNotFoundError, IsADirectoryError):
+            continue
+        marked += [f"{name}:{i}" for i, line in enumerate(lines, 1)
+                   if line.startswith(("<<<<<<< ", ">>>>>>> "))]
+    assert not marked, marked
