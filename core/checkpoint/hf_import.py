@@ -18,7 +18,8 @@ from ..run.plan import prepare
 from ..run.world import join
 from . import atomic_dir
 from .checkpointer import Checkpointer
-from .hf import SETTINGS_FILE, check_sources, find_provider, hf_sources, hf_sources_of, write_settings
+from .hf import (SETTINGS_FILE, check_sources, find_provider, hf_sources, hf_sources_of, precision_of,
+                 write_settings)
 from .hf_load import load_hf
 from .layout import TRACKER, run_info
 
@@ -41,7 +42,7 @@ def import_hf(out: Path, hf_dir: Path | None = None, llm: Path | None = None, vi
     configs = {part: read_config(folder) for part, folder in sources}
     provider, fields = find_provider(registry, configs, provider)
     out = Path(out)
-    precision = "bf16" if any(_dtype(c) == "bfloat16" for c in configs.values()) else "fp32"
+    precision = precision_of(configs.values())
     config = RunConfig(provider=provider, provider_settings=list(assignments),
                        checkpoint=dataclasses.replace(options, save=out, save_optim=False, save_rng=False),
                        training=TrainingOptions(micro_batch_size=1, train_iters=1, precision=precision, device=device))
@@ -69,10 +70,6 @@ def unfinished_import(out: Path) -> str | None:
     if SETTINGS_FILE in names and TRACKER not in names and names <= {SETTINGS_FILE, "iter_0000000", ".mimo-lock"}:
         return f"{SETTINGS_FILE} without a checkpoint"
     return None
-
-
-def _dtype(config: dict) -> str | None:
-    return config.get("dtype") or config.get("torch_dtype") or (config.get("text_config") or {}).get("dtype")
 
 
 def _finish_world() -> None:

@@ -26,7 +26,7 @@ from mimo.plugins import Registry
 from mimo.plugins.settings import build_settings
 
 from ..config import RunConfig
-from .hf import _precision, find_provider, is_hf_folder, plain_value
+from .hf import find_provider, is_hf_folder, plain_value, precision_of
 from .layout import iteration_dir, read_common, read_tracker
 
 # Loop options each command takes from the checkpoint when the user gives none: {section: (options)}.
@@ -70,12 +70,12 @@ def saved_run(path: Path | None, provider: str | None = None, registry: Registry
 
         registry = registry or Registry()
         hf_config = safetensors_io.read_config(path)
-        name, fields = find_provider(registry, hf_config, provider)
+        name, fields = find_provider(registry, {"model": hf_config}, provider)
         settings = dict(fields)
         setting_names = {f.name for f in dataclasses.fields(registry.get(name)[0].settings)}
         if (path / "tokenizer.json").is_file() and "tokenizer_path" in setting_names:
             settings.setdefault("tokenizer_path", str(path))  # the folder's own tokenizer
-        return SavedRun(str(path), name, settings, {"training": {"precision": _precision(hf_config)}})
+        return SavedRun(str(path), name, settings, {"training": {"precision": precision_of([hf_config])}})
     return None
 
 
