@@ -107,6 +107,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="nemotron-moe-vlm-tiny, backend local, CPU, fp32")
     parser.add_argument("--profile", type=Path, help="also profile a few decode steps of each engine into DIR")
     parser.add_argument("--profile-steps", type=int, default=16)
+    parser.add_argument("--no-sync-free", action="store_true",
+                        help="mimo decodes as before: megatron-core's MoE path and a stop check at every step")
     args = parser.parse_args(argv)
     started = time.perf_counter()
 
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="mimo-bench-generate-", dir=args.out))
     try:
         export(world, model, scratch / "hf")
-        decoder = Decoder(model, device=device, params_dtype=dtype)
+        decoder = Decoder(model, device=device, params_dtype=dtype, sync_free=not args.no_sync_free)
         sampler = Sampler(SamplingOptions(), device)
         mimo_generate = lambda n: decoder.generate(prompt, max_new_tokens=n, stop_ids=frozenset(),  # noqa: E731
                                                    sampler=sampler).tokens
@@ -180,7 +182,8 @@ def main(argv=None) -> int:
     agree = next((i for i, (a, b) in enumerate(zip(mimo["tokens"], transformers["tokens"])) if a != b),
                  args.new_tokens)
     record = {"benchmark": "generate", "device": device_description(), "provider": provider, "settings": settings,
-              "precision": precision, "prompt_tokens": prompt.num_tokens, "new_tokens": args.new_tokens,
+              "precision": precision, "sync_free": not args.no_sync_free, "prompt_tokens": prompt.num_tokens,
+              "new_tokens": args.new_tokens,
               "repeats": args.repeats, "engines": [mimo, transformers], "transformers_kernels": kernels,
               "greedy_tokens_agree_for": agree, "seconds": time.perf_counter() - started,
               "command": " ".join([sys.executable, *sys.argv])}
