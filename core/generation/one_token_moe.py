@@ -10,7 +10,8 @@ and adding exact zeros changes nothing: the chosen experts' outputs are added in
 
 The GPU reads every local expert's weights instead of top-k of them (for nemotron-moe-vlm-mid, 32 experts of
 2 x 1536 x 768 bf16 in 7 layers: about 1 GB a token, well under a millisecond on an H100), which is cheap beside
-the host time a decode step otherwise spends waiting.
+the host time a decode step otherwise spends waiting. Where that read outweighs the sync (many experts against
+top-k, e.g. 128 experts top 6: tens of GB a token at the released LLM's width) megatron's path stays.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+
+
+# Every local expert's weights are read per token: worth it up to this many experts per chosen one.
+MAX_EXPERTS_PER_CHOICE = 8
 
 
 def eligible(moe) -> bool:
@@ -32,7 +37,8 @@ def eligible(moe) -> bool:
             and moe.num_local_experts == config.num_moe_experts
             and not config.moe_latent_size and not config.fp8 and not config.fp4
             and not config.moe_apply_probs_on_input and config.moe_expert_capacity_factor is None
-            and not hasattr(moe, "_inference_token_dispatcher"))
+            and not hasattr(moe, "_inference_token_dispatcher")
+            and config.num_moe_experts <= MAX_EXPERTS_PER_CHOICE * config.moe_router_topk)
 
 
 def one_token_forward(moe, ones: torch.Tensor, megatron_forward):
