@@ -14,6 +14,10 @@ patches), greedy, forced to `--new-tokens` tokens (256; no stop token).
 For each engine, after one warm-up (first-use compilation), `--repeats` times: a 1-token call (the prefill: the
 encoder and the prompt, and the first token) and a full call; decode tokens/s = (new tokens - 1) / (full - 1-token
 call), wall time with the GPU synchronized. Printed: min / median / max; written: `<out>/generate.json`.
+
+`--profile DIR`: after the timings, torch.profiler over `--profile-steps` one-token steps of each engine (chrome
+traces and a summary in DIR, bench/decode_profile.py): host vs GPU busy time per step, host syncs per step, the top
+ops by self CPU and CUDA time.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from pathlib import Path
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # megatron-core's fused functions eager, as transformers runs
 
 from common import device_description  # noqa: E402
+from decode_profile import profile_decode, report  # noqa: E402
 
 QUESTION = "Describe everything in this picture in detail."
 # What the Hugging Face omni model is (export refuses other forms): an MLP projection with its
@@ -102,6 +107,10 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="nemotron-moe-vlm-tiny, backend local, CPU, fp32")
+    parser.add_argument("--profile", type=Path, help="also profile a few decode steps of each engine into DIR")
+    parser.add_argument("--profile-steps", type=int, default=16)
+    parser.add_argument("--no-sync-free", action="store_true",
+                        help="mimo decodes as before: megatron-core's MoE path and a stop check at every step")
     args = parser.parse_args(argv)
     started = time.perf_counter()
 
@@ -136,11 +145,15 @@ def main(argv=None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="mimo-bench-generate-", dir=args.out))
     try:
         export(world, model, scratch / "hf")
-        decoder = Decoder(model, device=device, params_dtype=dtype)
+        decoder = Decoder(model, device=device, params_dtype=dtype, sync_free=not args.no_sync_free)
         sampler = Sampler(SamplingOptions(), device)
-        mimo = measure("mimo", lambda n: decoder.generate(prompt, max_new_tokens=n, stop_ids=frozenset(),
-                                                          sampler=sampler).tokens, args.new_tokens, args.repeats,
-                       device)
+        mimo_generate = lambda n: decoder.generate(prompt, max_new_tokens=n, stop_ids=frozenset(),  # noqa: E731
+                                                   sampler=sampler).tokens
+        mimo = measure("mimo", mimo_generate, args.new_tokens, args.repeats, device)
+        profiles = {}
+        if args.profile:
+            profiles["mimo"] = profile_decode("mimo", mimo_generate, decoder.lm, args.profile_steps, device,
+                                              args.profile)
         del decoder, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -160,6 +173,9 @@ def main(argv=None) -> int:
             return out[0, prompt.num_tokens:].tolist()
 
         transformers = measure("transformers", hf_generate, args.new_tokens, args.repeats, device)
+        if args.profile:
+            profiles["transformers"] = profile_decode("transformers", hf_generate, hf, args.profile_steps, device,
+                                                      args.profile)
         kernels = {name: getattr(getattr(modeling_nemotron_h, name, None), "__module__", None) for name in (
             "causal_conv1d_fn", "causal_conv1d_update", "mamba2_selective_state_update", "mamba2_chunk_scan")}
     finally:
@@ -168,7 +184,8 @@ def main(argv=None) -> int:
     agree = next((i for i, (a, b) in enumerate(zip(mimo["tokens"], transformers["tokens"])) if a != b),
                  args.new_tokens)
     record = {"benchmark": "generate", "device": device_description(), "provider": provider, "settings": settings,
-              "precision": precision, "prompt_tokens": prompt.num_tokens, "new_tokens": args.new_tokens,
+              "precision": precision, "sync_free": not args.no_sync_free, "prompt_tokens": prompt.num_tokens,
+              "new_tokens": args.new_tokens,
               "repeats": args.repeats, "engines": [mimo, transformers], "transformers_kernels": kernels,
               "greedy_tokens_agree_for": agree, "seconds": time.perf_counter() - started,
               "command": " ".join([sys.executable, *sys.argv])}
@@ -184,6 +201,10 @@ def main(argv=None) -> int:
               f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} tokens/s")
     print(f"  greedy tokens agree for the first {agree} of {args.new_tokens}; transformers' Mamba kernels: "
           f"{sorted(set(kernels.values()))}")
+    for name, summary in profiles.items():
+        print(report(name, summary))
+    if profiles:
+        (args.profile / "summary.json").write_text(json.dumps(profiles, indent=1))
     print(f"results: {path} ({record['seconds']:.0f} s in all)")
     return 0
 

@@ -38,13 +38,28 @@ def main(provider: str, assignments: list[str], new_tokens: int = 24) -> None:
                # two images: the encoder sees both at once, and the prompt is encoded again at every recomputation
                "long": Prompt([Turn("user", (IMAGE, long_text, IMAGE))], [image, image.flip(-1)[:, :32]])}
     decoder = Decoder(model, device=world.device, params_dtype=world.params_dtype)
+    # megatron-core's own MoE path and a stop check at every step: what the sync-free decoder must equal
+    plain = Decoder(model, device=world.device, params_dtype=world.params_dtype, sync_free=False)
+
+    def answer(d, encoded, stop_ids=frozenset()):
+        g = d.generate(encoded, max_new_tokens=new_tokens, stop_ids=stop_ids,
+                       sampler=Sampler(SamplingOptions(), world.device))
+        return {"tokens": g.tokens, "stop": g.stop}
+
+    from mimo.core.generation.one_token_moe import one_token_moe
+
+    with one_token_moe(decoder.lm) as sync_free_moe_layers:
+        pass
     for name, prompt in prompts.items():
         encoded = encode(prompt, fmt)
-        got = decoder.generate(encoded, max_new_tokens=new_tokens, stop_ids=frozenset(),
-                               sampler=Sampler(SamplingOptions(), world.device))
+        got = answer(decoder, encoded)["tokens"]
         want, _ = recompute_greedy(decoder, encoded, new_tokens)
-        print(json.dumps({"prompt": name, "prompt_tokens": encoded.num_tokens, "cached": got.tokens,
-                          "recomputed": want, "image_token": fmt.tokenizer.image_token_id}), flush=True)
+        stop = frozenset({got[10]})  # a stop token inside the answer, between two host checks
+        print(json.dumps({"prompt": name, "prompt_tokens": encoded.num_tokens, "cached": got,
+                          "recomputed": want, "image_token": fmt.tokenizer.image_token_id,
+                          "plain": answer(plain, encoded)["tokens"], "stopped": answer(decoder, encoded, stop),
+                          "plain_stopped": answer(plain, encoded, stop),
+                          "sync_free_moe_layers": sync_free_moe_layers}), flush=True)
 
 
 if __name__ == "__main__":

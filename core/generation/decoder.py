@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +25,10 @@ from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE
 
 from ..run.step import to_device
+from .one_token_moe import one_token_moe
 
 STOP_END, STOP_LENGTH = "end", "length"  # the answer ended with a stop token / reached --max-new-tokens
+STOP_CHECK_EVERY = 8  # steps between host checks for a stop token: at most 7 wasted steps, no sync in between
 
 
 @dataclass
@@ -35,10 +37,11 @@ class Generated:
     stop: str  # STOP_END or STOP_LENGTH
     prefill_seconds: float
     decode_seconds: float  # the steps after the first token
+    decode_steps: int | None = None  # forward passes after the prefill (with those after a stop token, dropped)
 
     @property
     def decode_tokens_per_second(self) -> float | None:
-        steps = len(self.tokens) - (self.stop == STOP_LENGTH)  # forward passes after the prefill
+        steps = self.decode_steps if self.decode_steps is not None else len(self.tokens) - (self.stop == STOP_LENGTH)
         return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else None
 
 
@@ -83,8 +86,8 @@ class Decoder:
     """Answers prompts with a built MimoModel: `generate(prompt, max_new_tokens=..., stop_ids=..., sampler=...)`.
     Called on every rank of the world together (collective)."""
 
-    def __init__(self, model, *, device: torch.device, params_dtype: torch.dtype):
-        self.model, self.device, self.params_dtype = model, device, params_dtype
+    def __init__(self, model, *, device: torch.device, params_dtype: torch.dtype, sync_free: bool = True):
+        self.model, self.device, self.params_dtype, self.sync_free = model, device, params_dtype, sync_free
         self.lm = unwrapped(model.language_model)  # the DDP wrapper adds nothing without gradients
 
     def prompt_embeddings(self, input_ids: torch.Tensor, modality_inputs: dict) -> torch.Tensor:
@@ -104,7 +107,12 @@ class Decoder:
 
     @torch.no_grad()
     def generate(self, prompt, *, max_new_tokens: int, stop_ids: frozenset[int], sampler) -> Generated:
-        """Up to `max_new_tokens` tokens after `prompt` (an `EncodedPrompt`), ending at a token of `stop_ids`."""
+        """Up to `max_new_tokens` tokens after `prompt` (an `EncodedPrompt`), ending at a token of `stop_ids`.
+
+        A step never waits for the GPU: the chosen tokens stay on the device and the host looks for a stop token
+        every `STOP_CHECK_EVERY` steps (the steps after a stop are computed and dropped), and MoE layers take the
+        one-token path of one_token_moe.py (`sync_free=False`: megatron-core's own MoE path, a host sync per MoE
+        layer, and a check for a stop token at every step)."""
         from megatron.core.inference.contexts import StaticInferenceContext
         from megatron.core.inference.utils import InferenceMode
 
@@ -112,14 +120,19 @@ class Decoder:
         length = input_ids.shape[1]
         context = StaticInferenceContext(max_batch_size=1, max_sequence_length=length + max_new_tokens)
         modality_inputs = to_device(prompt.modality_inputs, self.device, self.params_dtype)
-        tokens, stop = [], STOP_LENGTH
         distributed = dist.is_initialized() and dist.get_world_size() > 1
-        with eval_mode(self.model), InferenceMode.active():
+        check_every = STOP_CHECK_EVERY if self.sync_free else 1
+        # allocated once: a step's position and token are views and copies, no new tensors
+        positions = torch.arange(length + max_new_tokens, device=self.device)[None]
+        chosen = torch.empty(max(max_new_tokens, 1), dtype=torch.long, device=self.device)
+        stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device) if stop_ids else None
+        moe = one_token_moe(self.lm) if self.sync_free else nullcontext()
+        count, checked = 0, 0
+        with eval_mode(self.model), InferenceMode.active(), moe:
             started = time.perf_counter()
             combined = self.prompt_embeddings(input_ids, modality_inputs)
-            logits = self.lm(input_ids=None, position_ids=torch.arange(length, device=self.device)[None],
-                             decoder_input=combined, attention_mask=None, inference_context=context,
-                             runtime_gather_output=True)
+            logits = self.lm(input_ids=None, position_ids=positions[:, :length], decoder_input=combined,
+                             attention_mask=None, inference_context=context, runtime_gather_output=True)
             context.increment_sequence_len_offset(length)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -128,18 +141,25 @@ class Decoder:
                 token = sampler.choose(logits[0, -1])  # [1, 1]
                 if distributed:
                     dist.broadcast(token, src=0)
-                chosen = int(token)  # the one host sync of a step: was it a stop token?
-                if chosen in stop_ids:
-                    stop = STOP_END
+                chosen[step:step + 1].copy_(token.view(1))
+                count = step + 1
+                if count == max_new_tokens:
                     break
-                tokens.append(chosen)
-                if step == max_new_tokens - 1:
-                    break
-                position = torch.full((1, 1), context.sequence_len_offset, dtype=torch.long, device=self.device)
-                logits = self.lm(input_ids=token, position_ids=position, attention_mask=None,
+                if stops is not None and count - checked >= check_every:
+                    # the one host sync, every check_every steps
+                    if bool(torch.isin(chosen[checked:count], stops).any()):
+                        break
+                    checked = count
+                offset = context.sequence_len_offset
+                logits = self.lm(input_ids=token, position_ids=positions[:, offset:offset + 1], attention_mask=None,
                                  inference_context=context, runtime_gather_output=True)
                 context.increment_sequence_len_offset(1)
+            tokens = chosen[:count].tolist()
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             finished = time.perf_counter()
-        return Generated(tokens, stop, prefilled - started, finished - prefilled)
+        end = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
+        steps = count - 1  # forward passes after the prefill
+        if end is not None:
+            return Generated(tokens[:end], STOP_END, prefilled - started, finished - prefilled, steps)
+        return Generated(tokens, STOP_LENGTH, prefilled - started, finished - prefilled, steps)
