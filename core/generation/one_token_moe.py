@@ -2,16 +2,16 @@
 
 megatron-core's token dispatchers learn how many tokens each expert gets on the host (the allgather dispatcher's
 `tokens_per_expert.cpu()` and `masked_select`, token_dispatcher.py), which stalls every MoE layer of every decode
-step until the GPU has caught up. For a single token the counts need not be known: the token goes to every local
-expert once (fixed splits of 1, a CPU tensor) and each expert's output is weighted by the router's dense
-probabilities, which are exactly zero for the experts the router did not choose. The experts' own forward does the
-math (fc1, activation times probability, fc2), so only the sum over experts differs from the dispatcher's combine,
-and adding exact zeros changes nothing: the chosen experts' outputs are added in expert order, as unpermute does.
+step until the GPU has caught up; the experts' modules then loop over every expert on the host. For a single token
+neither is needed: the router's choice stays on the device as k indices, and the k chosen experts' weights are
+gathered from a copy of the layer's expert weights stacked once per `generate` call ([E, out, in]), so the layer
+is a handful of kernels whatever the number of experts. The math is the experts' own: fc1, activation, times the
+router's probability (cast back to the weights' dtype, as megatron's experts do), fc2, and the sum over the chosen
+experts in fp32 and in expert order, as TE's fused unpermute adds them.
 
-The GPU reads every local expert's weights instead of top-k of them (for nemotron-moe-vlm-mid, 32 experts of
-2 x 1536 x 768 bf16 in 7 layers: about 1 GB a token, well under a millisecond on an H100), which is cheap beside
-the host time a decode step otherwise spends waiting. Where that read outweighs the sync (many experts against
-top-k, e.g. 128 experts top 6: tens of GB a token at the released LLM's width) megatron's path stays.
+The stacked copy costs the experts' memory once more while decoding (for nemotron-moe-vlm-mid about 1 GB);
+layers with many experts per chosen one (e.g. 128 experts top 6: tens of GB at the released LLM's width) keep
+megatron's path.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 
 
-# Every local expert's weights are read per token: worth it up to this many experts per chosen one.
+# The stacked copy of the experts is worth its memory up to this many experts per chosen one.
 MAX_EXPERTS_PER_CHOICE = 8
 
 
@@ -38,20 +38,50 @@ def eligible(moe) -> bool:
             and not config.moe_latent_size and not config.fp8 and not config.fp4
             and not config.moe_apply_probs_on_input and config.moe_expert_capacity_factor is None
             and not hasattr(moe, "_inference_token_dispatcher")
-            and config.num_moe_experts <= MAX_EXPERTS_PER_CHOICE * config.moe_router_topk)
+            and config.num_moe_experts <= MAX_EXPERTS_PER_CHOICE * config.moe_router_topk
+            and config.moe_mlp_glu_interleave_size is None and not _has_bias(moe.experts))
 
 
-def one_token_forward(moe, ones: torch.Tensor, megatron_forward):
+def stacked_expert_weights(experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """([E, ffn, H] fc1, [E, H, ffn] fc2) weights of the local experts: TEGroupedMLP's weight0..weightN or
+    SequentialMLP's modules."""
+    if hasattr(experts, "local_experts"):
+        fc1 = [e.linear_fc1.weight for e in experts.local_experts]
+        fc2 = [e.linear_fc2.weight for e in experts.local_experts]
+    else:
+        fc1 = [getattr(experts.linear_fc1, f"weight{i}") for i in range(experts.num_local_experts)]
+        fc2 = [getattr(experts.linear_fc2, f"weight{i}") for i in range(experts.num_local_experts)]
+    return torch.stack([w.detach() for w in fc1]), torch.stack([w.detach() for w in fc2])
+
+
+def _has_bias(experts) -> bool:
+    modules = ([m for e in experts.local_experts for m in (e.linear_fc1, e.linear_fc2)]
+               if hasattr(experts, "local_experts") else [experts.linear_fc1, experts.linear_fc2])
+    return any(name.startswith("bias") and p is not None and p.numel() for m in modules
+               for name, p in m.named_parameters(recurse=False))
+
+
+def one_token_forward(moe, megatron_forward):
     """MoELayer.forward for [1, 1, H] inputs (others go to megatron's forward)."""
+    fc1, fc2 = stacked_expert_weights(moe.experts)
+    config, k = moe.config, moe.config.moe_router_topk
+    activation = config.activation_func
 
     def forward(hidden_states, intermediate_tensors=None, padding_mask=None):
         if intermediate_tensors is not None or padding_mask is not None or hidden_states.shape[:2] != (1, 1):
             return megatron_forward(hidden_states, intermediate_tensors, padding_mask)
         shared = moe.shared_experts(hidden_states) if moe.use_shared_expert else None
-        probs, _ = moe.router(hidden_states)  # [1, E]: zero off the chosen experts
-        tokens = hidden_states.reshape(1, -1).expand(ones.numel(), -1).contiguous()
-        routed, bias = moe.experts(tokens, ones, probs.reshape(-1))
-        assert bias is None, "routed experts with a bias are not supported"
+        probs, routing_map = moe.router(hidden_states)  # [1, E]: probabilities, and which experts are chosen
+        chosen = routing_map[0].to(torch.int8).topk(k).indices.sort().values  # expert order, on the device
+        x = hidden_states.reshape(-1, 1)
+        h = torch.matmul(fc1[chosen], x).squeeze(-1)  # [k, ffn]
+        if config.gated_linear_unit:
+            gate, linear = h.chunk(2, dim=-1)
+            h = activation(gate) * linear
+        else:
+            h = activation(h)
+        h = (h * probs[0, chosen].unsqueeze(-1)).to(hidden_states.dtype)
+        routed = torch.matmul(fc2[chosen], h.unsqueeze(-1)).squeeze(-1)  # [k, H]
         output = routed.sum(0, dtype=torch.float32).to(hidden_states.dtype).view_as(hidden_states)
         return (output if shared is None else output + shared), None
 
@@ -66,8 +96,7 @@ def one_token_moe(model):
     patched = []
     for module in model.modules():
         if isinstance(module, MoELayer) and eligible(module) and "forward" not in vars(module):
-            ones = torch.ones(module.num_local_experts, dtype=torch.long)  # on the host: no copy back
-            module.forward = one_token_forward(module, ones, module.forward)
+            module.forward = one_token_forward(module, module.forward)
             patched.append(module)
     try:
         yield len(patched)
