@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The Nemotron slice on one H100: time to the first iteration (fresh and warm caches, pinned autotuning) and steady
-# speed, each against main at de6fd6f in the same call; the dense mock-vlm against main; nemotron-moe-vlm-mid's
+# speed, each against main at 08bb8c9 in the same call; the dense mock-vlm against main; nemotron-moe-vlm-mid's
 # recipes with diagnostics; FP8. Run from the repository root, three device calls in a row (a machine stays warm
 # 30 s after a call: send the next one at once; a later call on a fresh machine stops at once with exit 3):
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
@@ -8,7 +8,7 @@
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
-#   mkdir -p bench_baseline && git archive de6fd6f --prefix=mimo/ | tar -x -C bench_baseline
+#   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
 # Results: $OUT/<phase>.tgz (logs, metrics, records, profile summaries, the recorded kernel_configs.json), rewritten
 # after every run so that a call stopped early keeps what finished; the summary table is the last output.
 set -uo pipefail
@@ -72,7 +72,7 @@ case "$phase" in
       # graphs refused before iteration 1 (cache B still empty): the pinned fresh start without them
       first_done 2 || bench 2b 150 --cases slice-te \
         --extra "--compile-cache /tmp/ccB --kernel-configs /tmp/ccA/kernel_configs.json"
-      # 3 main (de6fd6f) on cache A's kernels and autotune timings, same card, same call
+      # 3 main (08bb8c9) on cache A's kernels and autotune timings, same card, same call
       TRITON_CACHE_DIR=/tmp/ccA/triton TRITON_CACHE_AUTOTUNING=1 bench 3 140 --cases slice-te --baseline-src "$base"
       cp /tmp/ccA/kernel_configs.json "$R/kernel_configs_A.json" 2>/dev/null
       cp /tmp/ccB/kernel_configs.json "$R/kernel_configs_B.json" 2>/dev/null
