@@ -15,9 +15,9 @@ import yaml
 
 from helpers import REPO, install_distribution, run_mimo
 
-# Notices of the libraries that must never reach the console (docs/telemetry.md); an option named --...-warning is
-# not one.
-FOREIGN = re.compile(r"(?<!-)warning|Traceback|^[IWE]\d{4} |Filling reading buffer|Saving info|Collapsing split|it/s\]",
+# Notices of the libraries that must never reach the console (docs/telemetry.md); an option named --...-warning (or its
+# setting truncation_warning) is not one.
+FOREIGN = re.compile(r"(?<![-_])warning|Traceback|^[IWE]\d{4} |Filling reading buffer|Saving info|Collapsing split|it/s\]",
                      re.IGNORECASE | re.MULTILINE)
 # Every line a training or evaluation run prints.
 RUN_LINE = re.compile(r"^(mimo (run|eval): |iteration +\d|validation \(|predictions \(|  Q: |saved checkpoint |"
