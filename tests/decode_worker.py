@@ -46,9 +46,7 @@ def main(provider: str, assignments: list[str], new_tokens: int = 24) -> None:
                        sampler=Sampler(SamplingOptions(), world.device))
         return {"tokens": g.tokens, "stop": g.stop}
 
-    from mimo.core.generation.one_token_moe import one_token_moe
-
-    with one_token_moe(decoder.lm) as sync_free_moe_layers:
+    with decoder.one_token_moe().active() as sync_free_moe_layers:
         pass
     for name, prompt in prompts.items():
         encoded = encode(prompt, fmt)

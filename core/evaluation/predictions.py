@@ -77,11 +77,12 @@ class Predictor:
         self.fmt = prompt_format_of(plan.hooks, plan.settings, plan.config.provider)
         with _random_state_kept():  # energon's loader draws from the global generators; training must not see it
             self.prompts, _ = from_dataset(Path(data_path), split, options.eval_samples)
-        self.decoder = Decoder(model, device=world.device, params_dtype=world.params_dtype)
-        self.device, self.max_new_tokens = world.device, options.eval_max_new_tokens
+        self.model, self.device, self.params_dtype = model, world.device, world.params_dtype
+        self.max_new_tokens = options.eval_max_new_tokens
 
     def predict(self) -> Predictions:
-        answers = answer_all(self.decoder, self.fmt, self.prompts, sampler=Sampler(SamplingOptions(), self.device),
+        decoder = Decoder(self.model, device=self.device, params_dtype=self.params_dtype)  # this evaluation's weights
+        answers = answer_all(decoder, self.fmt, self.prompts, sampler=Sampler(SamplingOptions(), self.device),
                              max_new_tokens=self.max_new_tokens)
         return Predictions([a.record() for a in answers])
 

@@ -25,7 +25,7 @@ from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE
 
 from ..run.step import to_device
-from .one_token_moe import one_token_moe
+from .one_token_moe import OneTokenMoE
 
 STOP_END, STOP_LENGTH = "end", "length"  # the answer ended with a stop token / reached --max-new-tokens
 STOP_CHECK_EVERY = 8  # steps between host checks for a stop token: at most 7 wasted steps, no sync in between
@@ -37,12 +37,12 @@ class Generated:
     stop: str  # STOP_END or STOP_LENGTH
     prefill_seconds: float
     decode_seconds: float  # the steps after the first token
-    decode_steps: int | None = None  # forward passes after the prefill (with those after a stop token, dropped)
+    decode_steps: int  # forward passes after the prefill (with those after a stop token, dropped)
 
     @property
     def decode_tokens_per_second(self) -> float | None:
-        steps = self.decode_steps if self.decode_steps is not None else len(self.tokens) - (self.stop == STOP_LENGTH)
-        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else None
+        steps, seconds = self.decode_steps, self.decode_seconds
+        return steps / seconds if steps > 0 and seconds > 0 else None
 
 
 def _fresh(value):
@@ -84,11 +84,18 @@ def eval_mode(model):
 
 class Decoder:
     """Answers prompts with a built MimoModel: `generate(prompt, max_new_tokens=..., stop_ids=..., sampler=...)`.
-    Called on every rank of the world together (collective)."""
+    Called on every rank of the world together (collective). One Decoder per set of weights: the one-token MoE
+    path keeps a copy of the experts' weights, made at the first `generate`."""
 
     def __init__(self, model, *, device: torch.device, params_dtype: torch.dtype, sync_free: bool = True):
         self.model, self.device, self.params_dtype, self.sync_free = model, device, params_dtype, sync_free
         self.lm = unwrapped(model.language_model)  # the DDP wrapper adds nothing without gradients
+        self._one_token_moe = None
+
+    def one_token_moe(self) -> OneTokenMoE:
+        if self._one_token_moe is None:
+            self._one_token_moe = OneTokenMoE(self.lm)
+        return self._one_token_moe
 
     def prompt_embeddings(self, input_ids: torch.Tensor, modality_inputs: dict) -> torch.Tensor:
         """MimoModel's colocated merge (its `_forward_all_modules` up to the language model): [S, 1, H]."""
@@ -126,7 +133,7 @@ class Decoder:
         positions = torch.arange(length + max_new_tokens, device=self.device)[None]
         chosen = torch.empty(max(max_new_tokens, 1), dtype=torch.long, device=self.device)
         stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device) if stop_ids else None
-        moe = one_token_moe(self.lm) if self.sync_free else nullcontext()
+        moe = self.one_token_moe().active() if self.sync_free else nullcontext()
         count, checked = 0, 0
         with eval_mode(self.model), InferenceMode.active(), moe:
             started = time.perf_counter()

@@ -88,18 +88,23 @@ def one_token_forward(moe, megatron_forward):
     return forward
 
 
-@contextmanager
-def one_token_moe(model):
-    """Within: every eligible MoELayer of `model` runs one-token inputs without a host sync."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
+class OneTokenMoE:
+    """The eligible MoE layers of a model, their experts' weights stacked once: the weights must not change while
+    this object lives (a Decoder holds one per set of weights). `with active():` the layers take the one-token
+    path."""
 
-    patched = []
-    for module in model.modules():
-        if isinstance(module, MoELayer) and eligible(module) and "forward" not in vars(module):
-            module.forward = one_token_forward(module, module.forward)
-            patched.append(module)
-    try:
-        yield len(patched)
-    finally:
-        for module in patched:
-            del module.forward
+    def __init__(self, model):
+        from megatron.core.transformer.moe.moe_layer import MoELayer
+
+        self.layers = [(module, one_token_forward(module, module.forward)) for module in model.modules()
+                       if isinstance(module, MoELayer) and eligible(module) and "forward" not in vars(module)]
+
+    @contextmanager
+    def active(self):
+        for module, forward in self.layers:
+            module.forward = forward
+        try:
+            yield len(self.layers)
+        finally:
+            for module, _ in self.layers:
+                del module.forward
