@@ -4,7 +4,7 @@ megatron-core's token dispatchers learn how many tokens each expert gets on the 
 `tokens_per_expert.cpu()` and `masked_select`, token_dispatcher.py), which stalls every MoE layer of every decode
 step until the GPU has caught up; the experts' modules then loop over every expert on the host. For a single token
 neither is needed: the router's choice stays on the device as k indices, and the k chosen experts' weights are
-gathered from a copy of the layer's expert weights stacked once per `generate` call ([E, out, in]), so the layer
+gathered from a copy of the layer's expert weights stacked once per decoder ([E, out, in]), so the layer
 is a handful of kernels whatever the number of experts. The math is the experts' own: fc1, activation, times the
 router's probability (cast back to the weights' dtype, as megatron's experts do), fc2, and the sum over the chosen
 experts in fp32 and in expert order, as TE's fused unpermute adds them.
