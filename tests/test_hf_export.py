@@ -53,7 +53,12 @@ def test_default_settings_are_told_at_start_and_export_names_every_setting_at_on
 def test_an_exportable_run_loads_and_generates_with_transformers_alone(tmp_path):
     saved, out = tmp_path / "run", tmp_path / "hf"
     _mimo(*RUN, *EXPORTABLE, "--save", str(saved))
+    killed = tmp_path / ".hf.mimo-partial-4242"  # what an export killed halfway leaves (its lock free)
+    killed.mkdir()
+    (killed / ".mimo-lock").touch()
+    (killed / "model.safetensors").write_bytes(b"half")
     printed = _mimo("ckpt", "export-hf", str(saved), str(out))
+    assert f"removed {killed}: an export that did not finish" in printed and not killed.exists()
     assert "note: RADIO has no video patch embedder" in printed  # the tiny variant's RADIO has none
     names = sorted(p.name for p in out.iterdir())
     assert names == ["chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",

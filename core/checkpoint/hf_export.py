@@ -14,9 +14,6 @@ empty or is the checkpoint's own directory.
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -27,7 +24,7 @@ from mimo.plugins.kit.safetensors_io import CONFIG_FILE, DEFAULT_SHARD_BYTES, Sh
 from mimo.plugins.kit.tensor_map import components, contributions, hf_shapes, hf_tensor
 from mimo.plugins.settings import build_settings
 
-from . import checksums
+from . import atomic_dir, checksums
 from .hf import plain_value
 from .hf_load import dist_key
 from .layout import TRACKER, iteration_dir, read_common, read_tracker
@@ -74,9 +71,9 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), max_shar
     plan = [(n, dtypes[n], shapes[n]) for group in groups for n in group]
     plan += [(n, t.dtype, tuple(t.shape)) for n, t in derived.items()]
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
-    try:
+    # written into a partial folder renamed to OUT at the end: a killed export leaves no OUT, and its partial
+    # folder is removed by the next export into OUT
+    with atomic_dir.writing(out, what="export") as scratch:
         writer = ShardWriter(scratch, plan, max_shard_bytes)  # writes in the plan's order
         for group in groups:  # one component in memory at a time
             tensors = reader.load(sorted({key for name in group for key, *_ in contrib[name]}))
@@ -92,12 +89,6 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), max_shar
         for name, content in export.files.items():
             (scratch / name).write_bytes(content if isinstance(content, bytes) else content.encode())
         readable_by_all(scratch)
-        if out.exists():
-            out.rmdir()  # empty: check_output made sure
-        os.replace(scratch, out)
-    except BaseException:
-        shutil.rmtree(scratch, ignore_errors=True)
-        raise
     return run["provider"], list(export.notes)
 
 
