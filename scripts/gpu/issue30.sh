@@ -41,6 +41,15 @@ versions() {
 torch.cuda.get_device_name())"
 }
 
+# ready: the machine has the TE stack of the install call, this call's wheels and main's code (else exit 3)
+ready() {
+  test -f /tmp/te-site/ok || { echo "TE stack missing: the machine is new; repeat the install call"; exit 3; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl || exit 3
+  export PYTHONPATH=/tmp/site:/tmp/te-site
+  test -f "$base/mimo/__init__.py" || { echo "bench_baseline/mimo missing (git archive, see the header)"; exit 3; }
+}
+
 case "$phase" in
   install)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-site .whl-te/*.whl \
@@ -55,10 +64,7 @@ case "$phase" in
     pack
     ;;
   slice|rest)
-    test -f /tmp/te-site/ok || { echo "TE stack missing: the machine is new; repeat call 1"; exit 3; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl && export PYTHONPATH=/tmp/site:/tmp/te-site || exit 3
-    test -f "$base/mimo/__init__.py" || { echo "bench_baseline/mimo missing (git archive, see the header)"; exit 3; }
+    ready
     versions > "$R/versions.txt" 2>&1
     if [ "$phase" = slice ]; then
       # 1 empty caches, every kernel autotuned (no pins), torch.compile off: writes /tmp/ccA/kernel_configs.json
@@ -99,10 +105,7 @@ case "$phase" in
     # The second device session (after the first found the transformer-engine additions stuck in iteration 1):
     # round2 finds where they stop, then measures the slice without them (fresh unpinned, fresh pinned, main);
     # round3 the warm start, mid's stuck recipe and decoding against transformers (bench/generate.py).
-    test -f /tmp/te-site/ok || { echo "TE stack missing: the machine is new; repeat the install call"; exit 3; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:/tmp/te-site
-    test -f "$base/mimo/__init__.py" || { echo "bench_baseline/mimo missing (git archive, see the header)"; exit 3; }
+    ready
     if [ "$phase" = round2 ]; then
       MIMO_STACK_DUMP_S=30 bench d 120 --cases slice-te --extra "--compile-cache /tmp/ccA --kernel-configs none"
       MIMO_TE_EXTRAS=0 bench f 130 --cases slice-te --extra "--compile-cache /tmp/ccB --kernel-configs none"
@@ -126,10 +129,7 @@ case "$phase" in
     # The third device session: the provider's recorded pins (kernel_configs/sm90.json, from the first session's
     # slice run) on a fresh cache, the warm start, main in the same call (round4); decoding against transformers
     # and mid's stuck recipe (round5).
-    test -f /tmp/te-site/ok || { echo "TE stack missing: the machine is new; repeat the install call"; exit 3; }
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl 2>/dev/null; export PYTHONPATH=/tmp/site:/tmp/te-site
-    test -f "$base/mimo/__init__.py" || { echo "bench_baseline/mimo missing (git archive, see the header)"; exit 3; }
+    ready
     if [ "$phase" = round4 ]; then
       bench f 215 --cases slice-te --extra "--compile-cache /tmp/ccD"
       bench w 120 --cases slice-te --extra "--compile-cache /tmp/ccD"
