@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -93,3 +94,10 @@ def world_of_one():
     finally:
         if created:
             dist.destroy_process_group()
+
+
+def doc_example_lines(doc) -> list[str]:
+    """The non-empty lines of the first bash block under a doc's "## Example" heading."""
+    text = doc.read_text().split("## Example", 1)[1]
+    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip()]

@@ -4,25 +4,18 @@
 from __future__ import annotations
 
 import json
-import re
 import shlex
 
 import pytest
 
-from helpers import REPO, read_metrics, run_mimo
+from helpers import REPO, doc_example_lines, read_metrics, run_mimo
 
 DOC = REPO / "docs" / "evaluation.md"
 DOC_ROOT = "/tmp/mimo-eval"  # where the example writes; the test writes under its own folder instead
 
 
-def example_lines() -> list[str]:
-    text = DOC.read_text().split("## Example", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
-    return [line for line in block.splitlines() if line.strip()]
-
-
 def test_the_documented_example_runs_and_mimo_eval_matches_the_last_in_run_evaluation(tmp_path):
-    lines = example_lines()
+    lines = doc_example_lines(DOC)
     assert [shlex.split(line)[:2] for line in lines] == [["mimo", "data"], ["mimo", "run"], ["mimo", "eval"]]
     for line in lines:
         argv = shlex.split(line.replace(DOC_ROOT, str(tmp_path)))
