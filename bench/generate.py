@@ -102,6 +102,8 @@ def _spread(values: list[float]) -> dict:
 
 
 def main(argv=None) -> int:
+    from mimo.core.generation.decoder import STEPS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -109,8 +111,9 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="nemotron-moe-vlm-tiny, backend local, CPU, fp32")
     parser.add_argument("--profile", type=Path, help="also profile a few decode steps of each engine into DIR")
     parser.add_argument("--profile-steps", type=int, default=16)
-    parser.add_argument("--no-sync-free", action="store_true",
-                        help="mimo decodes as before: megatron-core's MoE path and a stop check at every step")
+    parser.add_argument("--steps", nargs="+", default=["auto"], choices=STEPS,
+                        help="mimo's ways of stepping to measure, in this order (docs/generation.md): auto (graph "
+                             "on a GPU), graph, device, sync-free, waiting")
     args = parser.parse_args(argv)
     started = time.perf_counter()
 
@@ -145,16 +148,22 @@ def main(argv=None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="mimo-bench-generate-", dir=args.out))
     try:
         export(world, model, scratch / "hf")
-        decoder = Decoder(model, device=device, params_dtype=dtype, sync_free=not args.no_sync_free)
         sampler = Sampler(SamplingOptions(), device)
-        mimo_generate = lambda n: decoder.generate(prompt, max_new_tokens=n, stop_ids=frozenset(),  # noqa: E731
-                                                   sampler=sampler).tokens
-        mimo = measure("mimo", mimo_generate, args.new_tokens, args.repeats, device)
-        profiles = {}
-        if args.profile:
-            profiles["mimo"] = profile_decode("mimo", mimo_generate, decoder.lm, args.profile_steps, device,
-                                              args.profile)
-        del decoder, model
+        engines, profiles = [], {}
+        for steps in args.steps:  # each way of stepping with its own decoder, one after the other
+            decoder = Decoder(model, device=device, params_dtype=dtype, steps=steps)
+            mimo_generate = lambda n: decoder.generate(prompt, max_new_tokens=n,  # noqa: E731
+                                                       stop_ids=frozenset(), sampler=sampler).tokens
+            name = f"mimo {decoder.steps}"
+            engines.append({**measure(name, mimo_generate, args.new_tokens, args.repeats, device),
+                            "steps": decoder.steps})
+            if args.profile and decoder.steps != "graph":  # a graph replays no module: nothing to mark
+                profiles[name] = profile_decode(name.replace(" ", "-"), mimo_generate, decoder.lm,
+                                                args.profile_steps, device, args.profile)
+            del decoder
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -181,25 +190,27 @@ def main(argv=None) -> int:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
+    mimo = engines[0]
     agree = next((i for i, (a, b) in enumerate(zip(mimo["tokens"], transformers["tokens"])) if a != b),
                  args.new_tokens)
     record = {"benchmark": "generate", "device": device_description(), "provider": provider, "settings": settings,
-              "precision": precision, "sync_free": not args.no_sync_free, "prompt_tokens": prompt.num_tokens,
-              "new_tokens": args.new_tokens,
-              "repeats": args.repeats, "engines": [mimo, transformers], "transformers_kernels": kernels,
-              "greedy_tokens_agree_for": agree, "seconds": time.perf_counter() - started,
-              "command": " ".join([sys.executable, *sys.argv])}
+              "precision": precision, "steps": [e["steps"] for e in engines], "prompt_tokens": prompt.num_tokens,
+              "new_tokens": args.new_tokens, "repeats": args.repeats, "engines": [*engines, transformers],
+              "transformers_kernels": kernels, "greedy_tokens_agree_for": agree,
+              "mimo_steps_agree": all(e["tokens"] == mimo["tokens"] for e in engines),
+              "seconds": time.perf_counter() - started, "command": " ".join([sys.executable, *sys.argv])}
     for engine in record["engines"]:
         engine.pop("tokens")
     path = args.out / "generate.json"
     path.write_text(json.dumps(record, indent=1))
     print(f"{provider} {precision} on {record['device'].get('gpu') or 'cpu'}: prompt {prompt.num_tokens} tokens, "
           f"{args.new_tokens} new tokens, {args.repeats} repeats (min / median / max)")
-    for e in (mimo, transformers):
+    for e in record["engines"]:
         p, d = e["prefill_seconds"], e["decode_tokens_per_second"]
-        print(f"  {e['engine']:<12} prefill {p['min']:.3f} / {p['median']:.3f} / {p['max']:.3f} s | decode "
+        print(f"  {e['engine']:<16} prefill {p['min']:.3f} / {p['median']:.3f} / {p['max']:.3f} s | decode "
               f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} tokens/s")
-    print(f"  greedy tokens agree for the first {agree} of {args.new_tokens}; transformers' Mamba kernels: "
+    print(f"  greedy tokens agree for the first {agree} of {args.new_tokens} ({mimo['engine']} and transformers); "
+          f"mimo's ways of stepping give the same tokens: {record['mimo_steps_agree']}; transformers' Mamba kernels: "
           f"{sorted(set(kernels.values()))}")
     for name, summary in profiles.items():
         print(report(name, summary))

@@ -2,7 +2,8 @@
 mimo's incremental decoding against recomputing the whole sequence at every step, on prompts with and without an
 image. Prints one JSON line per prompt. On a GPU (the te backend's kernels):
 
-    MIMO_DECODE_DEVICE=cuda python tests/decode_worker.py nemotron-moe-vlm-tiny backend=te seq_length=256
+    MIMO_DECODE_DEVICE=cuda MIMO_DECODE_STEPS=graph python tests/decode_worker.py nemotron-moe-vlm-tiny backend=te \
+        seq_length=256
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ def main(provider: str, assignments: list[str], new_tokens: int = 24) -> None:
                # two images: the encoder sees both at once, and the prompt is encoded again at every recomputation
                "long": Prompt([Turn("user", (IMAGE, long_text, IMAGE))], [image, image.flip(-1)[:, :32]])}
     decoder = Decoder(model, device=world.device, params_dtype=world.params_dtype)
-    # megatron-core's own MoE path and a stop check at every step: what the sync-free decoder must equal
-    plain = Decoder(model, device=world.device, params_dtype=world.params_dtype, sync_free=False)
+    # megatron-core's own layers and a stop check at every step: what the other ways of stepping must equal
+    plain = Decoder(model, device=world.device, params_dtype=world.params_dtype, steps="waiting")
+    # one-token attention with the position on the device (what a CUDA graph captures), eagerly on a CPU; on a GPU
+    # (MIMO_DECODE_STEPS=graph) captured and replayed
+    on_device = Decoder(model, device=world.device, params_dtype=world.params_dtype,
+                        steps=os.environ.get("MIMO_DECODE_STEPS", "device"))
 
     def answer(d, encoded, stop_ids=frozenset()):
         g = d.generate(encoded, max_new_tokens=new_tokens, stop_ids=stop_ids,
@@ -57,6 +62,10 @@ def main(provider: str, assignments: list[str], new_tokens: int = 24) -> None:
                           "recomputed": want, "image_token": fmt.tokenizer.image_token_id,
                           "plain": answer(plain, encoded)["tokens"], "stopped": answer(decoder, encoded, stop),
                           "plain_stopped": answer(plain, encoded, stop),
+                          "device": answer(on_device, encoded)["tokens"],
+                          "device_stopped": answer(on_device, encoded, stop), "steps": on_device.steps,
+                          "default_steps": decoder.steps,
+                          "one_token_attention_layers": len(on_device.one_token_attention().layers),
                           "sync_free_moe_layers": sync_free_moe_layers}), flush=True)
 
 

@@ -45,6 +45,9 @@ def test_cached_decoding_gives_the_tokens_of_recomputing_everything(provider, as
         assert r["plain"] == r["cached"], r
         assert r["stopped"] == r["plain_stopped"], r
         assert r["stopped"]["stop"] == "end" and len(r["stopped"]["tokens"]) <= 10, r
+        # attention with the position on the device (what a CUDA graph replays), from a cache kept between calls
+        assert r["device"] == r["cached"] and r["device_stopped"] == r["plain_stopped"], r
+        assert r["steps"] == "device" and r["default_steps"] == "sync-free" and r["one_token_attention_layers"] > 0
     assert max(r["prompt_tokens"] for r in results) > 128  # the long prompt (two images) spans two Mamba chunks
     assert len({tuple(r["cached"]) for r in results}) > 1  # the answers depend on the prompt
     assert results[0]["sync_free_moe_layers"] == (2 if provider.startswith("nemotron") else 0)  # M*EME

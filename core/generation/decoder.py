@@ -6,6 +6,15 @@ layers their convolution and SSM states, so a new token costs the same however l
 needs megatron-core's `InferenceMode` (Mamba layers decode only then; GPT/Hybrid models then give the last
 position's logits alone, gathered over TP).
 
+How a step after the prompt runs (`steps`, STEPS): `waiting`, megatron-core's layers as they are (its MoE
+dispatcher copies each layer's token counts to the host, and the host checks for a stop token at every step);
+`sync-free`, MoE layers on the one-token path (one_token_moe.py) and a stop check every few steps; `device`, also
+attention with the token's position on the device (one_token_attention.py), so that no step depends on a host
+integer; `graph`, that step captured once as a CUDA graph and replayed (graphed_step.py). `auto`: `graph` on a GPU
+in a world of one process where every MoE and attention layer has its one-token path, else `sync-free`. All give
+the same tokens. The inference context (the KV cache and Mamba states) is kept from call to call while the answers
+fit, so a graph is captured once per decoder.
+
 One conversation at a time (batch 1), every rank in lock-step: each chooses the token from the same gathered
 logits and world rank 0's choice is broadcast, so all ranks feed the same token and stop together. Layouts: every
 module on every rank (colocated), the LLM in one pipeline stage, no sequence parallelism; TP and EP within them.
@@ -15,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +34,15 @@ from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE
 
 from ..run.step import to_device
+from .graphed_step import capture
+from .one_token_attention import OneTokenAttention
 from .one_token_moe import OneTokenMoE
 
 STOP_END, STOP_LENGTH = "end", "length"  # the answer ended with a stop token / reached --max-new-tokens
 STOP_CHECK_EVERY = 8  # steps between host checks for a stop token: at most 7 wasted steps, no sync in between
+WAITING, SYNC_FREE, DEVICE, GRAPH, AUTO = "waiting", "sync-free", "device", "graph", "auto"
+STEPS = (AUTO, GRAPH, DEVICE, SYNC_FREE, WAITING)
+CACHE_ROOM = 256  # the cache's length is rounded up to a multiple of this, so that it serves the next answers too
 
 
 @dataclass
@@ -85,17 +99,36 @@ def eval_mode(model):
 class Decoder:
     """Answers prompts with a built MimoModel: `generate(prompt, max_new_tokens=..., stop_ids=..., sampler=...)`.
     Called on every rank of the world together (collective). One Decoder per set of weights: the one-token MoE
-    path keeps a copy of the experts' weights, made at the first `generate`."""
+    path keeps a copy of the experts' weights, and a graphed step the cache it was captured with."""
 
-    def __init__(self, model, *, device: torch.device, params_dtype: torch.dtype, sync_free: bool = True):
-        self.model, self.device, self.params_dtype, self.sync_free = model, device, params_dtype, sync_free
+    def __init__(self, model, *, device: torch.device, params_dtype: torch.dtype, steps: str = AUTO):
+        if steps not in STEPS:
+            raise UsageError(f"decoding steps {steps!r}: choose one of {', '.join(STEPS)}")
+        self.model, self.device, self.params_dtype, self.requested = model, device, params_dtype, steps
         self.lm = unwrapped(model.language_model)  # the DDP wrapper adds nothing without gradients
-        self._one_token_moe = None
+        self._one_token_moe = self._attention = self._context = self._graph = None
+        self._token = torch.zeros(1, 1, dtype=torch.long, device=device)  # a device step's input
 
     def one_token_moe(self) -> OneTokenMoE:
         if self._one_token_moe is None:
             self._one_token_moe = OneTokenMoE(self.lm)
         return self._one_token_moe
+
+    def one_token_attention(self) -> OneTokenAttention:
+        if self._attention is None:
+            self._attention = OneTokenAttention(self.lm, self.device)
+        return self._attention
+
+    @property
+    def steps(self) -> str:
+        """The requested way of stepping, `auto` resolved."""
+        if self.requested != AUTO:
+            return self.requested
+        single = not dist.is_initialized() or dist.get_world_size() == 1
+        if (self.device.type == "cuda" and single and self.one_token_moe().complete
+                and self.one_token_attention().complete):
+            return GRAPH
+        return SYNC_FREE
 
     def prompt_embeddings(self, input_ids: torch.Tensor, modality_inputs: dict) -> torch.Tensor:
         """MimoModel's colocated merge (its `_forward_all_modules` up to the language model): [S, 1, H]."""
@@ -112,44 +145,90 @@ class Decoder:
         embeddings["text"] = model.get_text_embeddings(input_ids, position_ids, model.special_token_ids)
         return model.align_embeddings_by_token_positions(embeddings, input_ids, model.special_token_ids)
 
+    def _context_for(self, length: int):
+        """The inference context, kept while answers fit (a graphed step holds its tensors), else a longer one."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        if self._context is None or self._context.max_sequence_length < length:
+            self._graph = None
+            self._context = StaticInferenceContext(max_batch_size=1,
+                                                   max_sequence_length=-(-length // CACHE_ROOM) * CACHE_ROOM)
+        self._context.reset()
+        return self._context
+
+    def _layers(self, steps: str):
+        """The one-token layers that `steps` uses, active while decoding."""
+        layers = ExitStack()
+        if steps != WAITING:
+            layers.enter_context(self.one_token_moe().active())
+        if steps in (DEVICE, GRAPH):
+            layers.enter_context(self.one_token_attention().active())
+        return layers
+
+    def _step(self, steps: str, context, length: int):
+        """A function of the chosen token ([1, 1] on the device) that returns the next logits, after the prompt."""
+        lm = self.lm
+        if steps in (WAITING, SYNC_FREE):
+            positions = torch.arange(context.max_sequence_length, device=self.device)[None]
+
+            def host_step(token):
+                offset = context.sequence_len_offset
+                return lm(input_ids=token, position_ids=positions[:, offset:offset + 1], attention_mask=None,
+                          inference_context=context, runtime_gather_output=True)
+            return host_step
+        attention = self.one_token_attention()
+        attention.start(context, length)
+
+        def run():  # from fixed buffers: the token in self._token, the position on the device
+            logits = lm(input_ids=self._token, position_ids=attention.position.view(1, 1), attention_mask=None,
+                        inference_context=context, runtime_gather_output=True)
+            attention.position.add_(1)
+            return logits
+        if steps == GRAPH and self._graph is None:
+            state = [t for pair in context.key_value_memory_dict.values() for t in pair]
+            self._graph = capture(run, [*state, attention.position, self._token]) or False
+        replay = self._graph if steps == GRAPH and self._graph else run
+
+        def device_step(token):
+            self._token.copy_(token)
+            return replay()
+        return device_step
+
     @torch.no_grad()
     def generate(self, prompt, *, max_new_tokens: int, stop_ids: frozenset[int], sampler) -> Generated:
         """Up to `max_new_tokens` tokens after `prompt` (an `EncodedPrompt`), ending at a token of `stop_ids`.
 
-        A step never waits for the GPU: the chosen tokens stay on the device and the host looks for a stop token
-        every `STOP_CHECK_EVERY` steps (the steps after a stop are computed and dropped), and MoE layers take the
-        one-token path of one_token_moe.py (`sync_free=False`: megatron-core's own MoE path, a host sync per MoE
-        layer, and a check for a stop token at every step)."""
-        from megatron.core.inference.contexts import StaticInferenceContext
+        Past `waiting`, a step never waits for the GPU: the chosen tokens stay on the device and the host looks
+        for a stop token every `STOP_CHECK_EVERY` steps (the steps after a stop are computed and dropped)."""
         from megatron.core.inference.utils import InferenceMode
 
         input_ids = prompt.input_ids.to(self.device)
         length = input_ids.shape[1]
-        context = StaticInferenceContext(max_batch_size=1, max_sequence_length=length + max_new_tokens)
+        steps = self.steps
+        context = self._context_for(length + max_new_tokens)
         modality_inputs = to_device(prompt.modality_inputs, self.device, self.params_dtype)
         distributed = dist.is_initialized() and dist.get_world_size() > 1
-        check_every = STOP_CHECK_EVERY if self.sync_free else 1
-        # allocated once: a step's position and token are views and copies, no new tensors
-        positions = torch.arange(length + max_new_tokens, device=self.device)[None]
+        check_every = 1 if steps == WAITING else STOP_CHECK_EVERY
         chosen = torch.empty(max(max_new_tokens, 1), dtype=torch.long, device=self.device)
         stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=self.device) if stop_ids else None
-        moe = self.one_token_moe().active() if self.sync_free else nullcontext()
         count, checked = 0, 0
-        with eval_mode(self.model), InferenceMode.active(), moe:
+        with eval_mode(self.model), InferenceMode.active(), self._layers(steps):
             started = time.perf_counter()
             combined = self.prompt_embeddings(input_ids, modality_inputs)
-            logits = self.lm(input_ids=None, position_ids=positions[:, :length], decoder_input=combined,
-                             attention_mask=None, inference_context=context, runtime_gather_output=True)
+            logits = self.lm(input_ids=None, position_ids=torch.arange(length, device=self.device)[None],
+                             decoder_input=combined, attention_mask=None, inference_context=context,
+                             runtime_gather_output=True)
             context.increment_sequence_len_offset(length)
+            step = self._step(steps, context, length)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             prefilled = time.perf_counter()
-            for step in range(max_new_tokens):
+            for index in range(max_new_tokens):
                 token = sampler.choose(logits[0, -1])  # [1, 1]
                 if distributed:
                     dist.broadcast(token, src=0)
-                chosen[step:step + 1].copy_(token.view(1))
-                count = step + 1
+                chosen[index:index + 1].copy_(token.view(1))
+                count = index + 1
                 if count == max_new_tokens:
                     break
                 if stops is not None and count - checked >= check_every:
@@ -157,16 +236,14 @@ class Decoder:
                     if bool(torch.isin(chosen[checked:count], stops).any()):
                         break
                     checked = count
-                offset = context.sequence_len_offset
-                logits = self.lm(input_ids=token, position_ids=positions[:, offset:offset + 1], attention_mask=None,
-                                 inference_context=context, runtime_gather_output=True)
+                logits = step(token)
                 context.increment_sequence_len_offset(1)
             tokens = chosen[:count].tolist()
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             finished = time.perf_counter()
         end = next((i for i, t in enumerate(tokens) if t in stop_ids), None)
-        steps = count - 1  # forward passes after the prefill
+        steps_run = count - 1  # forward passes after the prefill
         if end is not None:
-            return Generated(tokens[:end], STOP_END, prefilled - started, finished - prefilled, steps)
-        return Generated(tokens, STOP_LENGTH, prefilled - started, finished - prefilled, steps)
+            return Generated(tokens[:end], STOP_END, prefilled - started, finished - prefilled, steps_run)
+        return Generated(tokens, STOP_LENGTH, prefilled - started, finished - prefilled, steps_run)

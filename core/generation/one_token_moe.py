@@ -96,8 +96,10 @@ class OneTokenMoE:
     def __init__(self, model):
         from megatron.core.transformer.moe.moe_layer import MoELayer
 
-        self.layers = [(module, one_token_forward(module, module.forward)) for module in model.modules()
-                       if isinstance(module, MoELayer) and eligible(module) and "forward" not in vars(module)]
+        layers = [module for module in model.modules() if isinstance(module, MoELayer)]
+        self.layers = [(module, one_token_forward(module, module.forward)) for module in layers
+                       if eligible(module) and "forward" not in vars(module)]
+        self.complete = len(self.layers) == len(layers)  # no layer left on megatron's path (a host sync each)
 
     @contextmanager
     def active(self):
