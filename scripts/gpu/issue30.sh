@@ -6,6 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
+# (later sessions: round2 .. round6 in place of slice/rest, each after an install call; round6 needs no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -47,7 +48,8 @@ ready() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl || exit 3
   export PYTHONPATH=/tmp/site:/tmp/te-site
-  test -f "$base/mimo/__init__.py" || { echo "bench_baseline/mimo missing (git archive, see the header)"; exit 3; }
+  [ "${1:-}" = without-main ] || test -f "$base/mimo/__init__.py" \
+    || { echo "bench_baseline/mimo missing (git archive, see the header)"; exit 3; }
 }
 
 case "$phase" in
@@ -143,5 +145,15 @@ case "$phase" in
     fi
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round5"; exit 2 ;;
+  round6)
+    # The fourth device session: the slice with CUDA graphs (Mamba and attention layers), and with FP8 tensorwise
+    # (graphed Mamba layers), each beside the plain slice in the same call, one cache for all three (no main).
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    bench p 190 --cases slice-te --extra "--compile-cache /tmp/ccE"
+    bench g 170 --cases slice-te-graphs --extra "--compile-cache /tmp/ccE"
+    bench 8 $(( $(left) - 10 )) --cases slice-te-fp8 --extra "--compile-cache /tmp/ccE"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round6"; exit 2 ;;
 esac
