@@ -7,7 +7,8 @@
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue31.sh decode
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh (with the transformers wheel the
 # bench needs, and mimo's wheel rebuilt from this tree). Results: $OUT/decode.tgz (console, records), rewritten after
-# each part. ISSUE31_STEPS overrides the ways of stepping the bench measures (default "sync-free graph").
+# each part. ISSUE31_STEPS overrides the ways of stepping the bench measures (default "sync-free graph");
+# ISSUE31_WORKER=0 leaves the tiny model's check out.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 phase=${1:?install or decode}
@@ -32,6 +33,7 @@ case "$phase" in
       --steps ${ISSUE31_STEPS:-sync-free graph} 2>&1 | grep -v '^\[transformers\]' | tee "$R/bench.log"
     echo "== bench: exit ${PIPESTATUS[0]}, $(( SECONDS - started )) s"
     pack
+    [ "${ISSUE31_WORKER:-1}" = 0 ] && exit 0
     started=$SECONDS
     MIMO_DECODE_DEVICE=cuda MIMO_DECODE_STEPS=graph timeout -k 10 $(( 560 - SECONDS )) \
       python3 tests/decode_worker.py nemotron-moe-vlm-tiny backend=te seq_length=256 > "$R/worker.jsonl" \
