@@ -15,6 +15,10 @@ For each engine, after one warm-up (first-use compilation), `--repeats` times: a
 encoder and the prompt, and the first token) and a full call; decode tokens/s = (new tokens - 1) / (full - 1-token
 call), wall time with the GPU synchronized. Printed: min / median / max; written: `<out>/generate.json`.
 
+`--compare-logits`: each mimo engine is also fed the first one's greedy answer (teacher forcing) and its logits
+compared step by step with the first one's (greedy answers part at the first near tie; this shows whether two ways
+of stepping compute the same).
+
 `--profile DIR`: after the timings, torch.profiler over `--profile-steps` one-token steps of each engine (chrome
 traces and a summary in DIR, bench/decode_profile.py): host vs GPU busy time per step, host syncs per step, the top
 ops by self CPU and CUDA time.
@@ -97,6 +101,36 @@ def measure(name: str, generate, new_tokens: int, repeats: int, device) -> dict:
             "warmup_seconds": warm, "tokens": tokens}
 
 
+class Forced:
+    """A sampler that feeds the given tokens whatever the logits, and keeps each step's logits."""
+
+    def __init__(self, tokens: list[int], device):
+        import torch
+
+        self.tokens, self.logits = torch.tensor(tokens, device=device), []
+
+    def choose(self, logits):
+        self.logits.append(logits.float().clone())
+        return self.tokens[len(self.logits) - 1].view(1, 1)
+
+
+def compare_logits(decoder, prompt, first: dict, reference: list) -> dict:
+    """Every step's logits with the first engine's greedy answer fed in (teacher forcing), against the first
+    engine's: the largest difference (and the logits' spread, for scale) and how often the top token agrees. The
+    greedy answers of two engines part at the first near tie; this says whether the steps compute the same."""
+    import torch
+
+    forced = Forced(first["tokens"], decoder.device)
+    decoder.generate(prompt, max_new_tokens=len(first["tokens"]), stop_ids=frozenset(), sampler=forced)
+    if not reference:
+        reference.extend(forced.logits)
+    diffs = torch.stack([(a - b).abs().max() for a, b in zip(forced.logits, reference)])
+    same_top = sum(int(a.argmax() == b.argmax()) for a, b in zip(forced.logits, reference))
+    return {"max_abs_diff": float(diffs.max()), "median_step_max_abs_diff": float(diffs.median()),
+            "logits_std": float(torch.stack(reference).std()), "same_top_token": same_top,
+            "steps": len(reference)}
+
+
 def _spread(values: list[float]) -> dict:
     return {"min": min(values), "median": statistics.median(values), "max": max(values), "all": values}
 
@@ -114,6 +148,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", nargs="+", default=["auto"], choices=STEPS,
                         help="mimo's ways of stepping to measure, in this order (docs/generation.md): auto (graph "
                              "on a GPU), graph, device, sync-free, waiting")
+    parser.add_argument("--compare-logits", action="store_true",
+                        help="also feed every mimo engine the first one's answer and compare their logits")
     args = parser.parse_args(argv)
     started = time.perf_counter()
 
@@ -149,7 +185,7 @@ def main(argv=None) -> int:
     try:
         export(world, model, scratch / "hf")
         sampler = Sampler(SamplingOptions(), device)
-        engines, profiles = [], {}
+        engines, profiles, reference = [], {}, []
         for steps in args.steps:  # each way of stepping with its own decoder, one after the other
             decoder = Decoder(model, device=device, params_dtype=dtype, steps=steps)
             mimo_generate = lambda n: decoder.generate(prompt, max_new_tokens=n,  # noqa: E731
@@ -157,6 +193,8 @@ def main(argv=None) -> int:
             name = f"mimo {decoder.steps}"
             engines.append({**measure(name, mimo_generate, args.new_tokens, args.repeats, device),
                             "steps": decoder.steps})
+            if args.compare_logits:
+                engines[-1]["logits"] = compare_logits(decoder, prompt, engines[0], reference)
             if args.profile and decoder.steps != "graph":  # a graph replays no module: nothing to mark
                 profiles[name] = profile_decode(name.replace(" ", "-"), mimo_generate, decoder.lm,
                                                 args.profile_steps, device, args.profile)
@@ -214,6 +252,11 @@ def main(argv=None) -> int:
     print(f"  greedy tokens shared with {mimo['engine']}: " + ", ".join(
         f"{e['engine']} {e['agrees_with_first_for']} of {args.new_tokens}" for e in record["engines"][1:])
         + f"; transformers' Mamba kernels: {sorted(set(kernels.values()))}")
+    for e in engines[1:] if args.compare_logits else ():
+        c = e["logits"]
+        print(f"  {e['engine']} against {mimo['engine']}, fed the same tokens: logits differ by at most "
+              f"{c['max_abs_diff']:.3g} (median step {c['median_step_max_abs_diff']:.3g}; logits' std "
+              f"{c['logits_std']:.3g}), same top token at {c['same_top_token']} of {c['steps']} steps")
     for name, summary in profiles.items():
         print(report(name, summary))
     if profiles:

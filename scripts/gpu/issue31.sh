@@ -8,7 +8,8 @@
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh (with the transformers wheel the
 # bench needs, and mimo's wheel rebuilt from this tree). Results: $OUT/decode.tgz (console, records), rewritten after
 # each part. ISSUE31_STEPS overrides the ways of stepping the bench measures (default "sync-free graph");
-# ISSUE31_WORKER=0 leaves the tiny model's check out.
+# ISSUE31_REPEATS (3) and ISSUE31_BENCH_ARGS (e.g. --compare-logits) go to the bench; ISSUE31_WORKER=0 leaves the
+# tiny model's check out.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 phase=${1:?install or decode}
@@ -29,8 +30,8 @@ case "$phase" in
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$R/versions.txt"
     started=$SECONDS
     # shellcheck disable=SC2086
-    timeout -k 10 ${ISSUE31_BENCH_S:-420} python3 bench/generate.py --out "$R/gen" --repeats 3 \
-      --steps ${ISSUE31_STEPS:-sync-free graph} 2>&1 | grep -v '^\[transformers\]' | tee "$R/bench.log"
+    timeout -k 10 ${ISSUE31_BENCH_S:-420} python3 bench/generate.py --out "$R/gen" \
+      --repeats ${ISSUE31_REPEATS:-3} --steps ${ISSUE31_STEPS:-sync-free graph} ${ISSUE31_BENCH_ARGS:-} 2>&1 | grep -v '^\[transformers\]' | tee "$R/bench.log"
     echo "== bench: exit ${PIPESTATUS[0]}, $(( SECONDS - started )) s"
     pack
     [ "${ISSUE31_WORKER:-1}" = 0 ] && exit 0
