@@ -52,6 +52,10 @@ def test_nemotron_te_additions_make_a_valid_megatron_config(monkeypatch):
     assert config.moe_shared_expert_overlap and config.cuda_graph_impl == "transformer_engine"
     assert [m.name for m in config.cuda_graph_modules] == ["mamba", "attn"]  # MoE layers' shapes vary
     fp8 = dataclasses.replace(ctx, fp8="tensorwise")
+    # with FP8 the routing map is padded in place, which transformer-engine's fused router must not have saved
+    fp8_moe = nemotron_model._moe_config(settings, "te", fp8=True)
+    assert fp8_moe["moe_router_padding_for_fp8"] and not fp8_moe["moe_router_fusion"]
+    assert nemotron_model._moe_config(settings, "te")["moe_router_fusion"]
     assert nemotron_model._cuda_graph_fields(settings, fp8, "te") == {"cuda_graph_modules": ["mamba"]}
     chosen = dataclasses.replace(ctx, cuda_graph_modules=("attn",))  # --cuda-graph-modules over the provider
     config = chosen.transformer_config("language", num_layers=2, hidden_size=64, num_attention_heads=4,

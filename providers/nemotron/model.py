@@ -160,9 +160,7 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         activation_func=squared_relu, hidden_dropout=s.dropout, attention_dropout=s.dropout,
         init_method_std=s.init_method_std, mamba_num_heads=s.mamba_num_heads, mamba_head_dim=s.mamba_head_dim,
         mamba_num_groups=s.mamba_num_groups, mamba_state_dim=s.mamba_state_dim,
-        **(_moe_config(s, backend) if num_experts else {}),
-        # FP8 GEMMs need token counts in multiples of 16: pad each expert's routed tokens
-        **({"moe_router_padding_for_fp8": True} if num_experts and ctx.fp8 != "none" else {}),
+        **(_moe_config(s, backend, fp8=ctx.fp8 != "none") if num_experts else {}),
         **_fused_kernels(backend), **_fused_loss(s, backend), **graphs,
     )
     return ModuleSpec(module=HybridModel, params=dict(
@@ -204,7 +202,7 @@ def _cuda_graph_fields(s: NemotronVLMSettings, ctx, backend: str) -> dict:
     return {"cuda_graph_modules": [m for m in wanted if m != "attn" or "*" in s.hybrid_pattern]}
 
 
-def _moe_config(s: NemotronVLMSettings, backend: str) -> dict:
+def _moe_config(s: NemotronVLMSettings, backend: str, fp8: bool = False) -> dict:
     return dict(
         num_moe_experts=s.num_experts, moe_router_topk=s.moe_router_topk, moe_ffn_hidden_size=s.moe_ffn_hidden_size,
         moe_shared_expert_intermediate_size=s.moe_shared_expert_intermediate_size,
@@ -212,7 +210,12 @@ def _moe_config(s: NemotronVLMSettings, backend: str) -> dict:
         moe_router_topk_scaling_factor=s.moe_router_topk_scaling_factor,
         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=s.moe_aux_loss_coeff,
         # te: one grouped GEMM for the experts; transformer-engine's fused token permutation and router top-k
-        moe_grouped_gemm=backend == "te", moe_permute_fusion=backend == "te", moe_router_fusion=backend == "te",
+        moe_grouped_gemm=backend == "te", moe_permute_fusion=backend == "te",
+        # not with FP8: megatron-core pads the routing map in place (pad_routing_map) after transformer-engine's
+        # fused router saved it for its backward, which then fails ("modified by an inplace operation")
+        moe_router_fusion=backend == "te" and not fp8,
+        # FP8 GEMMs need token counts in multiples of 16: pad each expert's routed tokens
+        **({"moe_router_padding_for_fp8": True} if fp8 else {}),
         # te: the shared expert runs on a side stream beside the routed experts' dispatch
         moe_shared_expert_overlap=(backend == "te" and s.shared_expert_overlap and te_extras_enabled()
                                    and bool(s.moe_shared_expert_intermediate_size)),
