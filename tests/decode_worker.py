@@ -17,6 +17,7 @@ import torch
 
 def main(provider: str, assignments: list[str], new_tokens: int = 24) -> None:
     from mimo.core.config import RunConfig, TrainingOptions
+    from mimo.core.generation import decoder as decoder_module
     from mimo.core.generation.decoder import Decoder
     from mimo.core.generation.sampling import Sampler, SamplingOptions
     from mimo.core.run.plan import prepare
@@ -38,6 +39,8 @@ def main(provider: str, assignments: list[str], new_tokens: int = 24) -> None:
                "text": Prompt([Turn("user", ("Hello there.",))]),
                # two images: the encoder sees both at once, and the prompt is encoded again at every recomputation
                "long": Prompt([Turn("user", (IMAGE, long_text, IMAGE))], [image, image.flip(-1)[:, :32]])}
+    # caches of 64 positions: the first prompts share one (48 + 24 and 31 + 24 fit 128), the long one takes a longer
+    decoder_module.CACHE_ROOM = 64
     decoder = Decoder(model, device=world.device, params_dtype=world.params_dtype)
     # megatron-core's own layers and a stop check at every step: what the other ways of stepping must equal
     plain = Decoder(model, device=world.device, params_dtype=world.params_dtype, steps="waiting")
@@ -66,6 +69,7 @@ def main(provider: str, assignments: list[str], new_tokens: int = 24) -> None:
                           "device_stopped": answer(on_device, encoded, stop), "steps": on_device.steps,
                           "default_steps": decoder.steps,
                           "one_token_attention_layers": len(on_device.one_token_attention().layers),
+                          "cache_positions": on_device._context.max_sequence_length,
                           "sync_free_moe_layers": sync_free_moe_layers}), flush=True)
 
 

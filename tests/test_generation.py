@@ -48,6 +48,10 @@ def test_cached_decoding_gives_the_tokens_of_recomputing_everything(provider, as
         # attention with the position on the device (what a CUDA graph replays), from a cache kept between calls
         assert r["device"] == r["cached"] and r["device_stopped"] == r["plain_stopped"], r
         assert r["steps"] == "device" and r["default_steps"] == "sync-free" and r["one_token_attention_layers"] > 0
+    # the cache is kept while answers fit and replaced by a longer one when not
+    caches = [r["cache_positions"] for r in results]
+    assert caches[0] == caches[1] < caches[2], results
+    assert all(c % 64 == 0 and c - 64 < r["prompt_tokens"] + 24 <= c for c, r in zip(caches[::2], results[::2]))
     assert max(r["prompt_tokens"] for r in results) > 128  # the long prompt (two images) spans two Mamba chunks
     assert len({tuple(r["cached"]) for r in results}) > 1  # the answers depend on the prompt
     assert results[0]["sync_free_moe_layers"] == (2 if provider.startswith("nemotron") else 0)  # M*EME
@@ -112,3 +116,12 @@ def test_answers_are_scored_as_squad_scores_them():
     assert exact_match("a red disc.", "Red disc") == 1.0 and exact_match("red", "red disc") == 0.0
     assert token_f1("red disc", "the red round disc") == pytest.approx(2 * 1.0 * (2 / 3) / (1 + 2 / 3))
     assert token_f1("blue", "red") == 0.0 and token_f1("", "") == 1.0 and token_f1("", "red") == 0.0
+
+
+def test_an_unknown_way_of_stepping_is_one_line():
+    from mimo.core.generation.decoder import Decoder
+    from mimo.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"^decoding steps 'fast': choose one of auto, graph, device, sync-free, "
+                                         r"waiting$"):
+        Decoder(None, device=torch.device("cpu"), params_dtype=torch.float32, steps="fast")
