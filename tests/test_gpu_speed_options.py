@@ -94,18 +94,20 @@ def test_radio_max_seqlen_is_a_rounded_bound():
 def test_compile_caches_live_under_compile_cache(tmp_path, monkeypatch):
     for name in ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_AUTOTUNING", "MIMO_COMPILE_CACHE"):
         monkeypatch.delenv(name, raising=False)
-    import torch._dynamo
-
-    monkeypatch.setattr(torch._dynamo.config, "disable", torch._dynamo.config.disable)
-    compilation.configure(CompileOptions(torch_compile="on"), torch.device("cpu"))
-    assert not torch._dynamo.config.disable and "TRITON_CACHE_DIR" not in __import__("os").environ
-    monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
-    compilation.configure(CompileOptions(), torch.device("cuda"))  # a set variable wins over the default
     import os
 
-    assert torch._dynamo.config.disable and os.environ["TRITON_CACHE_DIR"] == "/elsewhere"
-    assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
-    compilation.configure(CompileOptions(compile_cache=tmp_path), torch.device("cuda"))  # the option wins over it
+    import torch._dynamo
+
+    # torch's own patch puts the flag back (pytest's monkeypatch would delete it from torch's config module on undo,
+    # which hides it: every later torch.compile call in the process then fails)
+    with torch._dynamo.config.patch(disable=torch._dynamo.config.disable):
+        compilation.configure(CompileOptions(torch_compile="on"), torch.device("cpu"))
+        assert not torch._dynamo.config.disable and "TRITON_CACHE_DIR" not in os.environ
+        monkeypatch.setenv("TRITON_CACHE_DIR", "/elsewhere")
+        compilation.configure(CompileOptions(), torch.device("cuda"))  # a set variable wins over the default
+        assert torch._dynamo.config.disable and os.environ["TRITON_CACHE_DIR"] == "/elsewhere"
+        assert os.environ["TRITON_CACHE_AUTOTUNING"] == "1"
+        compilation.configure(CompileOptions(compile_cache=tmp_path), torch.device("cuda"))  # the option wins over it
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
     monkeypatch.setenv("MIMO_COMPILE_CACHE", str(tmp_path / "shared"))

@@ -11,8 +11,8 @@ dispatcher copies each layer's token counts to the host, and the host checks for
 `sync-free`, MoE layers on the one-token path (one_token_moe.py) and a stop check every few steps; `device`, also
 attention with the token's position on the device (one_token_attention.py), so that no step depends on a host
 integer; `graph`, that step captured once as a CUDA graph and replayed (graphed_step.py). `auto`: `graph` on a GPU
-in a world of one process where every MoE and attention layer has its one-token path, else `sync-free`. All give
-the same tokens. The inference context (the KV cache and Mamba states) is kept from call to call while the answers
+in a world of one process where every MoE and attention layer has its one-token path, else `sync-free`. All compute
+the same step (in fp32 the same tokens; in bf16 up to rounding). The inference context (the KV cache and Mamba states) is kept from call to call while the answers
 fit, so a graph is captured once per decoder.
 
 One conversation at a time (batch 1), every rank in lock-step: each chooses the token from the same gathered
