@@ -16,10 +16,11 @@ projection. The prompt (prefill) keeps megatron's path, which allocates the cach
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
+
+from .patched_forward import patched_forward
 
 
 def eligible(attention) -> bool:
@@ -94,12 +95,5 @@ class OneTokenAttention:
             for memory in context.key_value_memory_dict.get(module.layer_number, ()):
                 memory[length:].zero_()
 
-    @contextmanager
     def active(self):
-        for module, forward in self.layers:
-            module.forward = forward
-        try:
-            yield len(self.layers)
-        finally:
-            for module, _ in self.layers:
-                del module.forward
+        return patched_forward(self.layers)

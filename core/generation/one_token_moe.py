@@ -16,9 +16,9 @@ megatron's path.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
+
+from .patched_forward import patched_forward
 
 
 # The stacked copy of the experts is worth its memory up to this many experts per chosen one.
@@ -101,12 +101,5 @@ class OneTokenMoE:
                        if eligible(module) and "forward" not in vars(module)]
         self.complete = len(self.layers) == len(layers)  # no layer left on megatron's path (a host sync each)
 
-    @contextmanager
     def active(self):
-        for module, forward in self.layers:
-            module.forward = forward
-        try:
-            yield len(self.layers)
-        finally:
-            for module, _ in self.layers:
-                del module.forward
+        return patched_forward(self.layers)
