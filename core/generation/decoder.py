@@ -11,9 +11,9 @@ dispatcher copies each layer's token counts to the host, and the host checks for
 `sync-free`, MoE layers on the one-token path (one_token_moe.py) and a stop check every few steps; `device`, also
 attention with the token's position on the device (one_token_attention.py), so that no step depends on a host
 integer; `graph`, that step captured once as a CUDA graph and replayed (graphed_step.py). `auto`: `graph` on a GPU
-in a world of one process where every MoE and attention layer has its one-token path, else `sync-free`. All compute
-the same step (in fp32 the same tokens; in bf16 up to rounding). The inference context (the KV cache and Mamba states) is kept from call to call while the answers
-fit, so a graph is captured once per decoder.
+in a world of one process where every MoE and attention layer has its one-token path, else `sync-free`. All
+compute the same step (in fp32 the same tokens; in bf16 up to rounding). The inference context (the KV cache and
+Mamba states) is kept from call to call while the answers fit, so a graph is captured once per decoder.
 
 One conversation at a time (batch 1), every rank in lock-step: each chooses the token from the same gathered
 logits and world rank 0's choice is broadcast, so all ranks feed the same token and stop together. Layouts: every
@@ -184,9 +184,9 @@ class Decoder:
                         inference_context=context, runtime_gather_output=True)
             attention.position.add_(1)
             return logits
-        if steps == GRAPH and self._graph is None:
+        if steps == GRAPH and self._graph is None:  # None: not tried for this cache; False: capture failed
             state = [t for pair in context.key_value_memory_dict.values() for t in pair]
-            self._graph = capture(run, [*state, attention.position, self._token]) or False
+            self._graph = capture(run, [*state, attention.position]) or False
         replay = self._graph if steps == GRAPH and self._graph else run
 
         def device_step(token):
