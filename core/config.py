@@ -200,6 +200,10 @@ class PerformanceOptions:
     cuda_graph_modules: str | None = option(
         None, "with --cuda-graphs: which parts of the LLM's layers to capture, megatron-core's names separated by "
               "commas (attn, mlp, moe, moe_router, moe_preprocess, mamba); default: the provider's choice")
+    encoder_pass: Literal["auto", "step", "micro-batch"] = option(
+        "auto", "run the encoders once per step on every micro-batch's images (step: one launch of each encoder "
+                "kernel per step; the encoders' activations of the whole step are kept) or once per micro-batch; "
+                "auto: step on a GPU where the layout allows it (colocated encoders)")
     grad_accum_fusion: bool = option(
         True, "transformer-engine layers add their weight gradients into the fp32 gradient buffer inside the GEMM "
               "(--no-grad-accum-fusion: a separate add per weight)")

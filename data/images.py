@@ -199,6 +199,11 @@ class FixedTiles:
     def collate(self, images: list[ProcessedImage]) -> dict:
         return {"x": torch.cat([p.pixels for p in images], dim=0)}
 
+    @staticmethod
+    def concat(inputs: list[dict]) -> dict:
+        """Several collated encoder inputs as one: the tiles one after another."""
+        return {"x": torch.cat([i["x"] for i in inputs], dim=0)}
+
 
 @dataclass(frozen=True)
 class DynamicResolution:
@@ -245,15 +250,31 @@ class DynamicResolution:
 
     def collate(self, images: list[ProcessedImage]) -> dict:
         counts = [p.pixels.shape[0] for p in images]
-        cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
-        cu[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0).to(torch.int32)
         sizes = [p.size if self.imgs_sizes_unit == "pixels" else p.grid for p in images]
         return {
             "x": torch.cat([p.pixels for p in images], dim=0)[None],
             "imgs_sizes": torch.tensor(sizes, dtype=torch.long).reshape(len(images), 2),
-            "packed_seq_params": PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(),
-                                                 max_seqlen_q=max(counts), max_seqlen_kv=max(counts)),
+            "packed_seq_params": _packed(counts),
         }
+
+    @staticmethod
+    def concat(inputs: list[dict]) -> dict:
+        """Several collated encoder inputs (on the host) as one packed buffer: the images one after another, their
+        THD boundaries rebuilt. An encoder's output for it is the outputs for `inputs` concatenated."""
+        counts = [int(n) for i in inputs for n in i["packed_seq_params"].cu_seqlens_q.diff().tolist()]
+        return {
+            "x": torch.cat([i["x"] for i in inputs], dim=1),
+            "imgs_sizes": torch.cat([i["imgs_sizes"] for i in inputs], dim=0),
+            "packed_seq_params": _packed(counts),
+        }
+
+
+def _packed(counts: list[int]) -> PackedSeqParams:
+    """THD boundaries (on the host) of images of `counts` patches packed one after another."""
+    cu = torch.zeros(len(counts) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(counts, dtype=torch.int64), 0).to(torch.int32)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(),
+                           max_seqlen_q=max(counts), max_seqlen_kv=max(counts))
 
 
 ImageMode = FixedTiles | DynamicResolution

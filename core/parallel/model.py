@@ -26,6 +26,7 @@ def _seeded_mimo_model_class():
 
         init_seed = 0
         _rows = None
+        _embeddings = None
 
         def _initialize_submodules(self):
             torch.manual_seed(self.init_seed)
@@ -35,12 +36,17 @@ def _seeded_mimo_model_class():
             torch.manual_seed(self.init_seed + 1)
             super()._initialize_language_model()
 
-        def forward(self, *args, placeholder_rows=None, **kwargs):
-            self._rows = placeholder_rows
+        def forward(self, *args, placeholder_rows=None, modality_embeddings=None, **kwargs):
+            """`modality_embeddings` {modality: [placeholders, hidden]}: encoder outputs computed already (the
+            encoders ran once for the step, core/run/encoder_pass.py), merged in place of running the encoders;
+            they need `placeholder_rows`."""
+            if modality_embeddings is not None and placeholder_rows is None:
+                raise ValueError("modality_embeddings need placeholder_rows")
+            self._rows, self._embeddings = placeholder_rows, modality_embeddings
             try:
                 return super().forward(*args, **kwargs)
             finally:
-                self._rows = None
+                self._rows = self._embeddings = None
 
         def get_text_embeddings(self, input_ids, position_ids, special_token_ids):
             if self._rows is None:
@@ -53,6 +59,8 @@ def _seeded_mimo_model_class():
                 return super().align_embeddings_by_token_positions(modality_embeddings, input_ids,
                                                                    special_token_ids)
             dense = modality_embeddings["text"]  # every position's, from get_text_embeddings above
+            if self._embeddings is not None:  # colocated modules share a grid: megatron's bridge passes them through
+                modality_embeddings = {**modality_embeddings, **self._embeddings}
             return embedding_merge.merge(dense, modality_embeddings, self._rows)
 
     return SeededMimoModel

@@ -15,7 +15,7 @@ from .. import run_file
 from ..checkpoint import hf
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from ..parallel import topology
-from . import launch
+from . import encoder_pass, launch
 
 
 @dataclass
@@ -32,6 +32,7 @@ class Plan:
     global_batch_size: int
     num_microbatches: int
     train_iters: int
+    step_encoders: bool = False  # --encoder-pass: the encoders run once per step (encoder_pass.py)
 
     @property
     def num_lanes(self) -> int:
@@ -71,8 +72,10 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     train_iters = t.train_iters or (t.train_samples // global_batch if t.train_samples else DEFAULT_TRAIN_ITERS)
     if train_iters < 1:
         raise UsageError(f"--train-samples {t.train_samples} is less than one global batch ({global_batch})")
+    step = encoder_pass.step_encoders(config.performance.encoder_pass, hooks=hooks, parallelism=parallelism,
+                                      device=t.device)
     return Plan(config, provider, hooks, settings, shapes, parallelism, world_size, global_batch,
-                global_batch // per_microbatch, train_iters)
+                global_batch // per_microbatch, train_iters, step)
 
 
 def hf_base_settings(config: RunConfig, provider: Provider, hooks) -> dict:

@@ -107,7 +107,7 @@ def start(plan: Plan) -> Session:
               if config.performance.cuda_graphs else None)
     step = TrainStep(t, world=world, model=model, optimizer=optimizer, scheduler=scheduler, seq_length=seq_length,
                      data_counts=getattr(source, "data_counts", lambda: None), timers=timers,
-                     layer_graphs=graphs)
+                     layer_graphs=graphs, step_encoders=plan.step_encoders)
 
     logging_rank = world.logging_rank  # lane 0 logs
     flops = plan.hooks.model_flops(settings=plan.settings)

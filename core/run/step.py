@@ -25,6 +25,8 @@ from ..parallel.embedding_merge import placeholder_rows
 from ..parallel.model import held_modules
 from ..parallel.topology import Topology, is_token_source
 from ..telemetry.timers import StepTimers
+from .batch_transfer import to_device
+from .encoder_pass import EncodedBatch, StepEncoderPass
 
 if TYPE_CHECKING:
     from ..config import TrainingOptions
@@ -44,21 +46,6 @@ class StepResult:
     num_zeros: int | None = None
     moe_losses: dict[str, float] = field(default_factory=dict)  # each auxiliary loss, mean over MoE layers
     data: DataCounts | None = None  # what --data's loaders consumed so far, all lanes (None: synthetic data)
-
-
-# Encoder arguments that describe the batch rather than feed a kernel: they stay on the host, where the encoder
-# reads them without waiting for the GPU (mimo.plugins.data's dynamic-resolution images).
-HOST_ARGUMENTS = ("imgs_sizes",)
-
-
-def to_device(value, device: torch.device, float_dtype: torch.dtype):
-    """Move a (nested) batch to the device; floating-point model inputs take the model's dtype."""
-    if isinstance(value, torch.Tensor):
-        cast = float_dtype if value.is_floating_point() else value.dtype
-        return value.to(device=device, dtype=cast, non_blocking=True)
-    if isinstance(value, dict):
-        return {k: v if k in HOST_ARGUMENTS else to_device(v, device, float_dtype) for k, v in value.items()}
-    return value
 
 
 class ForwardLoss:
@@ -82,15 +69,20 @@ class ForwardLoss:
     def __call__(self, data_iterator, model):
         with self._phase("data"):
             batch = next(data_iterator)
+        embeddings = None
+        if isinstance(batch, EncodedBatch):  # --encoder-pass step: the encoders ran for the whole step
+            batch, embeddings = batch.batch, batch.embeddings
         with self._label("mimo/to-device"):
             model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
             # where each encoder's placeholders are, found on the host: the merge then never waits for the GPU
             rows = placeholder_rows(batch["input_ids"], model.special_token_ids, self.device)
             model_inputs = to_device(model_inputs, self.device, torch.float32)
-            modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
+            modality_inputs = {}
+            if embeddings is None:
+                modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
         with self._phase("forward"):
             output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None,
-                                      placeholder_rows=rows)
+                                      placeholder_rows=rows, modality_embeddings=embeddings)
         return output, partial(self.loss, loss_mask=loss_mask)
 
     def loss(self, output_tensor, loss_mask):
@@ -106,10 +98,12 @@ class TrainStep:
     everything around it (when to step, log, evaluate and save)."""
 
     def __init__(self, options: TrainingOptions, *, world: World, model, optimizer, scheduler, seq_length: int,
-                 data_counts=lambda: None, timers: StepTimers | None = None, layer_graphs=None):
+                 data_counts=lambda: None, timers: StepTimers | None = None, layer_graphs=None,
+                 step_encoders: bool = False):
         """`world`: this rank's joined world (its plan, device, grids); `seq_length`: the tokens of a row;
         `data_counts()`: what the data consumed so far (a DataCounts, None for data that counts nothing);
-        `layer_graphs`: --cuda-graphs' LayerGraphs."""
+        `layer_graphs`: --cuda-graphs' LayerGraphs; `step_encoders`: the encoders run once per step
+        (--encoder-pass, encoder_pass.py)."""
         plan = world.plan
         hooks, settings, topology, device = plan.hooks, plan.settings, world.topology, world.device
         params_dtype, micro_batch_size = world.params_dtype, options.micro_batch_size
@@ -133,12 +127,17 @@ class TrainStep:
         self.layer_graphs = layer_graphs  # --cuda-graphs
         # the forward and loss of each micro-batch, summing into [loss sum, tokens] of the totals
         self.forward_step = ForwardLoss(hooks, settings, device, params_dtype, self._totals[:2], self.timers)
+        self.encoder_pass = StepEncoderPass(model, hooks=hooks, settings=settings, device=device,
+                                            params_dtype=params_dtype) if step_encoders else None
 
     @record_function("mimo/finalize-grads")
     def _finalize_grads(self, model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
         """Reduce each module's gradients over its own grid, then divide all by the global token count."""
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
+        if self.encoder_pass is not None:  # the encoders' backward, once, after the last micro-batch's
+            with self.timers.phase("backward"), record_function("mimo/encoders-backward"):
+                self.encoder_pass.backward()
         # Only one rank per LLM data lane contributes, so every rank of every grid learns the same totals.
         counts = self._data_counts()
         if counts is not None:
@@ -162,6 +161,11 @@ class TrainStep:
         self._totals.zero_()
         from megatron.core.pipeline_parallel import schedules
 
+        if self.encoder_pass is not None:
+            with self.timers.phase("data"):
+                batches = [next(data_iterator) for _ in range(self.num_microbatches)]
+            with self.timers.phase("forward"), record_function("mimo/encoders-forward"):
+                data_iterator = iter(self.encoder_pass.forward(batches))
         with self.timers.backward_of(schedules):
             self._schedule(
                 forward_step_func=self.forward_step, data_iterator=data_iterator, model=[self.model],

@@ -71,6 +71,14 @@ def model_flops(settings: MockVLMSettings):
 
 
 @hookimpl
+def concat_encoder_inputs(settings, modality, inputs):
+    from mimo.plugins.data import FixedTiles
+
+    # the ViT sees each image on its own (one tile each): micro-batches' images stack into one batch
+    return {encoder: FixedTiles.concat([i[encoder] for i in inputs]) for encoder in inputs[0]}
+
+
+@hookimpl
 def prompt_format(settings: MockVLMSettings):
     from .data import prompt_format as format_of
 

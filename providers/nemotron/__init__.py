@@ -90,6 +90,14 @@ def data_provider(settings: NemotronVLMSettings, ctx):
 
 
 @hookimpl
+def concat_encoder_inputs(settings, modality, inputs):
+    from .data import image_mode
+
+    mode = image_mode(settings)
+    return {encoder: mode.concat([i[encoder] for i in inputs]) for encoder in inputs[0]}
+
+
+@hookimpl
 def prompt_format(settings: NemotronVLMSettings):
     from .data import prompt_format as format_of
 

@@ -1,0 +1,120 @@
+"""`--encoder-pass step`: the encoders run once per training step, on every micro-batch's inputs at once, instead
+of once per micro-batch.
+
+A vision encoder fed one micro-batch's images (a single image at micro-batch 1) launches all its kernels for a
+few milliseconds of GPU work each time: on one GPU the host, not the GPU, then sets the pace (RADIO-H: about 80 ms
+of launches for 15 ms of GPU work per micro-batch). Run once per step, the same launches carry all the step's
+images. The step:
+
+1. reads all its micro-batches, concatenates each modality's encoder inputs with the provider's
+   `concat_encoder_inputs` hook, and runs each encoder once (`forward`);
+2. cuts the output into each micro-batch's rows (the micro-batch's placeholders, counted on the host) and hands
+   each micro-batch detached copies as its encoder embeddings; megatron-core's schedule runs the language model's
+   forward and backward per micro-batch as before, which leaves the gradient of each copy in its `.grad`;
+3. after the last micro-batch's backward, before gradients are reduced, runs the encoders' backward once with
+   those gradients (`backward`).
+
+Values and gradients are those of running the encoders per micro-batch (the encoders treat each image on its own),
+up to the order of floating-point sums; random draws (dropout) come in another order. The encoders' activations of
+the whole step are kept until its end: `mimo plan` counts them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from mimo.errors import UsageError
+from mimo.plugins import LANGUAGE
+
+from .batch_transfer import to_device
+
+@dataclass
+class EncodedBatch:
+    """A micro-batch whose encoders already ran: `embeddings` {modality: [placeholders, hidden]}."""
+
+    batch: dict
+    embeddings: dict[str, torch.Tensor]
+
+
+def step_encoders(mode: str, *, hooks, parallelism: dict, device: str) -> bool:
+    """Whether a run's encoders run once per step: `mode` is --encoder-pass; `device` the run's device option.
+    `auto` chooses it on a GPU where it can run; `step` where it cannot is one line."""
+    if mode == "micro-batch":
+        return False
+    reason = _unsupported(hooks, parallelism)
+    if mode == "step" and reason:
+        raise UsageError(f"--encoder-pass step: {reason}; use --encoder-pass micro-batch (or auto)")
+    if mode == "auto":
+        return not reason and _gpu(device)
+    return True
+
+
+def _unsupported(hooks, parallelism: dict) -> str | None:
+    llm = parallelism[LANGUAGE]
+    encoders = [name for name in parallelism if name != LANGUAGE]
+    if not encoders:
+        return "the model has no encoders"
+    if any(parallelism[name].ranks != llm.ranks for name in encoders):
+        return "the encoders have ranks of their own (--encoder-ranks), where the pipeline schedule feeds them"
+    if not _concatenates(hooks):
+        return "the provider does not implement the concat_encoder_inputs hook"
+    return None
+
+
+def _concatenates(hooks) -> bool:
+    return bool(hooks.concat_encoder_inputs.get_hookimpls())
+
+
+def _gpu(device: str) -> bool:
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+class StepEncoderPass:
+    """The encoders of a colocated model run once per step (see the module's docstring)."""
+
+    def __init__(self, model, *, hooks, settings, device: torch.device, params_dtype: torch.dtype):
+        self.model, self.hooks, self.settings = model, hooks, settings
+        self.device, self.params_dtype = device, params_dtype
+        self._pending: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
+
+    def forward(self, batches: list[dict]) -> list[EncodedBatch]:
+        """Run every encoder once over `batches`' inputs; each batch with its share of the embeddings."""
+        self._pending.clear()
+        shares: list[dict[str, torch.Tensor]] = [{} for _ in batches]
+        special = self.model.special_token_ids
+        for modality, encoder in self.model.modality_submodules.items():
+            present = [k for k, b in enumerate(batches) if (b.get("modality_inputs") or {}).get(modality) is not None]
+            if not present:
+                continue
+            inputs = [batches[k]["modality_inputs"][modality] for k in present]
+            merged = self.hooks.concat_encoder_inputs(settings=self.settings, modality=modality, inputs=inputs)
+            if merged is None:
+                raise UsageError(f"--encoder-pass step: the provider cannot concatenate the {modality} inputs of "
+                                 f"several micro-batches; use --encoder-pass micro-batch")
+            merged = to_device(merged, self.device, self.params_dtype)
+            output = encoder(encoder_inputs=merged)
+            counts = [int((batches[k]["input_ids"] == special[modality]).sum()) for k in present]
+            if sum(counts) != output.shape[0]:
+                raise ValueError(f"Number of {modality} tokens ({sum(counts)}) does not match number of {modality} "
+                                 f"embeddings ({output.shape[0]})")
+            parts = list(output.split(counts))
+            copies = [part.detach().requires_grad_(output.requires_grad) for part in parts]
+            for k, copy in zip(present, copies):
+                shares[k][modality] = copy
+            if output.requires_grad:
+                self._pending.append((parts, copies))
+        return [EncodedBatch(batch, share) for batch, share in zip(batches, shares)]
+
+    def backward(self) -> None:
+        """The encoders' backward, once, with the gradients the micro-batches left on their embeddings."""
+        outputs, grads = [], []
+        for parts, copies in self._pending:
+            for part, copy in zip(parts, copies):
+                if copy.grad is not None:
+                    outputs.append(part)
+                    grads.append(copy.grad)
+        self._pending.clear()
+        if outputs:
+            torch.autograd.backward(outputs, grads)
