@@ -32,6 +32,7 @@ def describe(plan, estimates=None, limit=None) -> dict:
         "layout": "colocated" if plan.config.layout.encoder_ranks == 0 else "heterogeneous",
         "modules": modules, "global_batch_size": plan.global_batch_size,
         "micro_batch_size": plan.config.training.micro_batch_size, "num_microbatches": plan.num_microbatches,
+        "encoder_pass": "step" if plan.step_encoders else "micro-batch",
         "llm_data_parallel_lanes": plan.num_lanes, "encoder_data_parallel": encoder_dp[0] if encoder_dp else None,
         "train_iters": plan.train_iters, "valid": True, "memory": summary(estimates, limit),
         "hf_export": _hf_export(plan),
@@ -75,7 +76,8 @@ def print_plan(summary: dict, as_json: bool) -> None:
         console.print(f"note: checkpoints of these settings cannot be exported to Hugging Face: "
                       f"{not_exportable(refused)}", soft_wrap=True)
     console.print(f"global batch {summary['global_batch_size']} = {summary['num_microbatches']} micro-batches x "
-                  f"{summary['micro_batch_size']} samples x {summary['llm_data_parallel_lanes']} LLM lanes; "
+                  f"{summary['micro_batch_size']} samples x {summary['llm_data_parallel_lanes']} LLM lanes"
+                  f"{' (encoders once per step)' if summary['encoder_pass'] == 'step' else ''}; "
                   f"{summary['train_iters']} iterations. " + ("Layout valid." if summary["valid"] else
                                                               "Layout does not fit."))
 

@@ -80,6 +80,7 @@ class Options:
     recompute: dict  # module -> none | selective | full
     frozen: frozenset = frozenset()  # modules with nothing to train (no gradients, no optimizer state)
     encoder_tokens: str | float = "max"  # --image-patches: max, mean or tokens per sample for the encoders
+    step_encoders: bool = False  # --encoder-pass step: the encoders hold every micro-batch's activations at once
 
 
 def options_of(plan) -> Options:
@@ -91,7 +92,7 @@ def options_of(plan) -> Options:
                    micro_batch_size=config.training.micro_batch_size, num_microbatches=plan.num_microbatches,
                    recompute={name: config.performance.recompute_for(name) for name in plan.parallelism},
                    frozen=frozenset(name for name in plan.parallelism if _frozen(name, frozen)),
-                   encoder_tokens=config.memory.encoder_tokens())
+                   encoder_tokens=config.memory.encoder_tokens(), step_encoders=plan.step_encoders)
 
 
 def _frozen(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -111,7 +112,10 @@ def estimate(memory: dict[str, ModuleMemory], parallelism: dict[str, ModuleParal
     if colocated:
         rank = RankEstimate("all ranks", (llm.first_rank, llm.ranks[-1]))
         for name in [*encoders, LANGUAGE]:
-            rank.modules.append(_module(name, memory[name], parallelism[name], 0, 1, rows.get(name), options))
+            rows_of = rows.get(name)
+            if options.step_encoders and name != LANGUAGE:  # one encoder pass over all micro-batches' samples
+                rows_of = (rows_of or options.micro_batch_size) * options.num_microbatches
+            rank.modules.append(_module(name, memory[name], parallelism[name], 0, 1, rows_of, options))
         return [rank]
     # the multimodule 1F1B pipeline: the encoders are its first stage, the LLM's stages follow
     stages = 1 + llm.pp

@@ -81,6 +81,13 @@ def gpu_limit_gib(config, planning: bool = False) -> tuple[float, str] | None:
     return DEFAULT_GIB, "default"
 
 
+def fits(plan, planning: bool = False) -> bool:
+    """Whether the plan's largest rank estimate is within the limit (True when nothing is enforced)."""
+    limit = gpu_limit_gib(plan.config, planning)
+    estimates = estimate_plan(plan) if limit is not None else None
+    return not estimates or max(r.total for r in estimates) <= limit[0] * GIB
+
+
 def check(plan, estimates: list[RankEstimate] | None = None, planning: bool = False) -> None:
     """Raise UsageError (one line) when the largest rank estimate exceeds the limit."""
     limit = gpu_limit_gib(plan.config, planning)
@@ -129,6 +136,8 @@ def advice(plan, term: str, module: str) -> str:
     if term == "activations":
         if config.performance.recompute_for(module) != "full":
             helps.append(f"--recompute {module}=full")
+        if module != topology.LANGUAGE and plan.step_encoders:
+            helps.append("--encoder-pass micro-batch")
         if config.training.micro_batch_size > 1:
             helps.append("a smaller --micro-batch-size")
         helps.append(f"more {who}-tp" + (" with --sequence-parallel" if module == topology.LANGUAGE else ""))

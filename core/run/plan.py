@@ -14,6 +14,7 @@ from mimo.plugins.settings import build_settings, given_settings
 from .. import run_file
 from ..checkpoint import hf
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
+from ..memory import fit
 from ..parallel import topology
 from . import encoder_pass, launch
 
@@ -74,8 +75,11 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
         raise UsageError(f"--train-samples {t.train_samples} is less than one global batch ({global_batch})")
     step = encoder_pass.step_encoders(config.performance.encoder_pass, hooks=hooks, parallelism=parallelism,
                                       device=t.device)
-    return Plan(config, provider, hooks, settings, shapes, parallelism, world_size, global_batch,
+    plan = Plan(config, provider, hooks, settings, shapes, parallelism, world_size, global_batch,
                 global_batch // per_microbatch, train_iters, step)
+    if step and config.performance.encoder_pass == "auto" and not fit.fits(plan):
+        plan.step_encoders = False  # the step's encoder activations would not fit the GPU: once per micro-batch
+    return plan
 
 
 def hf_base_settings(config: RunConfig, provider: Provider, hooks) -> dict:

@@ -161,7 +161,8 @@ def describe_run(plan: Plan, held: dict[str, int], device: torch.device, precisi
     )
     return (f"mimo run: provider {plan.config.provider} | {modules} | global batch {plan.global_batch_size} = "
             f"{plan.num_microbatches} micro-batches x {plan.config.training.micro_batch_size} x {plan.num_lanes} "
-            f"lanes | {plan.train_iters} iterations | {device.type} {precision}")
+            f"lanes{' (encoders once per step)' if plan.step_encoders else ''} | {plan.train_iters} iterations | "
+            f"{device.type} {precision}")
 
 
 def _chain(first, rest):

@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round6 in place of slice/rest, each after an install call; round6 needs no main)
+# (later sessions: round2 .. round8 in place of slice/rest, each after an install call; round6-8 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -164,5 +164,20 @@ case "$phase" in
     bench g $(( $(left) - 10 )) --cases slice-te-graphs --extra "--compile-cache /tmp/ccF"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round7"; exit 2 ;;
+  round8)
+    # The fifth device session: the encoders once per step (--encoder-pass step) against once per micro-batch, on
+    # the slice with graphs, one cache for all (the first run fills it: its first iteration is a fresh machine's);
+    # the step recipe with RADIO recomputed (fits the default memory check) profiled; then FP8 and the dense model.
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    bench b 170 --cases slice-te-graphs --extra "--compile-cache /tmp/ccG --encoder-pass micro-batch"
+    bench s 150 --cases slice-te-graphs --iterations 12 --profile slice-te-graphs \
+      --extra "--compile-cache /tmp/ccG --encoder-pass step --recompute images=full"
+    bench m 110 --cases slice-te-graphs --extra "--compile-cache /tmp/ccG --encoder-pass step --image-patches mean"
+    bench f 110 --cases slice-te-fp8 --extra "--compile-cache /tmp/ccG --encoder-pass step --recompute images=full"
+    bench d 80 --cases dense-te-graphs-fp8-mbs4 --extra "--compile-cache /tmp/ccG --encoder-pass micro-batch"
+    bench e $(( $(left) - 10 )) --cases dense-te-graphs-fp8-mbs4 --extra "--compile-cache /tmp/ccG --encoder-pass step"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round8"; exit 2 ;;
 esac
