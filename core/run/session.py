@@ -128,7 +128,10 @@ def start(plan: Plan) -> Session:
             print(note, flush=True)
     profiler = StepProfiler(config.logging, rank=dist.get_rank(), device=device, report=logging_rank)
     model.train()
-    reader = read_ahead(source, config.data.prefetch_microbatches, device)
+    ahead = config.data.prefetch_microbatches
+    if ahead and plan.step_encoders:  # the step takes all its micro-batches at once: make the next step's meanwhile
+        ahead = max(ahead, plan.num_microbatches)
+    reader = read_ahead(source, ahead, device)
     skips = SkipReporter(source, enabled=is_token_source(topo),  # the rank whose count enters the total
                          rank=dist.get_rank() if plan.world_size > 1 else None)
     evaluations = None
