@@ -42,6 +42,11 @@ class NemotronVLMSettings:
         True, "backend te: transformer-engine's fused cross-entropy (no fp32 copy of the logits)")
     shared_expert_overlap: bool = _setting(
         True, "backend te: run the shared expert on a side stream, overlapping the routed experts' dispatch")
+    expert_gemm: Literal["auto", "grouped_mm", "megatron"] = _setting(
+        "auto", "routed experts: grouped_mm runs them as two torch grouped GEMMs with the token counts on the GPU "
+        "(no host sync; one rank of experts, bf16/fp32, no FP8); megatron: megatron-core's experts (backend te: "
+        "transformer-engine's grouped GEMM; local: one MLP per expert); auto: grouped_mm with backend te where "
+        "it applies")
 
     # -- vision encoder (RADIO ViT)
     vision_layers: int = _setting(32, "transformer layers of the RADIO encoder", **SIZE)

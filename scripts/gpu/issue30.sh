@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round8 in place of slice/rest, each after an install call; round6-8 need no main)
+# (later sessions: round2 .. round10 in place of slice/rest, each after an install call; round6-10 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -61,7 +61,7 @@ case "$phase" in
     # mamba-ssm's share of the first iteration (compile + autotune of the training kernel megatron-core calls) and
     # its speed at chunk 128 (megatron's) and 256, at the slice's shape (ISSUE30_PROBE_SHAPES="slice mid" adds
     # mid's); a cache of its own, so that call 2 starts cold
-    TRITON_CACHE_DIR=/tmp/triton-probe timeout -k 10 $(( $(left) - 10 )) python3 scripts/gpu/mamba_ssd_probe.py \
+    [ "${ISSUE30_PROBE:-1}" = 0 ] || TRITON_CACHE_DIR=/tmp/triton-probe timeout -k 10 $(( $(left) - 10 )) python3 scripts/gpu/mamba_ssd_probe.py \
       --shapes ${ISSUE30_PROBE_SHAPES:-slice} --out "$R/mamba_probe.json" 2>&1 | tee "$R/probe.log"
     pack
     ;;
@@ -179,5 +179,26 @@ case "$phase" in
     bench e $(( $(left) - 10 )) --cases dense-te-graphs-fp8-mbs4 --extra "--compile-cache /tmp/ccG --encoder-pass step"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round8"; exit 2 ;;
+  round9|round10)
+    # The fifth device session, after round8: the routed experts as torch grouped GEMMs with the token counts on
+    # the GPU (expert_gemm auto) against transformer-engine's grouped GEMM (expert_gemm=megatron), each in one call:
+    # the slice's step recipes (round9), nemotron-moe-vlm-mid's recipes (round10). Install with ISSUE30_PROBE=0.
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    if [ "$phase" = round9 ]; then
+      E="--compile-cache /tmp/ccH --encoder-pass step --image-patches mean"
+      bench b 170 --cases slice-te-graphs --extra "$E --set expert_gemm=megatron"
+      bench g 130 --cases slice-te-graphs --iterations 12 --profile slice-te-graphs --extra "$E"
+      bench r 110 --cases slice-te-graphs --extra "--compile-cache /tmp/ccH --encoder-pass step --recompute images=full"
+      bench f $(( $(left) - 10 )) --cases slice-te-fp8 --extra "$E"
+    else
+      bench b 150 --cases mid-te --extra "--compile-cache /tmp/ccI --set expert_gemm=megatron"
+      bench g 110 --cases mid-te --extra "--compile-cache /tmp/ccI"
+      bench s 130 --cases mid-te-mbs8-selective --extra "--compile-cache /tmp/ccI --image-patches mean"
+      bench t $(( $(left) - 10 )) --cases mid-te-mbs8-selective \
+        --extra "--compile-cache /tmp/ccI --image-patches mean --set expert_gemm=megatron"
+    fi
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round10"; exit 2 ;;
 esac

@@ -1,0 +1,141 @@
+"""Routed experts as two grouped GEMMs with the token counts on the GPU: no host synchronization, no per-expert
+Python, for MoE layers whose experts all live on the rank (no expert or tensor parallelism).
+
+megatron-core's MoE path on one GPU waits for the GPU once per MoE layer and micro-batch: its token dispatcher
+copies the tokens per expert to the host (transformer-engine's grouped GEMM splits its input on the host), and
+transformer-engine's `GroupedLinear` then does per-expert work in Python (about 0.5 s of host time per iteration
+of a full-width Nemotron slice, its profile in docs/benchmarks.md (g)). Here:
+
+* `grouped_experts` runs fc1, the activation (times the routing probabilities) and fc2 of every expert as
+  `torch.nn.functional.grouped_mm` calls whose group boundaries are the cumulative token counts, on the device.
+* `GroupedMMExperts` (transformer-engine's `TEGroupedMLP`) and `GroupedMMSequentialMLP` (megatron-core's
+  `SequentialMLP`) keep their parent's parameters, initialization and checkpoint keys and replace only the
+  forward: a checkpoint moves between them and their parents unchanged.
+* `DeviceCountsMoELayer` is megatron-core's `MoELayer` whose all-to-all dispatcher leaves the token counts on the
+  device when nothing needs them on the host (one rank of experts, dropless, no FP8 padding) and skips its chunk
+  sort by expert, which is the identity with one rank.
+
+`with_grouped_mm_experts(moe_spec)` turns a megatron-core MoE layer spec into this one. Values are those of the
+parent modules up to the order of floating-point sums inside the GEMMs (tests/test_grouped_mm_moe.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+
+def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor,
+                    fc2: torch.Tensor, activation, recompute=None) -> torch.Tensor:
+    """[tokens, H] sorted by expert -> [tokens, H]: `fc1` [E, ffn, H] and `fc2` [E, H, ffn] (megatron's [out, in]
+    weights stacked), `counts` [E] tokens per expert (any device), `probs` [tokens] routing weights applied after
+    the activation. `recompute`: a megatron-core CheckpointWithoutOutput for the activation (selective recompute)."""
+    offsets = counts.to(device=hidden.device, dtype=torch.int32, non_blocking=True).cumsum(0, dtype=torch.int32)
+    up = F.grouped_mm(hidden, fc1.transpose(1, 2), offs=offsets)
+
+    def act(up, probs):
+        return (activation(up) * probs.unsqueeze(-1)).to(up.dtype)
+
+    inner = recompute.checkpoint(act, up, probs) if recompute is not None else act(up, probs)
+    out = F.grouped_mm(inner, fc2.transpose(1, 2), offs=offsets)
+    if recompute is not None:
+        recompute.discard_output_and_register_recompute(out)
+    return out
+
+
+class _GroupedMMForward:
+    """The forward both expert classes share; `_fc_weights()` says where each layout keeps its weights."""
+
+    def _grouped_mm_eligible(self) -> bool:
+        config = self.config
+        return (self.tp_group.size() == 1 and not config.fp8 and not config.fp4 and not config.gated_linear_unit
+                and not config.moe_apply_probs_on_input and not config.add_bias_linear
+                and not getattr(self, "_with_fused_impl", False)
+                and not getattr(self, "offload_expert_fc1", False) and not getattr(self, "offload_moe_act", False))
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
+        if not self.grouped_mm or args or any(v is not None for v in kwargs.values()):
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
+        fc1, fc2 = self._fc_weights()
+        recompute = None
+        if getattr(self, "activation_recompute", False):
+            recompute = self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
+        out = grouped_experts(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
+                              torch.stack(fc1), torch.stack(fc2), self.config.activation_func, recompute)
+        return out, None
+
+
+class GroupedMMExperts(_GroupedMMForward, TEGroupedMLP):
+    """transformer-engine's TEGroupedMLP (weight0..weightN of its grouped linears) run as torch grouped GEMMs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.grouped_mm = self._grouped_mm_eligible()
+
+    def _fc_weights(self):
+        n = self.num_local_experts
+        return ([getattr(self.linear_fc1, f"weight{i}") for i in range(n)],
+                [getattr(self.linear_fc2, f"weight{i}") for i in range(n)])
+
+
+class GroupedMMSequentialMLP(_GroupedMMForward, SequentialMLP):
+    """megatron-core's SequentialMLP (one MLP module per expert) run as torch grouped GEMMs."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.grouped_mm = self._grouped_mm_eligible() and self.num_local_experts > 1
+
+    def _fc_weights(self):
+        return ([e.linear_fc1.weight for e in self.local_experts], [e.linear_fc2.weight for e in self.local_experts])
+
+
+class _DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
+    """The all-to-all dispatcher on one rank of experts, its token counts left on the device."""
+
+    def _maybe_dtoh_and_synchronize(self, point, tokens_per_expert=None):
+        return tokens_per_expert  # nothing crosses to the host, nothing waits
+
+    def dispatch_postprocess(self, global_input_tokens, global_probs):
+        counts, self.tokens_per_expert = self.tokens_per_expert, None
+        return global_input_tokens, counts, global_probs  # one rank: already sorted by expert
+
+    def combine_preprocess(self, hidden_states):
+        return hidden_states
+
+
+class DeviceCountsMoELayer(MoELayer):
+    """MoELayer whose dispatcher keeps the token counts on the device where its experts take them there."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        dispatcher, config = self.token_dispatcher, self.config
+        if (type(dispatcher) is MoEAlltoAllTokenDispatcher and getattr(self.experts, "grouped_mm", False)
+                and dispatcher.ep_size == 1 and dispatcher.tp_size == 1 and not dispatcher.drop_and_pad
+                and config.moe_expert_capacity_factor is None and not config.moe_router_padding_for_quantization):
+            # the same object, its class narrowed to a subclass that adds no state
+            dispatcher.__class__ = _DeviceCountsDispatcher
+
+
+_GROUPED = {TEGroupedMLP: GroupedMMExperts, SequentialMLP: GroupedMMSequentialMLP}
+
+
+def with_grouped_mm_experts(moe_layer_spec):
+    """A megatron-core MoE transformer-layer spec (`mlp` a partial of MoELayer) with DeviceCountsMoELayer and the
+    grouped-GEMM variant of its experts class; a spec of another shape comes back unchanged."""
+    mlp = moe_layer_spec.submodules.mlp
+    if not isinstance(mlp, functools.partial) or mlp.func is not MoELayer:
+        return moe_layer_spec
+    experts = mlp.keywords["submodules"].experts
+    grouped = _GROUPED.get(getattr(experts, "func", None))
+    if grouped is None:
+        return moe_layer_spec
+    submodules = dataclasses.replace(mlp.keywords["submodules"], experts=functools.partial(grouped, **experts.keywords))
+    layer = functools.partial(DeviceCountsMoELayer, *mlp.args, **{**mlp.keywords, "submodules": submodules})
+    return dataclasses.replace(moe_layer_spec, submodules=dataclasses.replace(moe_layer_spec.submodules, mlp=layer))
