@@ -33,6 +33,7 @@ def describe(plan, estimates=None, limit=None) -> dict:
         "modules": modules, "global_batch_size": plan.global_batch_size,
         "micro_batch_size": plan.config.training.micro_batch_size, "num_microbatches": plan.num_microbatches,
         "encoder_pass": "step" if plan.step_encoders else "micro-batch",
+        "encoders_recomputed": plan.encoders_recomputed,
         "llm_data_parallel_lanes": plan.num_lanes, "encoder_data_parallel": encoder_dp[0] if encoder_dp else None,
         "train_iters": plan.train_iters, "valid": True, "memory": summary(estimates, limit),
         "hf_export": _hf_export(plan),
@@ -77,9 +78,16 @@ def print_plan(summary: dict, as_json: bool) -> None:
                       f"{not_exportable(refused)}", soft_wrap=True)
     console.print(f"global batch {summary['global_batch_size']} = {summary['num_microbatches']} micro-batches x "
                   f"{summary['micro_batch_size']} samples x {summary['llm_data_parallel_lanes']} LLM lanes"
-                  f"{' (encoders once per step)' if summary['encoder_pass'] == 'step' else ''}; "
+                  f"{_encoder_pass(summary)}; "
                   f"{summary['train_iters']} iterations. " + ("Layout valid." if summary["valid"] else
                                                               "Layout does not fit."))
+
+
+def _encoder_pass(summary: dict) -> str:
+    if summary["encoder_pass"] != "step":
+        return ""
+    return " (encoders once per step" + (", recomputed in backward to fit)" if summary["encoders_recomputed"]
+                                         else ")")
 
 
 def memory_table(memory: dict) -> Table:

@@ -51,6 +51,27 @@ def step_encoders(mode: str, *, hooks, parallelism: dict, device: str) -> bool:
     return True
 
 
+def fit_auto(plan, fits) -> None:
+    """--encoder-pass auto, once per step chosen: keep it where the step's encoder activations fit the GPU
+    (`fits(plan)`, the memory check's rule). Where they fit only recomputed and --recompute leaves the encoders
+    alone, recompute them fully (once per step it costs one batched encoder forward: 325 against 336 TFLOP/s on the
+    Nemotron slice, docs/benchmarks.md (g)); else run the encoders once per micro-batch. The choice is made alike
+    on every rank (the same options and GPU model)."""
+    if not plan.step_encoders or plan.config.performance.encoder_pass != "auto" or fits(plan):
+        return
+    performance = plan.config.performance
+    modes = performance.recompute_modes()
+    encoders = [name for name in plan.parallelism if name != LANGUAGE]
+    if not any(name in modes for name in encoders) and modes.get("*", "none") == "none":
+        original = performance.recompute
+        performance.recompute = ",".join(f"{k}={v}" for k, v in {**modes, **dict.fromkeys(encoders, "full")}.items())
+        if fits(plan):
+            plan.encoders_recomputed = True
+            return
+        performance.recompute = original
+    plan.step_encoders = False
+
+
 def _unsupported(hooks, parallelism: dict) -> str | None:
     llm = parallelism[LANGUAGE]
     encoders = [name for name in parallelism if name != LANGUAGE]

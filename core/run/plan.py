@@ -34,6 +34,7 @@ class Plan:
     num_microbatches: int
     train_iters: int
     step_encoders: bool = False  # --encoder-pass: the encoders run once per step (encoder_pass.py)
+    encoders_recomputed: bool = False  # --encoder-pass auto made the encoders' --recompute full for that
 
     @property
     def num_lanes(self) -> int:
@@ -77,8 +78,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
                                       device=t.device)
     plan = Plan(config, provider, hooks, settings, shapes, parallelism, world_size, global_batch,
                 global_batch // per_microbatch, train_iters, step)
-    if step and config.performance.encoder_pass == "auto" and not fit.fits(plan):
-        plan.step_encoders = False  # the step's encoder activations would not fit the GPU: once per micro-batch
+    encoder_pass.fit_auto(plan, fit.fits)  # auto: the step's encoder activations must fit the GPU
     return plan
 
 

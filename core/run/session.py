@@ -164,8 +164,15 @@ def describe_run(plan: Plan, held: dict[str, int], device: torch.device, precisi
     )
     return (f"mimo run: provider {plan.config.provider} | {modules} | global batch {plan.global_batch_size} = "
             f"{plan.num_microbatches} micro-batches x {plan.config.training.micro_batch_size} x {plan.num_lanes} "
-            f"lanes{' (encoders once per step)' if plan.step_encoders else ''} | {plan.train_iters} iterations | "
+            f"lanes{_encoder_pass(plan)} | {plan.train_iters} iterations | "
             f"{device.type} {precision}")
+
+
+def _encoder_pass(plan) -> str:
+    if not plan.step_encoders:
+        return ""
+    return " (encoders once per step" + (", recomputed in backward to fit: --encoder-pass micro-batch keeps "
+                                         "their activations)" if plan.encoders_recomputed else ")")
 
 
 def _chain(first, rest):

@@ -129,7 +129,7 @@ _GROUPED = {TEGroupedMLP: GroupedMMExperts, SequentialMLP: GroupedMMSequentialML
 def with_grouped_mm_experts(moe_layer_spec):
     """A megatron-core MoE transformer-layer spec (`mlp` a partial of MoELayer) with DeviceCountsMoELayer and the
     grouped-GEMM variant of its experts class; a spec of another shape comes back unchanged."""
-    mlp = moe_layer_spec.submodules.mlp
+    mlp = getattr(getattr(moe_layer_spec, "submodules", None), "mlp", None)
     if not isinstance(mlp, functools.partial) or mlp.func is not MoELayer:
         return moe_layer_spec
     experts = mlp.keywords["submodules"].experts

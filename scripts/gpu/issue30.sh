@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round10 in place of slice/rest, each after an install call; round6-10 need no main)
+# (later sessions: round2 .. round11 in place of slice/rest, each after an install call; round6-11 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -179,10 +179,11 @@ case "$phase" in
     bench e $(( $(left) - 10 )) --cases dense-te-graphs-fp8-mbs4 --extra "--compile-cache /tmp/ccG --encoder-pass step"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  round9|round10)
+  round9|round10|round11)
     # The fifth device session, after round8: the routed experts as torch grouped GEMMs with the token counts on
     # the GPU (expert_gemm auto) against transformer-engine's grouped GEMM (expert_gemm=megatron), each in one call:
-    # the slice's step recipes (round9), nemotron-moe-vlm-mid's recipes (round10). Install with ISSUE30_PROBE=0.
+    # the slice's step recipes (round9); the slice with every default and nemotron-moe-vlm-mid's default recipe
+    # against main's choices (round10); mid's micro-batch-8 recipe both ways (round11). Install with ISSUE30_PROBE=0.
     ready without-main
     versions > "$R/versions.txt" 2>&1
     if [ "$phase" = round9 ]; then
@@ -191,14 +192,18 @@ case "$phase" in
       bench g 130 --cases slice-te-graphs --iterations 12 --profile slice-te-graphs --extra "$E"
       bench r 110 --cases slice-te-graphs --extra "--compile-cache /tmp/ccH --encoder-pass step --recompute images=full"
       bench f $(( $(left) - 10 )) --cases slice-te-fp8 --extra "$E"
+    elif [ "$phase" = round10 ]; then
+      bench a 150 --cases slice-te-graphs --iterations 12 --profile slice-te-graphs --extra "--compile-cache /tmp/ccI"
+      PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench x 100 --cases slice-te-graphs \
+        --extra "--compile-cache /tmp/ccI"
+      bench b 130 --cases mid-te --extra "--compile-cache /tmp/ccI --set expert_gemm=megatron --encoder-pass micro-batch"
+      bench g $(( $(left) - 10 )) --cases mid-te --extra "--compile-cache /tmp/ccI"
     else
-      bench b 150 --cases mid-te --extra "--compile-cache /tmp/ccI --set expert_gemm=megatron"
-      bench g 110 --cases mid-te --extra "--compile-cache /tmp/ccI"
-      bench s 130 --cases mid-te-mbs8-selective --extra "--compile-cache /tmp/ccI --image-patches mean"
+      bench s 200 --cases mid-te-mbs8-selective --extra "--compile-cache /tmp/ccJ --image-patches mean"
       bench t $(( $(left) - 10 )) --cases mid-te-mbs8-selective \
-        --extra "--compile-cache /tmp/ccI --image-patches mean --set expert_gemm=megatron"
+        --extra "--compile-cache /tmp/ccJ --image-patches mean --set expert_gemm=megatron"
     fi
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round10"; exit 2 ;;
+  *) echo "phase: install, slice, rest, round2 .. round11"; exit 2 ;;
 esac
