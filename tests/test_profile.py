@@ -38,3 +38,15 @@ def test_a_bad_profile_window_is_one_line():
                       "--profile-step-start", "5", "--profile-step-end", "3")
     assert result.returncode == 2
     assert "--profile-step-start 5 and --profile-step-end 3 must satisfy 1 <= start <= end" in result.stderr
+
+
+def test_innermost_host_operation_at_a_moment():
+    """The idle report names the innermost operation of the loop's thread at a gap (properly nested events)."""
+    from mimo.core.telemetry.profiler import _innermost
+
+    events = sorted([(0, 100, "outer"), (10, 20, "first"), (30, 60, "second"), (40, 50, "inner")])
+    starts = [e[0] for e in events]
+    assert _innermost(events, starts, 45) == "inner"
+    assert _innermost(events, starts, 25) == "outer"  # between two children: still inside the outer operation
+    assert _innermost(events, starts, 55) == "second"
+    assert _innermost(events, starts, 150) == "(python)"

@@ -7,6 +7,7 @@ On the CPU it ranks operators by CPU time instead.
 
 from __future__ import annotations
 
+import bisect
 import json
 import re
 import time
@@ -117,22 +118,41 @@ def idle_report(events, iterations: int) -> dict:
         else:
             host.append((*interval, e.name, e.thread))
     gaps = idle_gaps(kernels, phases)
+    # the loop's thread: the one that labels the phases
+    host_main = next((e.thread for e in events if e.name.startswith("mimo/")), None)
     sizes = {"under 0.1 ms": 0.0, "0.1-1 ms": 0.0, "over 1 ms": 0.0}
     for start, end in gaps:
         ms = (end - start) / 1000
         sizes["under 0.1 ms" if ms < 0.1 else "0.1-1 ms" if ms < 1 else "over 1 ms"] += ms / iterations
-    longest = []
-    for start, end in sorted(gaps, key=lambda g: g[0] - g[1])[:8]:
+    longest, by_operation = [], {}
+    main = sorted((h[0], h[1], h[2]) for h in host if h[3] == host_main)
+    starts = [h[0] for h in main]
+    for start, end in sorted(gaps, key=lambda g: g[0] - g[1]):
         middle = (start + end) / 2
-        innermost: dict[int, tuple] = {}  # per host thread, the shortest operation running at the middle
-        for h in host:
-            shorter = h[3] not in innermost or h[1] - h[0] < innermost[h[3]][1] - innermost[h[3]][0]
-            if h[0] <= middle <= h[1] and shorter:
-                innermost[h[3]] = h
-        longest.append({"ms": (end - start) / 1000, "phase": _phase_at(phases, middle),
-                        "host": sorted({h[2] for h in innermost.values()})})
+        if len(longest) < 8:
+            innermost: dict[int, tuple] = {}  # per host thread, the shortest operation running at the middle
+            for h in host:
+                shorter = h[3] not in innermost or h[1] - h[0] < innermost[h[3]][1] - innermost[h[3]][0]
+                if h[0] <= middle <= h[1] and shorter:
+                    innermost[h[3]] = h
+            longest.append({"ms": (end - start) / 1000, "phase": _phase_at(phases, middle),
+                            "host": sorted({h[2] for h in innermost.values()})})
+        if end - start >= 100:  # gaps of 0.1 ms and more: what the loop's thread was in while the GPU waited
+            name = f"{_phase_at(phases, middle)} | {_innermost(main, starts, middle)}"
+            by_operation[name] = by_operation.get(name, 0.0) + (end - start) / 1000 / iterations
     return {"idle_ms_per_iteration_by_phase": idle_by_phase(kernels, phases, iterations),
-            "idle_ms_per_iteration_by_gap": sizes, "longest_idle_gaps": longest}
+            "idle_ms_per_iteration_by_gap": sizes, "longest_idle_gaps": longest,
+            "idle_ms_per_iteration_by_host_operation": dict(sorted(by_operation.items(), key=lambda kv: -kv[1])[:15])}
+
+
+def _innermost(events: list[tuple], starts: list[float], moment: float, reach: int = 5000) -> str:
+    """The innermost operation of one thread (its events sorted by start, properly nested) running at `moment`:
+    the latest-started one that has not ended; "(python)" when none of the last `reach` has."""
+    i = bisect.bisect_right(starts, moment)
+    for j in range(i - 1, max(-1, i - 1 - reach), -1):
+        if events[j][1] >= moment:
+            return events[j][2]
+    return "(python)"
 
 
 def idle_gaps(kernels: list[tuple], phases: list[tuple]) -> list[tuple]:
@@ -177,4 +197,6 @@ def format_summary(summary: dict, directory: Path) -> str:
         lines.append(f"  GPU idle in {phase:<18} {ms:7.1f} ms")
     for size, ms in (summary.get("idle_ms_per_iteration_by_gap") or {}).items():
         lines.append(f"  GPU idle in gaps {size:<13} {ms:7.1f} ms")
+    for where, ms in list((summary.get("idle_ms_per_iteration_by_host_operation") or {}).items())[:6]:
+        lines.append(f"  GPU idle while the loop ran {where}: {ms:.1f} ms")
     return "\n".join(lines)
