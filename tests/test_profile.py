@@ -50,3 +50,24 @@ def test_innermost_host_operation_at_a_moment():
     assert _innermost(events, starts, 25) == "outer"  # between two children: still inside the outer operation
     assert _innermost(events, starts, 55) == "second"
     assert _innermost(events, starts, 150) == "(python)"
+
+
+def test_sync_sites_count_waits_by_call_site_and_pass_other_warnings_on():
+    """A synchronizing-call warning is counted at its Python call site; any other warning goes on as before."""
+    import warnings
+
+    from mimo.core.telemetry.sync_sites import SyncSites
+
+    def wait_for_gpu():
+        warnings.warn("called a synchronizing CUDA operation")
+
+    with warnings.catch_warnings(record=True) as others:
+        warnings.simplefilter("always")
+        with SyncSites() as syncs:
+            for _ in range(3):
+                wait_for_gpu()
+            warnings.warn("an unrelated notice")
+    (site, count), = syncs.sites.items()
+    assert count == 3 and "wait_for_gpu" in site and "test_profile.py" in site
+    assert syncs.top(iterations=3) == [{"per_iteration": 1.0, "site": site}]
+    assert [str(w.message) for w in others] == ["an unrelated notice"]

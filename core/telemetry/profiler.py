@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from .sync_sites import SyncSites
+
 # First match wins: kernel names of cuBLAS/CUTLASS GEMMs, fused attention, NCCL, Adam, copies.
 KINDS = [
     ("attention", re.compile(r"flash|fmha|attention|sdpa|scaled_dot_product", re.I)),
@@ -49,6 +51,7 @@ class StepProfiler:
         self._synchronize()
         self._profiler = profile(activities=activities)
         self._profiler.__enter__()
+        self._syncs = SyncSites().__enter__() if self.device.type == "cuda" else None
         self._wall = time.perf_counter()
 
     def after(self, iteration: int) -> None:
@@ -56,10 +59,14 @@ class StepProfiler:
             return
         self._synchronize()
         wall_ms = (time.perf_counter() - self._wall) * 1000
+        if self._syncs is not None:
+            self._syncs.__exit__(None, None, None)
         self._profiler.__exit__(None, None, None)
         self.directory.mkdir(parents=True, exist_ok=True)
         self._profiler.export_chrome_trace(str(self.directory / f"trace_rank{self.rank}.json"))
         summary = summarize(self._profiler, wall_ms, self.end - self.start + 1, self.device)
+        if self._syncs is not None:  # where the host waited for the GPU, by call site
+            summary["host_syncs"] = self._syncs.top(self.end - self.start + 1)
         (self.directory / f"summary_rank{self.rank}.json").write_text(json.dumps(summary, indent=1))
         if self.report:
             print(format_summary(summary, self.directory), flush=True)
@@ -199,4 +206,6 @@ def format_summary(summary: dict, directory: Path) -> str:
         lines.append(f"  GPU idle in gaps {size:<13} {ms:7.1f} ms")
     for where, ms in list((summary.get("idle_ms_per_iteration_by_host_operation") or {}).items())[:6]:
         lines.append(f"  GPU idle while the loop ran {where}: {ms:.1f} ms")
+    for sync in (summary.get("host_syncs") or [])[:6]:
+        lines.append(f"  host waits for the GPU {sync['per_iteration']:g} times per iteration at {sync['site']}")
     return "\n".join(lines)

@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round12 in place of slice/rest, each after an install call; round6-12 need no main)
+# (later sessions: round2 .. round13 in place of slice/rest, each after an install call; round6-13 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -216,5 +216,13 @@ case "$phase" in
       --extra "--compile-cache /tmp/ccK --encoder-pass step --image-patches mean"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round12"; exit 2 ;;
+  round13)
+    # The slice and mid with every default, profiled: the summaries name each host synchronization's call site.
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    bench a 170 --cases slice-te-graphs --iterations 12 --profile slice-te-graphs --extra "--compile-cache /tmp/ccL"
+    bench m $(( $(left) - 10 )) --cases mid-te --iterations 12 --profile mid-te --extra "--compile-cache /tmp/ccL"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round13"; exit 2 ;;
 esac
