@@ -51,6 +51,9 @@ CASES = {
     "mid-local": ("nemotron-moe-vlm-mid", {"backend": "local"}, 4, 2, []),
     "mid-te": ("nemotron-moe-vlm-mid", {"backend": "te"}, 4, 2, []),
     "mid-te-mbs8-selective": ("nemotron-moe-vlm-mid", {"backend": "te"}, 8, 1, ["--recompute", "selective"]),
+    "mid-te-graphs": ("nemotron-moe-vlm-mid", {"backend": "te"}, 4, 2, ["--cuda-graphs"]),
+    "mid-te-mbs8-selective-graphs": ("nemotron-moe-vlm-mid", {"backend": "te"}, 8, 1,
+                                     ["--recompute", "selective", "--cuda-graphs"]),
     "mid-te-mbs16-full": ("nemotron-moe-vlm-mid", {"backend": "te"}, 16, 1, ["--recompute", "language=full"]),
     "mid-te-fp8": ("nemotron-moe-vlm-mid", {"backend": "te"}, 4, 2, ["--fp8", "tensorwise"]),
 }

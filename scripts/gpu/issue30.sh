@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round13 in place of slice/rest, each after an install call; round6-13 need no main)
+# (later sessions: round2 .. round14 in place of slice/rest, each after an install call; round6-14 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -224,5 +224,13 @@ case "$phase" in
     bench m $(( $(left) - 10 )) --cases mid-te --iterations 12 --profile mid-te --extra "--compile-cache /tmp/ccL"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round13"; exit 2 ;;
+  round14)
+    # nemotron-moe-vlm-mid with CUDA graphs of its Mamba and attention layers, at micro-batch 4 x 2 and 8 x 1.
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    bench g 170 --cases mid-te-graphs --extra "--compile-cache /tmp/ccM"
+    bench s $(( $(left) - 10 )) --cases mid-te-mbs8-selective-graphs --extra "--compile-cache /tmp/ccM --image-patches mean"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round14"; exit 2 ;;
 esac
