@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round14 in place of slice/rest, each after an install call; round6-14 need no main)
+# (later sessions: round2 .. round15 in place of slice/rest, each after an install call; round6-15 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -232,5 +232,17 @@ case "$phase" in
     bench s $(( $(left) - 10 )) --cases mid-te-mbs8-selective-graphs --extra "--compile-cache /tmp/ccM --image-patches mean"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round14"; exit 2 ;;
+  round15)
+    # The closing record: main's choices (per-micro-batch encoders, transformer-engine's grouped GEMM) against every
+    # default of this work, the slice and mid with CUDA graphs, one machine, one call, one cache.
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    M="--encoder-pass micro-batch --set expert_gemm=megatron"
+    bench sb 150 --cases slice-te-graphs --extra "--compile-cache /tmp/ccN $M"
+    bench sd 110 --cases slice-te-graphs --extra "--compile-cache /tmp/ccN"
+    bench mb 130 --cases mid-te-graphs --extra "--compile-cache /tmp/ccN $M"
+    bench md $(( $(left) - 10 )) --cases mid-te-graphs --extra "--compile-cache /tmp/ccN"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round15"; exit 2 ;;
 esac
