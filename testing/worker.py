@@ -88,6 +88,8 @@ def run(name: str, assignments: list[str], workdir: Path) -> dict:
     encoders_fed, notes = set(), set()
     for m, batch in enumerate(batches):
         encoders_fed |= check_encoder_outputs(model, batch, plan.shapes[LANGUAGE].hidden_size, m, notes)
+    Stage.current = "concat_encoder_inputs"
+    check_concat_encoder_inputs(plan.hooks, plan.settings, model, batches, notes)
 
     Stage.current = "forward_backward"  # forward, the loss hook, backward and the optimizer step
     optimizer = build_optimizer(config.optimizer, model=model, params_dtype=torch.float32)
@@ -157,6 +159,32 @@ def check_encoder_outputs(model, batch: dict, language_hidden: int, m: int, note
                                                      f"placeholder tokens but its images give {given} embeddings "
                                                      f"({per_image[first:image]} per image, in order)")
     return set(inputs)
+
+
+def check_concat_encoder_inputs(hooks, settings, model, batches: list[dict], notes: set[str]) -> None:
+    """`concat_encoder_inputs` (optional): each modality's encoders give, for the micro-batches' inputs joined,
+    exactly their outputs for each micro-batch one after another (what `--encoder-pass step` relies on)."""
+    import torch
+
+    from .report import ContractError
+
+    if not hooks.concat_encoder_inputs.get_hookimpls():
+        notes.add("concat_encoder_inputs not implemented: the encoders run once per micro-batch")
+        return
+    for modality, module in model.modality_submodules.items():
+        inputs = [b["modality_inputs"][modality] for b in batches if (b.get("modality_inputs") or {}).get(modality)]
+        if len(inputs) < 2:
+            continue
+        joined = hooks.concat_encoder_inputs(settings=settings, modality=modality, inputs=inputs)
+        if joined is None:
+            continue
+        with torch.no_grad():
+            expected = torch.cat([module(encoder_inputs=i) for i in inputs])
+            got = module(encoder_inputs=joined)
+        if got.shape != expected.shape or not torch.allclose(got, expected, rtol=1e-4, atol=1e-5):
+            raise ContractError("concat_encoder_inputs", f"the '{modality}' encoders give {tuple(got.shape)} for "
+                                                         f"the joined inputs of {len(inputs)} micro-batches, not their "
+                                                         f"outputs one after another {tuple(expected.shape)}")
 
 
 def _tokens_per_image(module, encoder_inputs: dict) -> list[int] | None:
