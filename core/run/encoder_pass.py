@@ -30,6 +30,7 @@ from mimo.plugins import LANGUAGE
 
 from .batch_transfer import to_device
 
+
 @dataclass
 class EncodedBatch:
     """A micro-batch whose encoders already ran: `embeddings` {modality: [placeholders, hidden]}."""
