@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from mimo.plugins.kit.grouped_mm_moe import expert_weights
+
 from .patched_forward import patched_forward
 
 
@@ -45,12 +47,7 @@ def eligible(moe) -> bool:
 def stacked_expert_weights(experts) -> tuple[torch.Tensor, torch.Tensor]:
     """([E, ffn, H] fc1, [E, H, ffn] fc2) weights of the local experts: TEGroupedMLP's weight0..weightN or
     SequentialMLP's modules."""
-    if hasattr(experts, "local_experts"):
-        fc1 = [e.linear_fc1.weight for e in experts.local_experts]
-        fc2 = [e.linear_fc2.weight for e in experts.local_experts]
-    else:
-        fc1 = [getattr(experts.linear_fc1, f"weight{i}") for i in range(experts.num_local_experts)]
-        fc2 = [getattr(experts.linear_fc2, f"weight{i}") for i in range(experts.num_local_experts)]
+    fc1, fc2 = expert_weights(experts)
     return torch.stack([w.detach() for w in fc1]), torch.stack([w.detach() for w in fc2])
 
 

@@ -50,8 +50,19 @@ def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Ten
     return out
 
 
+def expert_weights(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The local experts' fc1 ([ffn, H] each) and fc2 ([H, ffn] each) weights, megatron's [out, in]:
+    TEGroupedMLP's weight0..weightN or SequentialMLP's modules."""
+    if hasattr(experts, "local_experts"):
+        local = experts.local_experts
+        return [e.linear_fc1.weight for e in local], [e.linear_fc2.weight for e in local]
+    n = experts.num_local_experts
+    return ([getattr(experts.linear_fc1, f"weight{i}") for i in range(n)],
+            [getattr(experts.linear_fc2, f"weight{i}") for i in range(n)])
+
+
 class _GroupedMMForward:
-    """The forward both expert classes share; `_fc_weights()` says where each layout keeps its weights."""
+    """The forward both expert classes share."""
 
     def _grouped_mm_eligible(self) -> bool:
         config = self.config
@@ -63,7 +74,7 @@ class _GroupedMMForward:
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
         if not self.grouped_mm or args or any(v is not None for v in kwargs.values()):
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs)
-        fc1, fc2 = self._fc_weights()
+        fc1, fc2 = expert_weights(self)
         recompute = None
         if getattr(self, "activation_recompute", False):
             recompute = self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
@@ -79,11 +90,6 @@ class GroupedMMExperts(_GroupedMMForward, TEGroupedMLP):
         super().__init__(*args, **kwargs)
         self.grouped_mm = self._grouped_mm_eligible()
 
-    def _fc_weights(self):
-        n = self.num_local_experts
-        return ([getattr(self.linear_fc1, f"weight{i}") for i in range(n)],
-                [getattr(self.linear_fc2, f"weight{i}") for i in range(n)])
-
 
 class GroupedMMSequentialMLP(_GroupedMMForward, SequentialMLP):
     """megatron-core's SequentialMLP (one MLP module per expert) run as torch grouped GEMMs."""
@@ -91,9 +97,6 @@ class GroupedMMSequentialMLP(_GroupedMMForward, SequentialMLP):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.grouped_mm = self._grouped_mm_eligible() and self.num_local_experts > 1
-
-    def _fc_weights(self):
-        return ([e.linear_fc1.weight for e in self.local_experts], [e.linear_fc2.weight for e in self.local_experts])
 
 
 class _DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
