@@ -15,6 +15,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mimo import LANGUAGE, Encoder
+from mimo.plugins.kit.recompute_graphs import RecomputeGraphs
 from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from .settings import ENCODER, IMAGES, NemotronVLMSettings
@@ -48,11 +49,14 @@ class RadioEncoder(RADIOViTModel):
     Dynamic resolution: `x [1, total_patches, 3*P*P]`, `imgs_sizes [N, 2]` (pixels), optional THD
     `packed_seq_params` -> the images' tokens in order. With a video embedder (`temporal_patch_dim` > 1, as
     Nemotron omni checkpoints have) every input is still a single-frame image, embedded by `embedder`.
+    `recompute_graphs`: RecomputeGraphs' options (max_seqlen, ...) to replay the recomputed forward of the
+    layers as CUDA graphs (the `vision_graphs` setting), or None.
     """
 
-    def __init__(self, *args, shuffle_side: int = 1, **kwargs):
+    def __init__(self, *args, shuffle_side: int = 1, recompute_graphs: dict | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.shuffle_side = shuffle_side
+        self.recompute_graphs = RecomputeGraphs(self.decoder, **recompute_graphs) if recompute_graphs else None
 
     def forward(self, x, attention_mask=None, imgs_sizes=None, packed_seq_params=None, num_frames=None):
         cls = self.class_token_len if self.add_class_token else 0
@@ -68,6 +72,8 @@ class RadioEncoder(RADIOViTModel):
         lengths = [r * c for r, c in grids]
         # RADIOViTModel shifts the THD boundaries in place for its class tokens: give it a copy it may change.
         packed_seq_params = _packed_params(lengths, packed_seq_params, x.device, cls)
+        if self.recompute_graphs is not None:  # the decoder's sequences, class tokens included, known here
+            self.recompute_graphs.lengths = [n + cls for n in lengths]
         if self.temporal_patch_dim > 1:  # RADIOViTModel then also returns the sizes and frame counts
             out = super().forward(x, attention_mask, torch.tensor(sizes), packed_seq_params,
                                   num_frames=[1] * len(grids))[0][0]
@@ -128,7 +134,7 @@ def vision_spec(s: NemotronVLMSettings, ctx) -> Encoder:
         # RADIO jitters its position embeddings in training mode unless told not to; never for a frozen encoder.
         force_cpe_eval_mode=not (s.cpe_augmentation and s.trains_vision), shuffle_side=s.shuffle_side,
         temporal_patch_dim=s.video_temporal_patch_size, separate_video_embedder=s.video_temporal_patch_size > 1,
-        pg_collection=pgc,
+        recompute_graphs=_recompute_graphs(s, ctx, backend), pg_collection=pgc,
     ))
     projection = ModuleSpec(module=MultimodalProjector, params=dict(
         config=projection_config, submodules=projection_submodules(backend, norm=s.projection_norm),
@@ -173,6 +179,16 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         pre_process=ctx.is_first_stage(LANGUAGE), post_process=ctx.is_last_stage(LANGUAGE),
         pg_collection=ctx.pg_collection(LANGUAGE),
     ))
+
+
+def _recompute_graphs(s: NemotronVLMSettings, ctx, backend: str) -> dict | None:
+    """RecomputeGraphs' options where the `vision_graphs` setting applies (see its help), else None. Its bound on
+    one image's sequence is that of the largest image: one graph per bucket of patch counts, not per image size."""
+    if not (s.vision_graphs and ctx.cuda_graphs and backend == "te" and s.dynamic_resolution and not s.dropout
+            and ctx.recompute.get(IMAGES) == "full" and ctx.parallelism[IMAGES].tp == 1):
+        return None
+    longest = s.max_patches + s.class_tokens
+    return {"max_seqlen": -(-longest // MAX_SEQLEN_STEP) * MAX_SEQLEN_STEP}
 
 
 def _fused_kernels(backend: str) -> dict:

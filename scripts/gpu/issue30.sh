@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round15 in place of slice/rest, each after an install call; round6-15 need no main)
+# (later sessions: round2 .. round16 in place of slice/rest, each after an install call; round6-16 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -244,5 +244,17 @@ case "$phase" in
     bench md $(( $(left) - 10 )) --cases mid-te-graphs --extra "--compile-cache /tmp/ccN"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round15"; exit 2 ;;
+  round16)
+    # RADIO's recomputed forward replayed as CUDA graphs (the vision_graphs setting): the slice without and with
+    # (profiled after the first buckets), mid's default (encoders not recomputed) against images=full with graphs.
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    W="--iterations 16 --warmup 6"
+    bench so 130 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccP --set vision_graphs=false"
+    bench sg 130 --cases slice-te-graphs $W --profile slice-te-graphs --extra "--compile-cache /tmp/ccP"
+    bench md 110 --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccP"
+    bench mg $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccP --recompute images=full"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round16"; exit 2 ;;
 esac

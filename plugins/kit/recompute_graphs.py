@@ -1,0 +1,212 @@
+"""A fully recomputed transformer block whose forward replays a CUDA graph per bucket of packed token counts.
+
+Under full recompute (megatron-core's recompute_granularity='full': each layer keeps only its input and runs again
+in backward) the forward needs no autograd: it is kernel launches only. For a ViT over a whole step's images
+(RADIO: 32 layers, each dozens of kernels launched from Python) the host takes about three times longer to launch
+them than the GPU to run them, and the GPU waits: about 90 ms per step of the Nemotron slice on an H100
+(docs/benchmarks.md (g)). `RecomputeGraphs` captures that no-grad forward once per bucket of packed (THD) token
+counts as one CUDA graph, which writes each layer's output into a buffer the backward reads, and replays it.
+Backward recomputes each layer eagerly from its kept input, last layer first, as megatron-core's
+CheckpointFunction does. The packed input is padded to its bucket with extra sequences, which attend only to
+themselves and are dropped from the output, so a step's images need no fixed size.
+
+Off the GPU (tests) the same padding, buffers and backward run, with the forward eager in place of the graph.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from megatron.core.packed_seq_params import PackedSeqParams
+
+
+@dataclass
+class _Bucket:
+    """One captured shape: the first layer's input buffer, its THD boundaries on the device, and the graph."""
+    x: torch.Tensor  # [tokens, 1, hidden]
+    cu_seqlens: torch.Tensor  # [sequences + 1] int32
+    params: PackedSeqParams
+    graph: object | None  # torch.cuda.CUDAGraph; None off the GPU
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step
+
+
+def padded_lengths(lengths: list[int], token_bucket: int, sequence_bucket: int) -> list[int]:
+    """`lengths` followed by at least one padding sequence (each of one token or more), so that the sequence
+    count is a multiple of `sequence_bucket` and the token count a multiple of `token_bucket`."""
+    slots = _round_up(len(lengths) + 1, sequence_bucket)
+    pads = slots - len(lengths)
+    tokens = sum(lengths)
+    extra = _round_up(tokens + pads, token_bucket) - tokens
+    return lengths + [extra // pads + (1 if i < extra % pads else 0) for i in range(pads)]
+
+
+class RecomputeGraphs:
+    """Replaces `block.forward` (a megatron-core TransformerBlock configured for full recompute) where it applies:
+    training, gradients on, a THD-packed input with the host-side sequence lengths given in `lengths` by the caller
+    just before the call (reading them from the device would wait for the GPU), no dropout, no FP8, no sequence
+    parallelism. Elsewhere, and while an earlier graphed forward still waits for its backward (a pipeline schedule
+    with several micro-batches in flight), the block's own forward runs.
+
+    `max_seqlen`: the longest sequence the caller can pass (attention kernels take it as a bound); buckets of
+    `token_bucket` tokens and `sequence_bucket` sequences. Each new bucket costs one eager forward and a capture;
+    the layer outputs' buffer holds half again the largest bucket seen (or `max_tokens`), and every bucket
+    captures again when it grows."""
+
+    def __init__(self, block, *, max_seqlen: int, max_tokens: int = 0, token_bucket: int = 2048,
+                 sequence_bucket: int = 8):
+        self.block, self.layers = block, list(block.layers)
+        self.max_seqlen, self.max_tokens = max_seqlen, max_tokens
+        self.token_bucket, self.sequence_bucket = token_bucket, sequence_bucket
+        self.lengths: list[int] | None = None  # the next call's sequence lengths, set by the caller
+        self.captures: list[tuple[int, float]] = []  # (tokens, seconds) of each capture, for the logs
+        self.failure: str | None = None
+        self._buckets: dict[tuple[int, int, int], _Bucket] = {}
+        self._outputs: torch.Tensor | None = None  # [layers, tokens, 1, hidden]: layer l's output
+        self._pool = None
+        self._in_flight = 0
+        self._eager_forward = block.forward
+        block.forward = self.forward  # an instance attribute: nn.Module.__call__ finds it before the class's
+
+    def forward(self, hidden_states, attention_mask=None, *args, packed_seq_params=None, **kwargs):
+        lengths, self.lengths = self.lengths, None
+        if not self._applies(hidden_states, attention_mask, args, packed_seq_params, lengths, kwargs):
+            return self._eager_forward(hidden_states, attention_mask, *args, packed_seq_params=packed_seq_params,
+                                       **kwargs)
+        bucket = self._bucket(hidden_states, lengths)
+        if bucket is None:  # the capture failed (said once): megatron-core's recompute from now on
+            return self._eager_forward(hidden_states, attention_mask, packed_seq_params=packed_seq_params)
+        tokens = hidden_states.shape[0]
+        if hidden_states.requires_grad:
+            out = _GraphedCheckpoints.apply(self, bucket, packed_seq_params, lengths, hidden_states)
+        else:  # nothing to differentiate (a frozen encoder): the replay alone
+            out = self._replay(bucket, hidden_states, lengths)[:tokens].clone()
+        if self.block.final_layernorm is not None:
+            out = self.block.final_layernorm(out)
+        return out
+
+    def _applies(self, hidden, attention_mask, args, params, lengths, kwargs) -> bool:
+        c = self.block.config
+        return (self.failure is None and self._in_flight == 0 and lengths is not None and params is not None
+                and self.block.training and torch.is_grad_enabled() and c.recompute_granularity == "full"
+                and params.qkv_format == "thd" and attention_mask is None and not args
+                and all(v is None for v in kwargs.values()) and hidden.dim() == 3 and hidden.shape[1] == 1
+                and sum(lengths) == hidden.shape[0] and max(lengths) <= self.max_seqlen
+                and not c.hidden_dropout and not c.attention_dropout and not c.fp8 and not c.sequence_parallel
+                and self.block.pre_process and bool(self.layers))
+
+    def _bucket(self, hidden: torch.Tensor, lengths: list[int]) -> _Bucket | None:
+        padded = padded_lengths(lengths, self.token_bucket, self.sequence_bucket)
+        tokens, max_seqlen = sum(padded), max(self.max_seqlen, max(padded))
+        key = (tokens, len(padded), max_seqlen)
+        bucket = self._buckets.get(key)
+        if bucket is not None:
+            return bucket
+        if self._outputs is None or self._outputs.shape[1] < tokens:  # graphs write into it: capture them again
+            self._buckets.clear()
+            self._outputs = None
+            # half again the bucket, so that a slightly larger one later does not make every bucket recapture
+            capacity = max(_round_up(tokens * 3 // 2, self.token_bucket), self.max_tokens)
+            self._outputs = hidden.new_zeros(len(self.layers), capacity, 1, hidden.shape[-1])
+        cu = torch.zeros(len(padded) + 1, dtype=torch.int32, device=hidden.device)
+        cu[1:] = torch.tensor(padded, dtype=torch.int32).cumsum(0).to(hidden.device)
+        params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen,
+                                 max_seqlen_kv=max_seqlen)
+        bucket = _Bucket(x=hidden.new_zeros(tokens, 1, hidden.shape[-1]), cu_seqlens=cu, params=params, graph=None)
+        if hidden.is_cuda:
+            started = time.perf_counter()
+            try:
+                bucket.graph = self._capture(bucket)
+            except Exception as err:  # noqa: BLE001 - any capture failure: the eager recompute still trains
+                self.failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+                warnings.warn(f"the encoder's recomputed forward runs without CUDA graphs: capturing it failed "
+                              f"({self.failure})", stacklevel=2)
+                return None
+            self.captures.append((tokens, time.perf_counter() - started))
+        self._buckets[key] = bucket
+        return bucket
+
+    @torch.no_grad()
+    def _layers(self, bucket: _Bucket) -> None:
+        """The bucket's forward: every layer over the padded tokens, its output into the outputs' buffer."""
+        tokens = bucket.x.shape[0]
+        hidden = bucket.x
+        for index, layer in enumerate(self.layers):
+            hidden, _ = layer(hidden_states=hidden, attention_mask=None, packed_seq_params=bucket.params)
+            self._outputs[index, :tokens].copy_(hidden)
+            hidden = self._outputs[index, :tokens]
+
+    def _capture(self, bucket: _Bucket):
+        """Capture the bucket's forward (after one eager run: first-use setup and kernel choices happen outside).
+        torch.cuda.graph's context would also collect garbage and empty the allocator's cache at every bucket;
+        captures here are thread-local (the data's read-ahead thread may pin memory meanwhile), share one memory
+        pool, and register the RNG tracker's generators as megatron-core's own graphs do."""
+        from megatron.core.tensor_parallel.random import get_all_rng_states
+
+        self._layers(bucket)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        for generator in get_all_rng_states().values():
+            if isinstance(generator, torch.Generator) and hasattr(graph, "register_generator_state"):
+                graph.register_generator_state(generator)
+        current = torch.cuda.current_stream()
+        # CUDA refuses captures on the legacy default stream; mimo trains on a stream of its own with --cuda-graphs
+        stream = current if current != torch.cuda.default_stream() else torch.cuda.Stream()
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                self._layers(bucket)
+            finally:
+                graph.capture_end()
+        current.wait_stream(stream)
+        return graph
+
+    def _replay(self, bucket: _Bucket, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """Run the bucket's forward on `hidden` (its padding rows keep earlier values: finite, and only padding
+        sequences read them); returns the last layer's output buffer (padded)."""
+        tokens = hidden.shape[0]
+        bucket.x[:tokens].copy_(hidden.detach())
+        padded = padded_lengths(lengths, self.token_bucket, self.sequence_bucket)
+        cu = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0).to(torch.int32)
+        if hidden.is_cuda:
+            cu = cu.pin_memory()
+        bucket.cu_seqlens.copy_(cu, non_blocking=True)
+        if bucket.graph is not None:
+            bucket.graph.replay()
+        else:
+            self._layers(bucket)
+        return self._outputs[-1, :bucket.x.shape[0]]
+
+
+class _GraphedCheckpoints(torch.autograd.Function):
+    """Forward: the bucket's graph; backward: each layer recomputed from its kept input, in reverse."""
+
+    @staticmethod
+    def forward(ctx, runner: RecomputeGraphs, bucket: _Bucket, params: PackedSeqParams, lengths: list[int],
+                hidden: torch.Tensor):
+        ctx.runner, ctx.bucket, ctx.params, ctx.tokens = runner, bucket, params, hidden.shape[0]
+        out = runner._replay(bucket, hidden, lengths)
+        runner._in_flight += 1
+        return out[:hidden.shape[0]].clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        runner, bucket, tokens = ctx.runner, ctx.bucket, ctx.tokens
+        runner._in_flight -= 1
+        grad = grad_output
+        with torch.enable_grad():
+            for index in reversed(range(len(runner.layers))):
+                kept = bucket.x if index == 0 else runner._outputs[index - 1]
+                inp = kept[:tokens].detach().requires_grad_()
+                out, _ = runner.layers[index](hidden_states=inp, attention_mask=None, packed_seq_params=ctx.params)
+                torch.autograd.backward(out, grad)
+                grad = inp.grad
+        return None, None, None, None, grad
