@@ -56,8 +56,8 @@ class RecomputeGraphs:
 
     `max_seqlen`: the longest sequence the caller can pass (attention kernels take it as a bound); buckets of
     `token_bucket` tokens and `sequence_bucket` sequences. Each new bucket costs one eager forward and a capture;
-    the layer outputs' buffer holds half again the largest bucket seen (or `max_tokens`), and every bucket
-    captures again when it grows."""
+    the layer outputs' buffer holds the most tokens that many sequences can have (or `max_tokens`), and every
+    bucket captures again when more sequences than ever before make it grow."""
 
     def __init__(self, block, *, max_seqlen: int, max_tokens: int = 0, token_bucket: int = 2048,
                  sequence_bucket: int = 8):
@@ -111,8 +111,10 @@ class RecomputeGraphs:
         if self._outputs is None or self._outputs.shape[1] < tokens:  # graphs write into it: capture them again
             self._buckets.clear()
             self._outputs = None
-            # half again the bucket, so that a slightly larger one later does not make every bucket recapture
-            capacity = max(_round_up(tokens * 3 // 2, self.token_bucket), self.max_tokens)
+            # room for the most tokens these many sequences can have, so that a larger bucket later does not make
+            # every bucket capture again (only more sequences than ever before do)
+            most = sum(padded_lengths([self.max_seqlen] * len(lengths), self.token_bucket, self.sequence_bucket))
+            capacity = max(tokens, most, self.max_tokens)
             self._outputs = hidden.new_zeros(len(self.layers), capacity, 1, hidden.shape[-1])
         cu = torch.zeros(len(padded) + 1, dtype=torch.int32, device=hidden.device)
         cu[1:] = torch.tensor(padded, dtype=torch.int32).cumsum(0).to(hidden.device)
@@ -129,6 +131,9 @@ class RecomputeGraphs:
                               f"({self.failure})", stacklevel=2)
                 return None
             self.captures.append((tokens, time.perf_counter() - started))
+            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                print(f"recomputed layers ({len(self.layers)}): CUDA graph for {tokens} tokens in {len(padded)} "
+                      f"sequences captured in {self.captures[-1][1]:.2f} s ({len(self.captures)} so far)", flush=True)
         self._buckets[key] = bucket
         return bucket
 

@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round16 in place of slice/rest, each after an install call; round6-16 need no main)
+# (later sessions: round2 .. round17 in place of slice/rest, each after an install call; round6-17 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -256,5 +256,16 @@ case "$phase" in
     bench mg $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccP --recompute images=full"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round16"; exit 2 ;;
+  round17)
+    # round16 again over 40 iterations (20 left out): every bucket of patch counts is captured in the first ones
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    W="--iterations 40 --warmup 20"
+    bench so 150 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccQ --set vision_graphs=false"
+    bench sg 150 --cases slice-te-graphs $W --profile slice-te-graphs --extra "--compile-cache /tmp/ccQ"
+    bench mg 100 --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccQ --recompute images=full"
+    bench md $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccQ"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round17"; exit 2 ;;
 esac
