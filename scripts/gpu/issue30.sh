@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round17 in place of slice/rest, each after an install call; round6-17 need no main)
+# (later sessions: round2 .. round18 in place of slice/rest, each after an install call; round6-18 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -267,5 +267,26 @@ case "$phase" in
     bench md $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccQ"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round17"; exit 2 ;;
+  round18)
+    # Why round17's mid with images=full and graphed recompute did not finish its first iteration: four
+    # iterations, every thread's stack printed (faulthandler) if the worker is still there after 100 s; then the
+    # slice with the encoder recomputed (this GPU fits it without: say so), megatron-core's recompute against graphs.
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    mkdir -p "$R/diag"
+    ( sleep 100; pkill -ABRT -f "multiprocessing.spawn" ) &
+    killer=$!
+    PYTHONFAULTHANDLER=1 timeout -k 10 130 python3 -m mimo.cli run --provider nemotron-moe-vlm-mid --set backend=te --precision bf16 \
+      --device cuda --micro-batch-size 4 --num-microbatches 2 --train-iters 4 --log-interval 1 --cuda-graphs \
+      --compile-cache /tmp/ccR --recompute images=full > "$R/diag/mid.log" 2>&1
+    echo "diag rc $?" | tee -a "$R/diag/mid.log"
+    kill $killer 2>/dev/null
+    grep -v "^ *File\|^  " "$R/diag/mid.log" | tail -5
+    pack
+    W="--iterations 24 --warmup 12 --extra"
+    bench so 150 --cases slice-te-graphs $W "--compile-cache /tmp/ccR --recompute images=full --set vision_graphs=false"
+    bench sg $(( $(left) - 10 )) --cases slice-te-graphs $W "--compile-cache /tmp/ccR --recompute images=full"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round18"; exit 2 ;;
 esac
