@@ -15,6 +15,7 @@ Off the GPU (tests) the same padding, buffers and backward run, with the forward
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -197,7 +198,11 @@ class _GraphedCheckpoints(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: RecomputeGraphs, bucket: _Bucket, params: PackedSeqParams, lengths: list[int],
                 hidden: torch.Tensor):
-        ctx.runner, ctx.bucket, ctx.params, ctx.tokens = runner, bucket, params, hidden.shape[0]
+        # backward's attention takes the fixed bound too: kernels (cuDNN's) plan once per bound, and the step's
+        # longest image changes every step
+        bound = {"max_seqlen_q": runner.max_seqlen, "max_seqlen_kv": runner.max_seqlen}
+        ctx.runner, ctx.bucket, ctx.tokens = runner, bucket, hidden.shape[0]
+        ctx.params = dataclasses.replace(params, **bound)
         out = runner._replay(bucket, hidden, lengths)
         runner._in_flight += 1
         return out[:hidden.shape[0]].clone()
