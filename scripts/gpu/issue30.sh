@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round19 in place of slice/rest, each after an install call; round6-19 need no main)
+# (later sessions: round2 .. round20 in place of slice/rest, each after an install call; round6-20 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -299,5 +299,17 @@ case "$phase" in
     grep -h "recomputed layers" "$R"/sg/*.log
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round19"; exit 2 ;;
+  round20)
+    # A launch queue four times CUDA's default (CUDA_SCALE_LAUNCH_QUEUES=4x): the host runs further ahead in the
+    # GPU-bound LLM phases, hiding the encoders' host-bound backward. The slice with every default, without and with.
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    W="--iterations 24 --warmup 12"
+    bench sg 160 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccT"
+    CUDA_SCALE_LAUNCH_QUEUES=4x bench sq 120 --cases slice-te-graphs $W --profile slice-te-graphs \
+      --extra "--compile-cache /tmp/ccT"
+    CUDA_SCALE_LAUNCH_QUEUES=4x bench mq $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccT"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round20"; exit 2 ;;
 esac
