@@ -306,9 +306,9 @@ case "$phase" in
     versions > "$R/versions.txt" 2>&1
     W="--iterations 24 --warmup 12"
     bench sg 160 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccT"
-    CUDA_SCALE_LAUNCH_QUEUES=4x bench sq 120 --cases slice-te-graphs $W --profile slice-te-graphs \
-      --extra "--compile-cache /tmp/ccT"
-    CUDA_SCALE_LAUNCH_QUEUES=4x bench mq $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccT"
+    export CUDA_SCALE_LAUNCH_QUEUES=4x
+    bench sq 120 --cases slice-te-graphs $W --profile slice-te-graphs --extra "--compile-cache /tmp/ccT"
+    bench mq $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccT"
     python3 bench/te_path.py --summarize "$R"
     ;;
   *) echo "phase: install, slice, rest, round2 .. round20"; exit 2 ;;
