@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round20 in place of slice/rest, each after an install call; round6-20 need no main)
+# (later sessions: round2 .. round21 in place of slice/rest, each after an install call; round6-21 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -311,5 +311,16 @@ case "$phase" in
     bench mq $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccT"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round20"; exit 2 ;;
+  round21)
+    # The closing record on an H100: the slice with every default, the same with --fp8 tensorwise, and mid's
+    # default recipe (4 x 2 with graphs), one call, one cache.
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    W="--iterations 24 --warmup 12"
+    bench sg 160 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccU"
+    bench sf 140 --cases slice-te-fp8 $W --extra "--compile-cache /tmp/ccU"
+    bench md $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccU"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round21"; exit 2 ;;
 esac
