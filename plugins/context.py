@@ -69,6 +69,8 @@ class BuildContext:
     cuda_graph_modules: tuple[str, ...] | None = None
     # the language model's input is packed (THD, variable-length samples): its shapes change every micro-batch
     llm_input_packed: bool = False
+    # --overlap-grad-reduce: megatron-core DDP reduces each gradient bucket as its parameters' hooks report them
+    overlap_grad_reduce: bool = False
 
     def transformer_config(self, module: str, **shape) -> TransformerConfig:
         """A TransformerConfig for `module` with the model's `shape` and the loop's layout and precision."""

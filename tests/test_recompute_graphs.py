@@ -62,15 +62,17 @@ def _forward_backward(plan, run, model, batch):
     return output.detach(), {n: p.main_grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_graphed_recompute_gives_megatrons_recompute(world):
+@pytest.mark.parametrize("backward", [False, True], ids=["eager-backward", "bucket-backward"])
+def test_graphed_recompute_gives_megatrons_recompute(world, backward):
     """RADIO's decoder under RecomputeGraphs (small buckets, so the images are padded with extra sequences) gives
-    the outputs and every gradient of megatron-core's full recompute of the same weights."""
+    the outputs and every gradient of megatron-core's full recompute of the same weights; with `backward` the
+    layers are differentiated over the padded bucket and their gradients added to DDP's buffers by hand."""
     plan, run, graphed = _build()
     _, _, reference = _build()
     radio = _radio(graphed)
     assert radio.decoder.config.recompute_granularity == "full" and radio.recompute_graphs is None  # CPU, local
     runner = radio.recompute_graphs = RecomputeGraphs(radio.decoder, max_seqlen=4096, token_bucket=64,
-                                                      sequence_bucket=4)
+                                                      sequence_bucket=4, backward=backward)
     calls = []
     eager = runner._eager_forward
     runner._eager_forward = lambda *a, **k: calls.append(1) or eager(*a, **k)
@@ -80,6 +82,8 @@ def test_graphed_recompute_gives_megatrons_recompute(world):
     out_r, grads_r = _forward_backward(plan, run, reference, batch)
     assert not calls and len(runner._buckets) == 1 and runner._in_flight == 0  # the graphed path ran, backward too
     (tokens, sequences, _), = runner._buckets
+    bucket, = runner._buckets.values()
+    assert (bucket.backward is not None) == backward
     assert tokens % 64 == 0 and sequences % 4 == 0
     torch.testing.assert_close(out_g, out_r, rtol=1e-5, atol=1e-6)
     vision = [n for n in grads_g if ".encoders." in n]
@@ -137,15 +141,18 @@ def test_the_provider_turns_it_on_only_where_it_applies():
     from mimo.providers.nemotron.settings import NemotronVLMSettings
 
     def ctx(**changes):
-        fields = dict(cuda_graphs=True, recompute={"images": "full"}, parallelism={"images": SimpleNamespace(tp=1)})
+        fields = dict(cuda_graphs=True, recompute={"images": "full"}, parallelism={"images": SimpleNamespace(tp=1)},
+                      overlap_grad_reduce=False)
         return SimpleNamespace(**{**fields, **changes})
 
     s = NemotronVLMSettings()
     options = _recompute_graphs(s, ctx(), "te")
-    assert options == {"max_seqlen": 4352}  # 4096 patches + 8 class tokens, rounded up to 256
+    assert options == {"max_seqlen": 4352, "backward": True}  # 4096 patches + 8 class tokens, rounded up to 256
+    assert _recompute_graphs(s, ctx(overlap_grad_reduce=True), "te")["backward"] is False
     assert _recompute_graphs(s, ctx(), "local") is None
     assert _recompute_graphs(s, ctx(cuda_graphs=False), "te") is None
     assert _recompute_graphs(s, ctx(recompute={"images": "selective"}), "te") is None
     assert _recompute_graphs(s, ctx(parallelism={"images": SimpleNamespace(tp=2)}), "te") is None
-    assert _recompute_graphs(NemotronVLMSettings(vision_graphs=False), ctx(), "te") is None
+    assert _recompute_graphs(NemotronVLMSettings(vision_graphs="off"), ctx(), "te") is None
+    assert _recompute_graphs(NemotronVLMSettings(vision_graphs="forward"), ctx(), "te")["backward"] is False
     assert _recompute_graphs(NemotronVLMSettings(dropout=0.1), ctx(), "te") is None

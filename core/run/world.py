@@ -95,4 +95,5 @@ def build_context(plan: Plan, topo: topology.Topology) -> BuildContext:
                         recompute={name: perf.recompute_for(name) for name in plan.parallelism},
                         sequence_parallel=perf.sequence_parallel, fp8=perf.fp8, cuda_graphs=perf.cuda_graphs,
                         cuda_graph_modules=perf.graph_modules(),
-                        llm_input_packed=plan.config.data.data is not None and plan.config.data.pack_sequences)
+                        llm_input_packed=plan.config.data.data is not None and plan.config.data.pack_sequences,
+                        overlap_grad_reduce=perf.overlap_grad_reduce)

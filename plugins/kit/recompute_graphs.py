@@ -32,6 +32,10 @@ class _Bucket:
     cu_seqlens: torch.Tensor  # [sequences + 1] int32
     params: PackedSeqParams
     graph: object | None  # torch.cuda.CUDAGraph; None off the GPU
+    # with graphed backward: each layer's recompute-and-backward (a graph's replay, or off the GPU the eager call),
+    # reading and writing the two gradient buffers [2, tokens, 1, hidden] in turn
+    backward: list | None = None
+    grads: torch.Tensor | None = None
 
 
 def _round_up(n: int, step: int) -> int:
@@ -55,14 +59,21 @@ class RecomputeGraphs:
     parallelism. Elsewhere, and while an earlier graphed forward still waits for its backward (a pipeline schedule
     with several micro-batches in flight), the block's own forward runs.
 
+    `backward`: replay each layer's recompute and backward as a graph per bucket too, over the padded tokens with
+    the padding's gradients zero. Its parameters' gradients go into megatron-core DDP's `main_grad` buffers inside
+    the graph (transformer-engine's weight-gradient GEMMs add there themselves), so DDP's per-parameter hooks do not
+    run: not with DDP's overlapped gradient reduction, which counts on them. Needs every parameter to have a
+    `main_grad` (megatron-core DDP); else the eager backward runs.
+
     `max_seqlen`: the longest sequence the caller can pass (attention kernels take it as a bound); buckets of
     `token_bucket` tokens and `sequence_bucket` sequences. Each new bucket costs one eager forward and a capture;
     the layer outputs' buffer holds the most tokens that many sequences can have (or `max_tokens`), and every
     bucket captures again when more sequences than ever before make it grow."""
 
     def __init__(self, block, *, max_seqlen: int, max_tokens: int = 0, token_bucket: int = 2048,
-                 sequence_bucket: int = 8):
+                 sequence_bucket: int = 8, backward: bool = False):
         self.block, self.layers = block, list(block.layers)
+        self.backward = backward
         self.max_seqlen, self.max_tokens = max_seqlen, max_tokens
         self.token_bucket, self.sequence_bucket = token_bucket, sequence_bucket
         self.lengths: list[int] | None = None  # the next call's sequence lengths, set by the caller
@@ -122,17 +133,20 @@ class RecomputeGraphs:
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen,
                                  max_seqlen_kv=max_seqlen)
         bucket = _Bucket(x=hidden.new_zeros(tokens, 1, hidden.shape[-1]), cu_seqlens=cu, params=params, graph=None)
-        if hidden.is_cuda:
+        if hidden.is_cuda or (self.backward and hidden.requires_grad):
             started = time.perf_counter()
             try:
-                bucket.graph = self._capture(bucket)
+                if hidden.is_cuda:
+                    bucket.graph = self._capture(bucket)
+                if hidden.requires_grad:
+                    self._graphed_backward(bucket, hidden)
             except Exception as err:  # noqa: BLE001 - any capture failure: the eager recompute still trains
                 self.failure = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
                 warnings.warn(f"the encoder's recomputed forward runs without CUDA graphs: capturing it failed "
                               f"({self.failure})", stacklevel=2)
                 return None
             self.captures.append((tokens, time.perf_counter() - started))
-            if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            if hidden.is_cuda and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
                 print(f"recomputed layers ({len(self.layers)}): CUDA graph for {tokens} tokens in {len(padded)} "
                       f"sequences captured in {self.captures[-1][1]:.2f} s ({len(self.captures)} so far)", flush=True)
         self._buckets[key] = bucket
@@ -148,14 +162,44 @@ class RecomputeGraphs:
             self._outputs[index, :tokens].copy_(hidden)
             hidden = self._outputs[index, :tokens]
 
+    def _layer_backward(self, bucket: _Bucket, index: int) -> None:
+        """Layer `index` recomputed over the bucket's padded tokens and differentiated: the upstream gradient from
+        one gradient buffer, the input's gradient into the other, parameter gradients added to `main_grad`."""
+        tokens, count = bucket.x.shape[0], len(self.layers)
+        kept = bucket.x if index == 0 else self._outputs[index - 1, :tokens]
+        upstream, result = bucket.grads[(count - 1 - index) % 2], bucket.grads[(count - index) % 2]
+        layer = self.layers[index]
+        params = [p for p in layer.parameters() if p.requires_grad]
+        with torch.enable_grad():
+            inp = kept.detach().requires_grad_()
+            out, _ = layer(hidden_states=inp, attention_mask=None, packed_seq_params=bucket.params)
+            grads = torch.autograd.grad(out, [inp, *params], upstream, allow_unused=True)
+        result.copy_(grads[0])
+        for param, grad in zip(params, grads[1:]):
+            # transformer-engine's weight-gradient GEMM already added it (its returned tensor is a placeholder)
+            if grad is not None and not getattr(param, "grad_added_to_main_grad", False):
+                param.main_grad.add_(grad)
+
+    def _graphed_backward(self, bucket: _Bucket, hidden: torch.Tensor) -> None:
+        if not (self.backward and all(hasattr(p, "main_grad") for p in self.block.parameters() if p.requires_grad)):
+            return
+        bucket.grads = hidden.new_zeros(2, *bucket.x.shape)
+        steps = [lambda index=index: self._layer_backward(bucket, index) for index in range(len(self.layers))]
+        if hidden.is_cuda:  # upstream gradients of zero: the eager run before each capture adds nothing
+            steps = [self._captured(step).replay for step in steps[::-1]][::-1]
+        bucket.backward = steps
+
     def _capture(self, bucket: _Bucket):
-        """Capture the bucket's forward (after one eager run: first-use setup and kernel choices happen outside).
+        return self._captured(lambda: self._layers(bucket))
+
+    def _captured(self, run):
+        """`run` captured as a CUDA graph, after one eager run (first-use setup and kernel choices happen outside).
         torch.cuda.graph's context would also collect garbage and empty the allocator's cache at every bucket;
         captures here are thread-local (the data's read-ahead thread may pin memory meanwhile), share one memory
         pool, and register the RNG tracker's generators as megatron-core's own graphs do."""
         from megatron.core.tensor_parallel.random import get_all_rng_states
 
-        self._layers(bucket)
+        run()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
@@ -169,7 +213,7 @@ class RecomputeGraphs:
         with torch.cuda.stream(stream):
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                self._layers(bucket)
+                run()
             finally:
                 graph.capture_end()
         current.wait_stream(stream)
@@ -193,7 +237,8 @@ class RecomputeGraphs:
 
 
 class _GraphedCheckpoints(torch.autograd.Function):
-    """Forward: the bucket's graph; backward: each layer recomputed from its kept input, in reverse."""
+    """Forward: the bucket's graph; backward: each layer recomputed from its kept input, in reverse (replayed
+    graphs over the padded tokens with `backward`, else eager over the real ones)."""
 
     @staticmethod
     def forward(ctx, runner: RecomputeGraphs, bucket: _Bucket, params: PackedSeqParams, lengths: list[int],
@@ -211,6 +256,12 @@ class _GraphedCheckpoints(torch.autograd.Function):
     def backward(ctx, grad_output):
         runner, bucket, tokens = ctx.runner, ctx.bucket, ctx.tokens
         runner._in_flight -= 1
+        if bucket.backward is not None:  # the padding's gradients are zero: it adds nothing to the parameters'
+            bucket.grads[0, :tokens].copy_(grad_output)
+            bucket.grads[0, tokens:].zero_()
+            for step in reversed(bucket.backward):
+                step()
+            return None, None, None, None, bucket.grads[len(runner.layers) % 2, :tokens].clone()
         grad = grad_output
         with torch.enable_grad():
             for index in reversed(range(len(runner.layers))):

@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round21 in place of slice/rest, each after an install call; round6-21 need no main)
+# (later sessions: round2 .. round22 in place of slice/rest, each after an install call; round6-22 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -322,5 +322,17 @@ case "$phase" in
     bench md $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccU"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round21"; exit 2 ;;
+  round22)
+    # The recomputed encoder's backward replayed as graphs too (vision_graphs=on, the new default) against the
+    # forward only and megatron-core's recompute, the slice with every other default, one H100, one cache.
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    W="--iterations 24 --warmup 12"
+    bench so 160 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccV --set vision_graphs=off"
+    bench sf 120 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccV --set vision_graphs=forward"
+    bench sb $(( $(left) - 10 )) --cases slice-te-graphs $W --profile slice-te-graphs --extra "--compile-cache /tmp/ccV"
+    grep -h "recomputed layers\|CUDA graphs" "$R"/sb/*.log | head -12
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round22"; exit 2 ;;
 esac
