@@ -147,12 +147,13 @@ def test_the_provider_turns_it_on_only_where_it_applies():
 
     s = NemotronVLMSettings()
     options = _recompute_graphs(s, ctx(), "te")
-    assert options == {"max_seqlen": 4352, "backward": True}  # 4096 patches + 8 class tokens, rounded up to 256
-    assert _recompute_graphs(s, ctx(overlap_grad_reduce=True), "te")["backward"] is False
+    assert options == {"max_seqlen": 4352, "backward": False}  # 4096 patches + 8 class tokens, rounded up to 256
+    every = NemotronVLMSettings(vision_graphs="all")
+    assert _recompute_graphs(every, ctx(), "te")["backward"] is True
+    assert _recompute_graphs(every, ctx(overlap_grad_reduce=True), "te")["backward"] is False
     assert _recompute_graphs(s, ctx(), "local") is None
     assert _recompute_graphs(s, ctx(cuda_graphs=False), "te") is None
     assert _recompute_graphs(s, ctx(recompute={"images": "selective"}), "te") is None
     assert _recompute_graphs(s, ctx(parallelism={"images": SimpleNamespace(tp=2)}), "te") is None
-    assert _recompute_graphs(NemotronVLMSettings(vision_graphs="off"), ctx(), "te") is None
-    assert _recompute_graphs(NemotronVLMSettings(vision_graphs="forward"), ctx(), "te")["backward"] is False
+    assert _recompute_graphs(NemotronVLMSettings(vision_graphs="megatron"), ctx(), "te") is None
     assert _recompute_graphs(NemotronVLMSettings(dropout=0.1), ctx(), "te") is None

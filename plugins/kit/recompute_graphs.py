@@ -15,7 +15,6 @@ Off the GPU (tests) the same padding, buffers and backward run, with the forward
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import warnings
 from dataclasses import dataclass
@@ -65,17 +64,17 @@ class RecomputeGraphs:
     run: not with DDP's overlapped gradient reduction, which counts on them. Needs every parameter to have a
     `main_grad` (megatron-core DDP); else the eager backward runs.
 
-    `max_seqlen`: the longest sequence the caller can pass (attention kernels take it as a bound); buckets of
-    `token_bucket` tokens and `sequence_bucket` sequences. Each new bucket costs one eager forward and a capture;
-    the layer outputs' buffer holds the most tokens that many sequences can have (or `max_tokens`), and every
+    `max_seqlen`: the longest sequence the caller can pass; buckets of `token_bucket` tokens, `sequence_bucket`
+    sequences (one padding sequence at 1) and a longest sequence rounded up to `seqlen_bucket`. Each new bucket
+    costs one eager run and a capture of what it replays; the layer outputs' buffer holds the most tokens that many sequences can have (or `max_tokens`), and every
     bucket captures again when more sequences than ever before make it grow."""
 
     def __init__(self, block, *, max_seqlen: int, max_tokens: int = 0, token_bucket: int = 2048,
-                 sequence_bucket: int = 8, backward: bool = False):
+                 sequence_bucket: int = 1, seqlen_bucket: int = 1024, backward: bool = False):
         self.block, self.layers = block, list(block.layers)
         self.backward = backward
         self.max_seqlen, self.max_tokens = max_seqlen, max_tokens
-        self.token_bucket, self.sequence_bucket = token_bucket, sequence_bucket
+        self.token_bucket, self.sequence_bucket, self.seqlen_bucket = token_bucket, sequence_bucket, seqlen_bucket
         self.lengths: list[int] | None = None  # the next call's sequence lengths, set by the caller
         self.captures: list[tuple[int, float]] = []  # (tokens, seconds) of each capture, for the logs
         self.failure: str | None = None
@@ -115,7 +114,8 @@ class RecomputeGraphs:
 
     def _bucket(self, hidden: torch.Tensor, lengths: list[int]) -> _Bucket | None:
         padded = padded_lengths(lengths, self.token_bucket, self.sequence_bucket)
-        tokens, max_seqlen = sum(padded), max(self.max_seqlen, max(padded))
+        # attention kernels (cuDNN's THD) cost about sequences x max_seqlen: both bucketed tight, not to the maximum
+        tokens, max_seqlen = sum(padded), _round_up(max(padded), self.seqlen_bucket)
         key = (tokens, len(padded), max_seqlen)
         bucket = self._buckets.get(key)
         if bucket is not None:
@@ -243,11 +243,7 @@ class _GraphedCheckpoints(torch.autograd.Function):
     @staticmethod
     def forward(ctx, runner: RecomputeGraphs, bucket: _Bucket, params: PackedSeqParams, lengths: list[int],
                 hidden: torch.Tensor):
-        # backward's attention takes the fixed bound too: kernels (cuDNN's) plan once per bound, and the step's
-        # longest image changes every step
-        bound = {"max_seqlen_q": runner.max_seqlen, "max_seqlen_kv": runner.max_seqlen}
-        ctx.runner, ctx.bucket, ctx.tokens = runner, bucket, hidden.shape[0]
-        ctx.params = dataclasses.replace(params, **bound)
+        ctx.runner, ctx.bucket, ctx.tokens, ctx.params = runner, bucket, hidden.shape[0], params
         out = runner._replay(bucket, hidden, lengths)
         runner._in_flight += 1
         return out[:hidden.shape[0]].clone()

@@ -184,13 +184,13 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
 def _recompute_graphs(s: NemotronVLMSettings, ctx, backend: str) -> dict | None:
     """RecomputeGraphs' options where the `vision_graphs` setting applies (see its help), else None. Its bound on
     one image's sequence is that of the largest image: one graph per bucket of patch counts, not per image size."""
-    if not (s.vision_graphs != "off" and ctx.cuda_graphs and backend == "te" and s.dynamic_resolution
+    if not (s.vision_graphs != "megatron" and ctx.cuda_graphs and backend == "te" and s.dynamic_resolution
             and not s.dropout and ctx.recompute.get(IMAGES) == "full" and ctx.parallelism[IMAGES].tp == 1):
         return None
     longest = s.max_patches + s.class_tokens
     # the backward too, unless DDP's overlapped reduction waits for each parameter's hook (which graphs skip)
     return {"max_seqlen": -(-longest // MAX_SEQLEN_STEP) * MAX_SEQLEN_STEP,
-            "backward": s.vision_graphs == "on" and not ctx.overlap_grad_reduce}
+            "backward": s.vision_graphs == "all" and not ctx.overlap_grad_reduce}
 
 
 def _fused_kernels(backend: str) -> dict:

@@ -57,12 +57,11 @@ class NemotronVLMSettings:
     class_tokens: int = _setting(8, "class and register tokens RADIO prepends per image (tile); all dropped after "
                                     "the encoder; 0: none", minimum=0)
     vision_layernorm_epsilon: float = _setting(1e-6, "epsilon of the RADIO encoder's LayerNorms", minimum=0.0)
-    vision_graphs: Literal["on", "forward", "off"] = _setting(
-        "on", "with --cuda-graphs, backend te and the encoder recomputed in full (--recompute images=full, or "
-              "chosen by --encoder-pass auto): RADIO's no-grad forward, and each layer's recompute and backward "
-              "(on; not with --overlap-grad-reduce), replay CUDA graphs per bucket of packed patch counts (its "
-              "Python launches otherwise leave the GPU waiting); forward: the forward only; off: megatron-core's "
-              "recompute")
+    vision_graphs: Literal["all", "forward", "megatron"] = _setting(
+        "forward", "with --cuda-graphs, backend te and the encoder recomputed in full (--recompute images=full, or "
+                   "chosen by --encoder-pass auto): RADIO's no-grad forward replays a CUDA graph per bucket of packed "
+                   "patch counts (its Python launches otherwise leave the GPU waiting); all: each layer's recompute "
+                   "and backward too (not with --overlap-grad-reduce); megatron: megatron-core's recompute")
     vision_activation: Literal["gelu", "gelu_tanh"] = _setting(
         "gelu", "MLP activation of the RADIO encoder: gelu (exact, erf; C-RADIO's) or gelu_tanh (tanh "
                 "approximation: Megatron-LM's fast_gelu)")

@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round22 in place of slice/rest, each after an install call; round6-22 need no main)
+# (later sessions: round2 .. round23 in place of slice/rest, each after an install call; round6-23 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -334,5 +334,16 @@ case "$phase" in
     grep -h "recomputed layers\|CUDA graphs" "$R"/sb/*.log | head -12
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round22"; exit 2 ;;
+  round23)
+    # round22 again with the buckets tight (one padding sequence, the longest image rounded to 1024): the forward
+    # graphed (the default) against forward and backward graphed, 40 iterations each, 20 left out.
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    W="--iterations 40 --warmup 20"
+    bench sf 175 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccW"
+    bench sb $(( $(left) - 10 )) --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccW --set vision_graphs=all"
+    grep -h "recomputed layers" "$R"/s?/*.log | tail -4
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round23"; exit 2 ;;
 esac
