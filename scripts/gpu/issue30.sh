@@ -6,7 +6,7 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round23 in place of slice/rest, each after an install call; round6-23 need no main)
+# (later sessions: round2 .. round24 in place of slice/rest, each after an install call; round6-24 need no main)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -345,5 +345,15 @@ case "$phase" in
     grep -h "recomputed layers" "$R"/s?/*.log | tail -4
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round23"; exit 2 ;;
+  round24)
+    # The closing comparison on one H100: megatron-core's recompute against the graphed forward (the default, tight
+    # buckets), 32 iterations each, 16 left out.
+    ready without-main
+    versions > "$R/versions.txt" 2>&1
+    W="--iterations 32 --warmup 16"
+    bench so 150 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccX --set vision_graphs=megatron"
+    bench sf $(( $(left) - 10 )) --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccX"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round24"; exit 2 ;;
 esac
