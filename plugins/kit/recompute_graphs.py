@@ -7,10 +7,11 @@ them than the GPU to run them, and the GPU waits: about 90 ms per step of the Ne
 (docs/benchmarks.md (g)). `RecomputeGraphs` captures that no-grad forward once per bucket of packed (THD) token
 counts as one CUDA graph, which writes each layer's output into a buffer the backward reads, and replays it.
 Backward recomputes each layer eagerly from its kept input, last layer first, as megatron-core's
-CheckpointFunction does. The packed input is padded to its bucket with extra sequences, which attend only to
-themselves and are dropped from the output, so a step's images need no fixed size.
+CheckpointFunction does; with `backward`, each layer's recompute and backward replay graphs too. The packed input
+is padded to its bucket with a padding sequence, which attends only to itself and is dropped from the output, so a
+step's images need no fixed size.
 
-Off the GPU (tests) the same padding, buffers and backward run, with the forward eager in place of the graph.
+Off the GPU (tests) the same padding, buffers and backward run, eager in place of the graphs.
 """
 
 from __future__ import annotations
