@@ -42,6 +42,11 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
+def _boundaries(lengths: list[int]) -> torch.Tensor:
+    """THD boundaries (int32, on the host) of sequences of `lengths` packed one after another."""
+    return torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
+
+
 def padded_lengths(lengths: list[int], token_bucket: int, sequence_bucket: int) -> list[int]:
     """`lengths` followed by at least one padding sequence (each of one token or more), so that the sequence
     count is a multiple of `sequence_bucket` and the token count a multiple of `token_bucket`."""
@@ -67,14 +72,14 @@ class RecomputeGraphs:
 
     `max_seqlen`: the longest sequence the caller can pass; buckets of `token_bucket` tokens, `sequence_bucket`
     sequences (one padding sequence at 1) and a longest sequence rounded up to `seqlen_bucket`. Each new bucket
-    costs one eager run and a capture of what it replays; the layer outputs' buffer holds the most tokens that many sequences can have (or `max_tokens`), and every
-    bucket captures again when more sequences than ever before make it grow."""
+    costs one eager run and a capture of what it replays; the layer outputs' buffer holds the most tokens that many
+    sequences can have, and every bucket captures again when more sequences than ever before make it grow."""
 
-    def __init__(self, block, *, max_seqlen: int, max_tokens: int = 0, token_bucket: int = 2048,
+    def __init__(self, block, *, max_seqlen: int, token_bucket: int = 2048,
                  sequence_bucket: int = 1, seqlen_bucket: int = 1024, backward: bool = False):
         self.block, self.layers = block, list(block.layers)
         self.backward = backward
-        self.max_seqlen, self.max_tokens = max_seqlen, max_tokens
+        self.max_seqlen = max_seqlen
         self.token_bucket, self.sequence_bucket, self.seqlen_bucket = token_bucket, sequence_bucket, seqlen_bucket
         self.lengths: list[int] | None = None  # the next call's sequence lengths, set by the caller
         self.captures: list[tuple[int, float]] = []  # (tokens, seconds) of each capture, for the logs
@@ -91,14 +96,15 @@ class RecomputeGraphs:
         if not self._applies(hidden_states, attention_mask, args, packed_seq_params, lengths, kwargs):
             return self._eager_forward(hidden_states, attention_mask, *args, packed_seq_params=packed_seq_params,
                                        **kwargs)
-        bucket = self._bucket(hidden_states, lengths)
+        padded = padded_lengths(lengths, self.token_bucket, self.sequence_bucket)
+        bucket = self._bucket(hidden_states, lengths, padded)
         if bucket is None:  # the capture failed (said once): megatron-core's recompute from now on
             return self._eager_forward(hidden_states, attention_mask, packed_seq_params=packed_seq_params)
         tokens = hidden_states.shape[0]
         if hidden_states.requires_grad:
-            out = _GraphedCheckpoints.apply(self, bucket, packed_seq_params, lengths, hidden_states)
+            out = _GraphedCheckpoints.apply(self, bucket, packed_seq_params, padded, hidden_states)
         else:  # nothing to differentiate (a frozen encoder): the replay alone
-            out = self._replay(bucket, hidden_states, lengths)[:tokens].clone()
+            out = self._replay(bucket, hidden_states, padded)[:tokens].clone()
         if self.block.final_layernorm is not None:
             out = self.block.final_layernorm(out)
         return out
@@ -113,8 +119,7 @@ class RecomputeGraphs:
                 and not c.hidden_dropout and not c.attention_dropout and not c.fp8 and not c.sequence_parallel
                 and self.block.pre_process and bool(self.layers))
 
-    def _bucket(self, hidden: torch.Tensor, lengths: list[int]) -> _Bucket | None:
-        padded = padded_lengths(lengths, self.token_bucket, self.sequence_bucket)
+    def _bucket(self, hidden: torch.Tensor, lengths: list[int], padded: list[int]) -> _Bucket | None:
         # attention kernels (cuDNN's THD) cost about sequences x max_seqlen: both bucketed tight, not to the maximum
         tokens, max_seqlen = sum(padded), _round_up(max(padded), self.seqlen_bucket)
         key = (tokens, len(padded), max_seqlen)
@@ -127,10 +132,9 @@ class RecomputeGraphs:
             # room for the most tokens these many sequences can have, so that a larger bucket later does not make
             # every bucket capture again (only more sequences than ever before do)
             most = sum(padded_lengths([self.max_seqlen] * len(lengths), self.token_bucket, self.sequence_bucket))
-            capacity = max(tokens, most, self.max_tokens)
+            capacity = max(tokens, most)
             self._outputs = hidden.new_zeros(len(self.layers), capacity, 1, hidden.shape[-1])
-        cu = torch.zeros(len(padded) + 1, dtype=torch.int32, device=hidden.device)
-        cu[1:] = torch.tensor(padded, dtype=torch.int32).cumsum(0).to(hidden.device)
+        cu = _boundaries(padded).to(hidden.device)
         params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_seqlen,
                                  max_seqlen_kv=max_seqlen)
         bucket = _Bucket(x=hidden.new_zeros(tokens, 1, hidden.shape[-1]), cu_seqlens=cu, params=params, graph=None)
@@ -138,7 +142,7 @@ class RecomputeGraphs:
             started = time.perf_counter()
             try:
                 if hidden.is_cuda:
-                    bucket.graph = self._capture(bucket)
+                    bucket.graph = self._captured(lambda: self._layers(bucket))
                 if hidden.requires_grad:
                     self._graphed_backward(bucket, hidden)
             except Exception as err:  # noqa: BLE001 - any capture failure: the eager recompute still trains
@@ -190,9 +194,6 @@ class RecomputeGraphs:
             steps = [self._captured(step).replay for step in steps[::-1]][::-1]
         bucket.backward = steps
 
-    def _capture(self, bucket: _Bucket):
-        return self._captured(lambda: self._layers(bucket))
-
     def _captured(self, run):
         """`run` captured as a CUDA graph, after one eager run (first-use setup and kernel choices happen outside).
         torch.cuda.graph's context would also collect garbage and empty the allocator's cache at every bucket;
@@ -220,13 +221,12 @@ class RecomputeGraphs:
         current.wait_stream(stream)
         return graph
 
-    def _replay(self, bucket: _Bucket, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-        """Run the bucket's forward on `hidden` (its padding rows keep earlier values: finite, and only padding
-        sequences read them); returns the last layer's output buffer (padded)."""
+    def _replay(self, bucket: _Bucket, hidden: torch.Tensor, padded: list[int]) -> torch.Tensor:
+        """Run the bucket's forward on `hidden`, packed as `padded` (its padding rows keep earlier values: finite,
+        and only padding sequences read them); returns the last layer's output buffer (padded)."""
         tokens = hidden.shape[0]
         bucket.x[:tokens].copy_(hidden.detach())
-        padded = padded_lengths(lengths, self.token_bucket, self.sequence_bucket)
-        cu = torch.tensor([0] + padded, dtype=torch.int32).cumsum(0).to(torch.int32)
+        cu = _boundaries(padded)
         if hidden.is_cuda:
             cu = cu.pin_memory()
         bucket.cu_seqlens.copy_(cu, non_blocking=True)
@@ -242,10 +242,10 @@ class _GraphedCheckpoints(torch.autograd.Function):
     graphs over the padded tokens with `backward`, else eager over the real ones)."""
 
     @staticmethod
-    def forward(ctx, runner: RecomputeGraphs, bucket: _Bucket, params: PackedSeqParams, lengths: list[int],
+    def forward(ctx, runner: RecomputeGraphs, bucket: _Bucket, params: PackedSeqParams, padded: list[int],
                 hidden: torch.Tensor):
         ctx.runner, ctx.bucket, ctx.tokens, ctx.params = runner, bucket, hidden.shape[0], params
-        out = runner._replay(bucket, hidden, lengths)
+        out = runner._replay(bucket, hidden, padded)
         runner._in_flight += 1
         return out[:hidden.shape[0]].clone()
 
