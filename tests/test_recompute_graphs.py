@@ -33,16 +33,26 @@ def world():
         yield
 
 
-def _build(recompute: str = "images=full"):
+def _join(**performance):
     from mimo.core.config import PerformanceOptions, RunConfig, TrainingOptions
     from mimo.core.run.plan import prepare
     from mimo.core.run.world import join
 
     plan = prepare(RunConfig(provider="nemotron-moe-vlm-tiny", training=TrainingOptions(device="cpu",
                                                                                        micro_batch_size=2),
-                             performance=PerformanceOptions(recompute=recompute)), world_size=1)
-    run = join(plan)
+                             performance=PerformanceOptions(**performance)), world_size=1)
+    return plan, join(plan)
+
+
+def _build(recompute: str = "images=full"):
+    plan, run = _join(recompute=recompute)
     return plan, run, run.build_model()
+
+
+def test_the_build_context_says_whether_ddp_overlaps_the_reduction(world):
+    """The provider keeps the graphed backward off under --overlap-grad-reduce: the build context must say so."""
+    assert _join(overlap_grad_reduce=True)[1].context.overlap_grad_reduce is True
+    assert _join()[1].context.overlap_grad_reduce is False
 
 
 def _radio(model):
