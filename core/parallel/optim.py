@@ -12,36 +12,63 @@ from ..config import OptimizerOptions, SchedulerOptions
 
 def _recording_optimizer_class():
     from megatron.core.models.mimo.optimizer import MimoOptimizer
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     class RecordingMimoOptimizer(MimoOptimizer):
-        """MimoOptimizer that keeps each module's gradient norm (before clipping) for the logs and skips the
-        update when the global norm is not finite (megatron-core only does that for fp16's loss scaler).
+        """MimoOptimizer that keeps each module's gradient norm (before clipping) for the logs, skips the update
+        when the global norm is not finite (megatron-core only does that for fp16's loss scaler), and waits for
+        the GPU once per step instead of four times.
 
-        Same reduction as megatron-core's: every rank computes its modules' norms, a world MAX shares them."""
+        Same reduction as megatron-core's: every rank computes its modules' norms, a world MAX shares them; the
+        found-inf flag rides on that collective. `before_update` (the training step's) runs right after that one
+        wait, where reading device values costs nothing more, and may veto the update; every rank must answer
+        alike. The update's success is not reduced over the world as megatron-core's step does: its optimizers
+        report success unconditionally, and that reduction would make the host wait for the update itself, so
+        that the GPU then idled while the host prepared the next step."""
 
         module_grad_norms: dict[str, float] = {}
         grad_norm: float = 0.0
+        loss_scale: float = 1.0
+        before_update = None  # () -> bool: True skips the update
 
         @torch.no_grad()
         def prepare_grads(self) -> bool:
-            found_inf = super().prepare_grads()
-            self.grad_norm = self._module_norms()
-            return found_inf or not math.isfinite(self.grad_norm)  # step() then skips the update on every rank
+            found_inf = self._module_norms(super().prepare_grads())
+            self.loss_scale = float(self.get_loss_scale())  # the GPU is idle here: no wait
+            vetoed = bool(self.before_update()) if self.before_update is not None else False
+            return found_inf or not math.isfinite(self.grad_norm) or vetoed
 
         def get_grad_norm(self) -> float:
             return self.grad_norm  # computed once, in prepare_grads
 
         @torch.no_grad()
-        def _module_norms(self) -> float:
+        def step(self):
+            if self.prepare_grads():  # every rank decides alike: the flags and norms are world-reduced
+                return False, None, None
+            for opt in self._active_optimizers:  # clipping with the global norm, as megatron-core's step
+                params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
+                if params and opt.config.clip_grad > 0.0:
+                    clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=self.grad_norm,
+                                                 use_decoupled_grad=opt.config.use_precision_aware_optimizer)
+            num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
+            return self.step_with_ready_grads(), self.grad_norm, num_zeros
+
+        @torch.no_grad()
+        def _module_norms(self, found_inf: bool) -> bool:
+            """Each module's norm and the global one, from one world MAX that carries the found-inf flag too;
+            returns whether any rank found one. The step's one wait for the GPU."""
             names = sorted(self.module_infos)
-            norm_sq = torch.zeros(len(names), device="cuda", dtype=torch.float32)
+            reduced = torch.zeros(len(names) + 1, device="cuda", dtype=torch.float32)
             for i, name in enumerate(names):
                 info = self.module_infos[name]
                 if info.is_active and info.optimizer:
-                    norm_sq[i] = (info.optimizer.get_grad_norm() or 0.0) ** 2
-            torch.distributed.all_reduce(norm_sq, op=torch.distributed.ReduceOp.MAX)
-            self.module_grad_norms = dict(zip(names, norm_sq.sqrt().tolist()))
-            return torch.sqrt(norm_sq.sum()).item()
+                    reduced[i] = (info.optimizer.get_grad_norm() or 0.0) ** 2
+            reduced[-1] = float(found_inf)
+            torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
+            *norm_sq, any_inf = reduced.tolist()
+            self.module_grad_norms = {name: math.sqrt(n) for name, n in zip(names, norm_sq)}
+            self.grad_norm = math.sqrt(sum(norm_sq))
+            return any_inf > 0
 
     return RecordingMimoOptimizer
 

@@ -36,7 +36,10 @@ class SignalWatch:
         self.received = number
 
     def agreed(self, device: torch.device) -> int | None:
-        """The signal any rank received (every rank calls this at the same boundary), or None."""
+        """The signal any rank received (every rank calls this at the same boundary), or None. Alone in the world
+        there is nothing to agree on: no collective, so the host does not wait for the step's update."""
+        if dist.get_world_size() == 1:
+            return self.received or None
         flag = torch.tensor([self.received or 0], dtype=torch.int64, device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item()) or None

@@ -127,6 +127,10 @@ class TrainStep:
         self.layer_graphs = layer_graphs  # --cuda-graphs
         # the forward and loss of each micro-batch, summing into [loss sum, tokens] of the totals
         self.forward_step = ForwardLoss(hooks, settings, device, params_dtype, self._totals[:2], self.timers)
+        # the optimizer reads the step's totals at its one wait for the GPU, and skips the update on every rank
+        # after a non-finite loss or a data error (the iteration read empty micro-batches from some point on: no
+        # update; the loop stops, saving the iteration before)
+        optimizer.before_update = self._read_before_update
         self.encoder_pass = StepEncoderPass(model, hooks=hooks, settings=settings, device=device,
                                             params_dtype=params_dtype) if step_encoders else None
 
@@ -145,12 +149,24 @@ class TrainStep:
             self._totals[-1] = 1
         totals = self._totals if self._token_source else torch.zeros_like(self._totals)
         dist.all_reduce(totals)
-        self._global_totals = totals.tolist()
-        scale = 1.0 / totals[1].item() if totals[1].item() > 0 else 0.0
+        self._reduced_totals = totals  # read on the host where the optimizer has waited for the GPU anyway
+        tokens = totals[1]
+        # a device scalar: dividing by the token count here would make the host wait for the backward
+        scale = torch.where(tokens > 0, 1.0 / tokens, torch.zeros_like(tokens)).float()
         for name, module in held_modules(self.model):
             finalize_model_grads([module], num_tokens=None, pg_collection=self.topology.pg_collections[name],
                                  force_all_reduce=force_all_reduce)
             module.scale_gradients(scale)
+
+    def _read_before_update(self) -> bool:
+        """The step's device values on the host (the loss and data totals, the MoE losses), read at the one point
+        where the optimizer has waited for the GPU (its gradient norms): True skips the update (a non-finite
+        loss, or a data error on some lane). The same answer on every rank: the totals are world-reduced."""
+        self._global_totals = self._reduced_totals.tolist()
+        self._moe_losses = _moe_losses()
+        loss_sum, tokens = self._global_totals[:2]
+        data_error = self._global_totals[-1] and DataCounts.from_vector(self._global_totals[2:-1]).data_error
+        return not math.isfinite(loss_sum / max(tokens, 1)) or bool(data_error)
 
     @record_function("mimo/step")
     def __call__(self, data_iterator) -> StepResult:
@@ -171,26 +187,21 @@ class TrainStep:
                 forward_step_func=self.forward_step, data_iterator=data_iterator, model=[self.model],
                 num_microbatches=self.num_microbatches, forward_only=False, **self._shape,
             )
+        with self.timers.phase("optimizer"):
+            ok, _, num_zeros = self.optimizer.step()
         loss_sum, tokens = self._global_totals[:2]  # the same on every rank
         data = DataCounts.from_vector(self._global_totals[2:-1]) if self._global_totals[-1] else None
-        moe_losses = _moe_losses()
         lm_loss = loss_sum / max(tokens, 1)
+        counted = math.isfinite(lm_loss) and not (data is not None and data.data_error)
         # a rank whose modules are all frozen (an LLM rank in stage1) has no parameter groups: the schedule says
         groups = self.optimizer.param_groups
         lr = groups[0]["lr"] if groups else self.scheduler.get_lr({})
-        ok, num_zeros, grad_norm = False, None, None
-        # every rank agrees, so all skip the optimizer's collectives together; after a data error the iteration
-        # read empty micro-batches from some point on: no update (the loop stops, saving the iteration before)
-        if math.isfinite(lm_loss) and not (data is not None and data.data_error):
-            with self.timers.phase("optimizer"):
-                ok, _, num_zeros = self.optimizer.step()
-            grad_norm = self.optimizer.grad_norm
         if ok:
             self.scheduler.step(increment=self.global_batch_size)
-        return StepResult(lm_loss=lm_loss, num_tokens=int(tokens), grad_norm=grad_norm,
+        return StepResult(lm_loss=lm_loss, num_tokens=int(tokens), grad_norm=self.optimizer.grad_norm if counted else None,
                           skipped=not ok, lr=lr, module_grad_norms=dict(self.optimizer.module_grad_norms),
-                          skipped_samples=data.skipped if data is not None else 0, loss_scale=float(self.optimizer.get_loss_scale()),
-                          num_zeros=num_zeros, moe_losses=moe_losses, data=data)
+                          skipped_samples=data.skipped if data is not None else 0, loss_scale=self.optimizer.loss_scale,
+                          num_zeros=num_zeros, moe_losses=self._moe_losses, data=data)
 
 
 def schedule_for(topology: Topology, config):

@@ -211,10 +211,11 @@ def _peaks_per_rank(device: torch.device) -> dict:
         return {}
     import torch.distributed as dist
 
-    mine = torch.tensor([torch.cuda.max_memory_allocated(device), torch.cuda.max_memory_reserved(device)],
-                        dtype=torch.float64, device=device) / 2**30
-    if not (dist.is_available() and dist.is_initialized()):
-        return {"peak_memory_gib_ranks": [mine[0].item()], "peak_reserved_gib_ranks": [mine[1].item()]}
+    mine = [torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30]
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        # host figures: no device tensor, so the host does not wait for the step's update
+        return {"peak_memory_gib_ranks": [mine[0]], "peak_reserved_gib_ranks": [mine[1]]}
+    mine = torch.tensor(mine, dtype=torch.float64, device=device)
     every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return {"peak_memory_gib_ranks": [t[0].item() for t in every],
