@@ -50,13 +50,22 @@ def test_nemotron_te_additions_make_a_valid_megatron_config(monkeypatch):
                                     **_te_fields(settings, ctx))
     assert (config.cross_entropy_loss_fusion, config.cross_entropy_fusion_impl) == (True, "te")
     assert config.moe_shared_expert_overlap and config.cuda_graph_impl == "transformer_engine"
-    assert [m.name for m in config.cuda_graph_modules] == ["mamba", "attn"]  # MoE layers' shapes vary
+    # the MoE layers' routers too: the routed experts (grouped GEMMs on device counts) stay eager
+    assert [m.name for m in config.cuda_graph_modules] == ["mamba", "attn", "moe_router"]
     fp8 = dataclasses.replace(ctx, fp8="tensorwise")
     # with FP8 the routing map is padded in place, which transformer-engine's fused router must not have saved
     fp8_moe = nemotron_model._moe_config(settings, "te", fp8=True)
     assert fp8_moe["moe_router_padding_for_fp8"] and not fp8_moe["moe_router_fusion"]
     assert nemotron_model._moe_config(settings, "te")["moe_router_fusion"]
     assert nemotron_model._cuda_graph_fields(settings, fp8, "te") == {"cuda_graph_modules": ["mamba"]}
+    # not where a router waits for the host or megatron-core refuses the scope beside recompute, nor when asked
+    off = ({"settings": dataclasses.replace(settings, moe_router_graphs=False)},
+           {"settings": dataclasses.replace(settings, expert_gemm="megatron")},
+           {"ctx": dataclasses.replace(ctx, recompute={"language": "selective"})},
+           {"ctx": dataclasses.replace(ctx, parallelism={**PARALLELISM, "language": ModuleParallelism(0, 2, ep=2)})})
+    for case in off:
+        fields = nemotron_model._cuda_graph_fields(case.get("settings", settings), case.get("ctx", ctx), "te")
+        assert fields == {"cuda_graph_modules": ["mamba", "attn"]}, case
     chosen = dataclasses.replace(ctx, cuda_graph_modules=("attn",))  # --cuda-graph-modules over the provider
     config = chosen.transformer_config("language", num_layers=2, hidden_size=64, num_attention_heads=4,
                                        **_te_fields(settings, ctx))

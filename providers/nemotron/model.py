@@ -206,9 +206,10 @@ def _fused_loss(s: NemotronVLMSettings, backend: str) -> dict:
 
 
 def _cuda_graph_fields(s: NemotronVLMSettings, ctx, backend: str) -> dict:
-    """--cuda-graphs captures the parts of the layers whose shapes are fixed: the Mamba and attention layers (the
-    MoE layers' routed token counts change every micro-batch); with FP8 the Mamba layers only, as Megatron-Bridge's
-    FP8 recipe for this model does. Packed --data changes every shape: refused."""
+    """--cuda-graphs captures the parts of the layers whose shapes are fixed: the Mamba and attention layers, and
+    the MoE layers' routers where nothing in them waits for the host (the routed experts' token counts change every
+    micro-batch: they stay eager); with FP8 the Mamba layers only, as Megatron-Bridge's FP8 recipe for this model
+    does. Packed --data changes every shape: refused."""
     if not ctx.cuda_graphs:
         return {}
     if backend != "te":
@@ -218,7 +219,22 @@ def _cuda_graph_fields(s: NemotronVLMSettings, ctx, backend: str) -> dict:
                          "micro-batch, which captured graphs cannot replay; add --no-pack-sequences or leave "
                          "--cuda-graphs off")
     wanted = ("mamba",) if ctx.fp8 != "none" else ("mamba", "attn")
+    if _routers_graphable(s, ctx, backend):
+        # the router only: megatron-core's moe_preprocess scope breaks its shared-expert overlap ("pre_forward_comm
+        # must be called from IDLE state" in the second iteration)
+        wanted += ("moe_router",)
     return {"cuda_graph_modules": [m for m in wanted if m != "attn" or "*" in s.hybrid_pattern]}
+
+
+def _routers_graphable(s: NemotronVLMSettings, ctx, backend: str) -> bool:
+    """The MoE layers' routers hold no host wait where the routed experts are grouped GEMMs
+    on device token counts (mimo.plugins.kit.grouped_mm_moe: one rank of experts, TP 1, no FP8); megatron-core
+    refuses router graphs beside some recompute choices, so the LLM recomputes nothing."""
+    language = ctx.parallelism[LANGUAGE]
+    grouped = s.expert_gemm == "grouped_mm" or (s.expert_gemm == "auto" and backend == "te")
+    return (s.moe_router_graphs and grouped and "E" in s.hybrid_pattern and s.num_experts > 1
+            and ctx.fp8 == "none" and language.tp == 1 and language.ep == 1 and language.expt_tp == 1
+            and ctx.recompute.get(LANGUAGE, "none") == "none")
 
 
 def _moe_config(s: NemotronVLMSettings, backend: str, fp8: bool = False) -> dict:
