@@ -1,0 +1,90 @@
+"""The optimizer step's one wait for the GPU (core/parallel/optim.py): on a heterogeneous world of two gloo
+processes (the encoder on rank 0, the LLM on rank 1), no collective follows the update (megatron-core's world
+reduction of its success made the host wait for the update itself), a veto from `before_update` and a non-finite
+gradient on one rank skip the update on both, and a clean step updates and reports the global norm."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+from unittest import mock
+
+import torch
+
+from mimo.core.config import LaunchOptions, LayoutOptions, RunConfig, TrainingOptions
+from mimo.core.run.plan import prepare
+
+
+def _config() -> RunConfig:
+    return RunConfig(provider="mock-vlm", launch=LaunchOptions(nproc_per_node=2),
+                     training=TrainingOptions(micro_batch_size=1, num_microbatches=1, device="cpu"),
+                     layout=LayoutOptions(encoder_ranks=1))
+
+
+def _steps(rank: int) -> dict:
+    from mimo.core.parallel.optim import build_optimizer
+    from mimo.core.run.world import join
+
+    cfg = _config()
+    world = join(prepare(cfg, world_size=2), seed=1)
+    model = world.build_model()
+    optimizer = build_optimizer(cfg.optimizer, model=model, params_dtype=torch.float32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    collectives, updating = [], []
+    real_all_reduce, real_update = torch.distributed.all_reduce, optimizer.step_with_ready_grads
+
+    def all_reduce(*args, **kwargs):
+        collectives.append("after the update" if updating else "before")
+        return real_all_reduce(*args, **kwargs)
+
+    def update():
+        updating.append(True)
+        return real_update()
+
+    def step(grad: float, veto: bool = False):
+        for p in params:
+            p.main_grad.fill_(grad)
+        optimizer.before_update = lambda: veto
+        before = [p.detach().clone() for p in params]
+        collectives.clear()
+        updating.clear()
+        with mock.patch.object(torch.distributed, "all_reduce", all_reduce), \
+                mock.patch.object(optimizer, "step_with_ready_grads", update):
+            ok, norm, _ = optimizer.step()
+        changed = any(not torch.equal(b, p) for b, p in zip(before, params))
+        return {"ok": ok, "norm": norm, "changed": changed, "collectives": list(collectives)}
+
+    # a non-finite gradient on the LLM's rank only: both ranks learn it from the one reduction and skip
+    results = {"clean": step(0.01), "vetoed": step(0.01, veto=True),
+               "non_finite": step(math.inf if rank == 1 else 0.01)}
+    results["module_norms"] = optimizer.module_grad_norms
+    torch.distributed.destroy_process_group()
+    return results
+
+
+def _worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      OMP_NUM_THREADS="1")
+    with open(f"{out}.{rank}", "w") as f:
+        json.dump(_steps(rank), f)
+
+
+def test_one_reduction_before_the_update_and_every_rank_skips_alike(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.start_processes(_worker, args=(port, str(tmp_path / "r")), nprocs=2, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"r.{rank}").read_text()) for rank in range(2)]
+    for rank, r in enumerate(ranks):
+        clean = r["clean"]
+        assert clean["ok"] and clean["changed"] and clean["norm"] > 0, rank
+        assert "after the update" not in clean["collectives"] and clean["collectives"], rank
+        for skipped in ("vetoed", "non_finite"):
+            assert (r[skipped]["ok"], r[skipped]["norm"], r[skipped]["changed"]) == (False, None, False), (rank,
+                                                                                                         skipped)
+    # every rank reports the same global norm, the root of the modules' squares
+    assert ranks[0]["clean"]["norm"] == ranks[1]["clean"]["norm"]
+    norms = ranks[0]["module_norms"]
+    assert set(norms) == {"images", "language"} and math.isinf(norms["language"])
