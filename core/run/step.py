@@ -198,10 +198,12 @@ class TrainStep:
         lr = groups[0]["lr"] if groups else self.scheduler.get_lr({})
         if ok:
             self.scheduler.step(increment=self.global_batch_size)
-        return StepResult(lm_loss=lm_loss, num_tokens=int(tokens), grad_norm=self.optimizer.grad_norm if counted else None,
-                          skipped=not ok, lr=lr, module_grad_norms=dict(self.optimizer.module_grad_norms),
-                          skipped_samples=data.skipped if data is not None else 0, loss_scale=self.optimizer.loss_scale,
-                          num_zeros=num_zeros, moe_losses=self._moe_losses, data=data)
+        grad_norm = self.optimizer.grad_norm if counted else None  # none for a step whose loss did not count
+        return StepResult(lm_loss=lm_loss, num_tokens=int(tokens), grad_norm=grad_norm, skipped=not ok, lr=lr,
+                          module_grad_norms=dict(self.optimizer.module_grad_norms),
+                          skipped_samples=data.skipped if data is not None else 0,
+                          loss_scale=self.optimizer.loss_scale, num_zeros=num_zeros, moe_losses=self._moe_losses,
+                          data=data)
 
 
 def schedule_for(topology: Topology, config):
