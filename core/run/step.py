@@ -162,11 +162,13 @@ class TrainStep:
         """The step's device values on the host (the loss and data totals, the MoE losses), read at the one point
         where the optimizer has waited for the GPU (its gradient norms): True skips the update (a non-finite
         loss, or a data error on some lane). The same answer on every rank: the totals are world-reduced."""
-        self._global_totals = self._reduced_totals.tolist()
-        self._moe_losses = _moe_losses()
-        loss_sum, tokens = self._global_totals[:2]
-        data_error = self._global_totals[-1] and DataCounts.from_vector(self._global_totals[2:-1]).data_error
-        return not math.isfinite(loss_sum / max(tokens, 1)) or bool(data_error)
+        totals = self._reduced_totals.tolist()  # the same on every rank
+        loss_sum, tokens = totals[:2]
+        data = DataCounts.from_vector(totals[2:-1]) if totals[-1] else None
+        lm_loss = loss_sum / max(tokens, 1)
+        self._read = (lm_loss, tokens, data, _moe_losses())
+        self._counted = math.isfinite(lm_loss) and not (data is not None and data.data_error)
+        return not self._counted
 
     @record_function("mimo/step")
     def __call__(self, data_iterator) -> StepResult:
@@ -189,20 +191,17 @@ class TrainStep:
             )
         with self.timers.phase("optimizer"):
             ok, _, num_zeros = self.optimizer.step()
-        loss_sum, tokens = self._global_totals[:2]  # the same on every rank
-        data = DataCounts.from_vector(self._global_totals[2:-1]) if self._global_totals[-1] else None
-        lm_loss = loss_sum / max(tokens, 1)
-        counted = math.isfinite(lm_loss) and not (data is not None and data.data_error)
+        lm_loss, tokens, data, moe_losses = self._read
         # a rank whose modules are all frozen (an LLM rank in stage1) has no parameter groups: the schedule says
         groups = self.optimizer.param_groups
         lr = groups[0]["lr"] if groups else self.scheduler.get_lr({})
         if ok:
             self.scheduler.step(increment=self.global_batch_size)
-        grad_norm = self.optimizer.grad_norm if counted else None  # none for a step whose loss did not count
+        grad_norm = self.optimizer.grad_norm if self._counted else None  # none for a step whose loss did not count
         return StepResult(lm_loss=lm_loss, num_tokens=int(tokens), grad_norm=grad_norm, skipped=not ok, lr=lr,
                           module_grad_norms=dict(self.optimizer.module_grad_norms),
                           skipped_samples=data.skipped if data is not None else 0,
-                          loss_scale=self.optimizer.loss_scale, num_zeros=num_zeros, moe_losses=self._moe_losses,
+                          loss_scale=self.optimizer.loss_scale, num_zeros=num_zeros, moe_losses=moe_losses,
                           data=data)
 
 

@@ -19,7 +19,7 @@ from mimo.plugins.kit.recompute_graphs import RecomputeGraphs
 from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from .settings import ENCODER, IMAGES, NemotronVLMSettings
-from .specs import hybrid_stack_spec, projection_submodules, resolve_backend, vit_layer_spec
+from .specs import hybrid_stack_spec, projection_submodules, resolve_backend, uses_grouped_mm, vit_layer_spec
 from .tokens import image_token_id
 
 MAX_SEQLEN_STEP = 256  # RADIO's THD max_seqlen is rounded up to a multiple of this (class tokens included)
@@ -227,12 +227,12 @@ def _cuda_graph_fields(s: NemotronVLMSettings, ctx, backend: str) -> dict:
 
 
 def _routers_graphable(s: NemotronVLMSettings, ctx, backend: str) -> bool:
-    """The MoE layers' routers hold no host wait where the routed experts are grouped GEMMs
-    on device token counts (mimo.plugins.kit.grouped_mm_moe: one rank of experts, TP 1, no FP8); megatron-core
-    refuses router graphs beside some recompute choices, so the LLM recomputes nothing."""
+    """The MoE layers' routers hold no host wait where the routed experts are grouped GEMMs on device token counts
+    (mimo.plugins.kit.grouped_mm_moe: one rank of experts, TP 1, no FP8); megatron-core refuses router graphs
+    beside some recompute choices, so the LLM recomputes nothing."""
     language = ctx.parallelism[LANGUAGE]
-    grouped = s.expert_gemm == "grouped_mm" or (s.expert_gemm == "auto" and backend == "te")
-    return (s.moe_router_graphs and grouped and "E" in s.hybrid_pattern and s.num_experts > 1
+    return (s.moe_router_graphs and uses_grouped_mm(s.expert_gemm, backend) and "E" in s.hybrid_pattern
+            and s.num_experts > 1
             and ctx.fp8 == "none" and language.tp == 1 and language.ep == 1 and language.expt_tp == 1
             and ctx.recompute.get(LANGUAGE, "none") == "none")
 

@@ -120,10 +120,14 @@ def _local_hybrid_stack(conv_kernel: int, num_experts: int, dt_clamp_min: float 
         mamba_layer=mamba, attention_layer=attention, moe_layer=moe, mlp_layer=mlp))
 
 
+def uses_grouped_mm(expert_gemm: str, backend: str) -> bool:
+    """`expert_gemm` (the setting): auto is grouped_mm on backend te, megatron's experts on local."""
+    return expert_gemm == "grouped_mm" or (expert_gemm == "auto" and backend == "te")
+
+
 def hybrid_stack_spec(backend: str, conv_kernel: int, num_experts: int, dt_clamp_min: float = 0.0,
                       expert_gemm: str = "megatron") -> ModuleSpec:
-    """`expert_gemm` (the setting): auto is grouped_mm on backend te, megatron's experts on local."""
-    grouped_mm = expert_gemm == "grouped_mm" or (expert_gemm == "auto" and backend == "te")
+    grouped_mm = uses_grouped_mm(expert_gemm, backend)
     if backend != "te":
         return _local_hybrid_stack(conv_kernel, num_experts, dt_clamp_min, grouped_mm)
     if dt_clamp_min > 0:  # MambaMixer calls the mamba-ssm kernels with a fixed dt_limit of (0, inf)
