@@ -205,8 +205,9 @@ class PerformanceOptions:
                 "kernel per step; the encoders' activations of the whole step are kept) or once per micro-batch; "
                 "auto: step on a GPU where the layout allows it (colocated encoders)")
     grad_accum_fusion: bool = option(
-        True, "transformer-engine layers add their weight gradients into the fp32 gradient buffer inside the GEMM "
-              "(--no-grad-accum-fusion: a separate add per weight)")
+        True, "layers add their weight gradients into the fp32 gradient buffer where they compute them "
+              "(transformer-engine's inside the GEMM; megatron-core's output layer, linears and embedding at TP 1 "
+              "too); --no-grad-accum-fusion: a separate add per weight and micro-batch")
 
     def recompute_modes(self) -> dict[str, str]:
         """{module or "*": mode} from --recompute; "*" is every module not named."""

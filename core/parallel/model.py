@@ -12,6 +12,7 @@ from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from . import embedding_merge
 from .topology import LANGUAGE, Topology
+from .wgrad_fusion import fuse_weight_gradient_accumulation
 
 
 def _seeded_mimo_model_class():
@@ -123,28 +124,9 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
             model.language_model = wrapped
         else:
             model.modality_submodules[name] = wrapped
-    if performance is not None and performance.grad_accum_fusion and te_extras_enabled():
-        fuse_weight_gradient_accumulation(model)
+    if performance is not None and performance.grad_accum_fusion:
+        fuse_weight_gradient_accumulation(model, transformer_engine=te_extras_enabled())
     return model
-
-
-def fuse_weight_gradient_accumulation(model) -> int:
-    """Let transformer-engine's modules add each weight gradient into DDP's fp32 `main_grad` inside the GEMM
-    (one fewer read and write of every weight's gradient per micro-batch). Set after DDP gave the weights their
-    `main_grad`: megatron-core's config flag would also ask the non-TE layers (output layer, projections) for
-    Apex's kernel. Returns the modules changed (none without transformer-engine)."""
-    try:
-        from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
-    except ImportError:
-        return 0
-    changed = 0
-    for module in model.modules():
-        if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
-            trained = [p for p in module.parameters(recurse=False) if p.requires_grad]
-            if trained and all(hasattr(p, "main_grad") for p in trained):
-                module.fuse_wgrad_accumulation = True
-                changed += 1
-    return changed
 
 
 @contextmanager

@@ -156,7 +156,9 @@ class TrainStep:
         for name, module in held_modules(self.model):
             finalize_model_grads([module], num_tokens=None, pg_collection=self.topology.pg_collections[name],
                                  force_all_reduce=force_all_reduce)
-            module.scale_gradients(scale)
+            # one multi-tensor kernel: `grad_data *= scale` with a device scalar broadcasts it element by element,
+            # at a third of the memory bandwidth (21 ms an iteration on the Nemotron slice)
+            torch._foreach_mul_(_gradient_tensors(module), scale)
 
     def _read_before_update(self) -> bool:
         """The step's device values on the host (the loss and data totals, the MoE losses), read at the one point
@@ -243,3 +245,10 @@ def _moe_losses() -> dict[str, float]:
             losses[name.replace("_", "-")] = reported.mean().item()
     clear_aux_losses_tracker()
     return losses
+
+
+def _gradient_tensors(module) -> list[torch.Tensor]:
+    """The gradient buffers of a DDP-wrapped module: what megatron-core's `scale_gradients` scales."""
+    buffers = module.buffers + module.expert_parallel_buffers
+    return [t for b in buffers for t in (b.grad_data, *getattr(b, "extra_main_grads", ()))]
+

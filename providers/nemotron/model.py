@@ -57,6 +57,10 @@ class RadioEncoder(RADIOViTModel):
         super().__init__(*args, **kwargs)
         self.shuffle_side = shuffle_side
         self.recompute_graphs = RecomputeGraphs(self.decoder, **recompute_graphs) if recompute_graphs else None
+        # RADIOViTModel shifts the THD boundaries for its class tokens with an element write (`add_cu[0] = 0`),
+        # which on a GPU tensor is a copy from host memory that waits for the GPU: it gets them on the host, and
+        # the decoder moves them to the device without a wait
+        self.decoder.register_forward_pre_hook(_boundaries_to_device, with_kwargs=True)
 
     def forward(self, x, attention_mask=None, imgs_sizes=None, packed_seq_params=None, num_frames=None):
         cls = self.class_token_len if self.add_class_token else 0
@@ -70,8 +74,9 @@ class RadioEncoder(RADIOViTModel):
         sizes = [tuple(size) for size in torch.as_tensor(imgs_sizes).cpu().tolist()]
         grids = [(h // self.patch_dim, w // self.patch_dim) for h, w in sizes]
         lengths = [r * c for r, c in grids]
-        # RADIOViTModel shifts the THD boundaries in place for its class tokens: give it a copy it may change.
-        packed_seq_params = _packed_params(lengths, packed_seq_params, x.device, cls)
+        # RADIOViTModel shifts the THD boundaries in place for its class tokens: give it a copy it may change, on
+        # the host where it shifts them (see __init__)
+        packed_seq_params = _packed_params(lengths, packed_seq_params, "cpu" if cls else x.device, cls)
         if self.recompute_graphs is not None:  # the decoder's sequences, class tokens included, known here
             self.recompute_graphs.lengths = [n + cls for n in lengths]
         if self.temporal_patch_dim > 1:  # RADIOViTModel then also returns the sizes and frame counts
@@ -84,6 +89,21 @@ class RadioEncoder(RADIOViTModel):
             tokens.append(pixel_shuffle(out[start + cls:start + cls + n], rows, cols, self.shuffle_side))
             start += cls + n
         return torch.cat(tokens)
+
+
+def _boundaries_to_device(decoder, args, kwargs):
+    """The decoder's forward pre-hook: THD boundaries left on the host reach the hidden states' device, copied
+    from pinned memory without a synchronization."""
+    params, hidden = kwargs.get("packed_seq_params"), (args[0] if args else kwargs.get("hidden_states"))
+    if params is None or hidden is None or params.cu_seqlens_q.device == hidden.device:
+        return None
+
+    def moved(t):
+        return t.pin_memory().to(hidden.device, non_blocking=True) if hidden.is_cuda else t.to(hidden.device)
+
+    kwargs["packed_seq_params"] = dataclasses.replace(params, cu_seqlens_q=moved(params.cu_seqlens_q),
+                                                      cu_seqlens_kv=moved(params.cu_seqlens_kv))
+    return args, kwargs
 
 
 def _packed_params(lengths: list[int], given: PackedSeqParams | None, device, class_tokens: int = 0) -> PackedSeqParams:

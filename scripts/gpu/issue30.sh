@@ -455,5 +455,19 @@ case "$phase" in
     bench mn $(( $(left) - 10 )) --cases mid-te-graphs $W
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round31"; exit 2 ;;
+  round32)
+    # Weight gradients into main_grad for megatron-core's own layers (the output layer, the embedding), the
+    # gradient scale as one multi-tensor kernel, RADIO's THD boundaries shifted on the host: against main at
+    # d3b5848 (bench_baseline), the slice with every default, then this code profiled (40 busiest kernels).
+    ready
+    versions > "$R/versions.txt" 2>&1
+    export MIMO_COMPILE_CACHE=/tmp/ccV
+    W="--iterations 24 --warmup 12"
+    bench sb 150 --cases slice-te-graphs $W --baseline-src "$base"
+    bench sn 120 --cases slice-te-graphs $W
+    bench sp 120 --cases slice-te-graphs $W --profile slice-te-graphs
+    bench sc $(( $(left) - 10 )) --cases slice-te-graphs $W --baseline-src "$base"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round32"; exit 2 ;;
 esac
