@@ -469,5 +469,20 @@ case "$phase" in
     bench sc $(( $(left) - 10 )) --cases slice-te-graphs $W --baseline-src "$base"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round32"; exit 2 ;;
+  round33)
+    # round32's code on mid against main at d3b5848 (main, this code, main: the first mid run on a machine is
+    # slower whatever its code), the slice with --no-grad-accum-fusion (what the fused weight gradients buy on
+    # their own) and with --fp8 tensorwise.
+    ready
+    versions > "$R/versions.txt" 2>&1
+    export MIMO_COMPILE_CACHE=/tmp/ccW
+    W="--iterations 24 --warmup 12"
+    bench mb 120 --cases mid-te-graphs $W --baseline-src "$base"
+    bench mn 80 --cases mid-te-graphs $W
+    bench mc 80 --cases mid-te-graphs $W --baseline-src "$base"
+    bench sf 140 --cases slice-te-fp8 $W
+    bench su $(( $(left) - 10 )) --cases slice-te-graphs $W --extra "--no-grad-accum-fusion"
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round33"; exit 2 ;;
 esac
