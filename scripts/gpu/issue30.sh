@@ -484,5 +484,18 @@ case "$phase" in
     bench su $(( $(left) - 10 )) --cases slice-te-graphs $W --extra "--no-grad-accum-fusion"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round33"; exit 2 ;;
+  round34)
+    # round33's mid rows again with caps that fit mid's start and first-iteration autotuning (round33's were
+    # too short, and its first main run died at start-up with SIGSEGV before any output), then the slice
+    # without fused weight gradients (round33 passed the option to te_path.py unquoted).
+    ready
+    versions > "$R/versions.txt" 2>&1
+    export MIMO_COMPILE_CACHE=/tmp/ccX
+    W="--iterations 24 --warmup 12"
+    bench mb 160 --cases mid-te-graphs $W --baseline-src "$base"
+    bench mn 120 --cases mid-te-graphs $W
+    bench su $(( $(left) - 10 )) --cases slice-te-graphs $W --extra=--no-grad-accum-fusion
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round34"; exit 2 ;;
 esac
