@@ -54,9 +54,11 @@ def data_provider(settings, ctx):
 @hookspec(firstresult=True)
 def concat_encoder_inputs(settings, modality, inputs):
     """Return one input for `modality`'s encoders that stands for `inputs` one after another: `inputs` is a list of
-    micro-batches' `modality_inputs[modality]` ({encoder: {argument: value}}, on the host), and the encoders'
-    output for the result must be their outputs for each of `inputs`, concatenated in order (true of encoders that
-    treat every image on its own: `FixedTiles.concat`, `DynamicResolution.concat` in `mimo.plugins.data`).
+    micro-batches' `modality_inputs[modality]` ({encoder: {argument: value}}: tensors already on the run's device
+    in the model's dtype, except what describes the batch, `imgs_sizes` and PackedSeqParams, left on the host), and
+    the encoders' output for the result must be their outputs for each of `inputs`, concatenated in order (true of
+    encoders that treat every image on its own: `FixedTiles.concat`, `DynamicResolution.concat` in
+    `mimo.plugins.data`).
 
     With it the loop runs the encoders once per step for all micro-batches (`--encoder-pass step`): one launch of
     every encoder kernel instead of one per micro-batch. Optional: without it (or None) they run per micro-batch.

@@ -39,28 +39,39 @@ def _backward(layers, ids):
     (out ** 2).sum().backward()
 
 
+def _with_main_grads(module):
+    for p in module.parameters():  # what megatron-core's DDP gives every parameter
+        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
+        p.grad_added_to_main_grad = False
+    return module
+
+
 def _compare() -> dict:
     from mimo.core.parallel.wgrad_fusion import fuse_weight_gradient_accumulation
 
     torch.manual_seed(0)
     reference = _layers()
-    fused = _layers()
+    fused, unhooked = _with_main_grads(_layers()), _with_main_grads(_layers())
     fused.load_state_dict(reference.state_dict())
-    for p in fused.parameters():  # what megatron-core's DDP gives every parameter
-        p.main_grad = torch.zeros_like(p, dtype=torch.float32)
-        p.grad_added_to_main_grad = False
+    unhooked.load_state_dict(reference.state_dict())
     changed = fuse_weight_gradient_accumulation(fused)
+    fuse_weight_gradient_accumulation(unhooked, hooks_needed=False)
     # two micro-batches, token 3 repeated within and across them
     batches = [torch.tensor([[3, 5, 3, 7]]), torch.tensor([[3, 1, 2, 9]])]
     for ids in batches:
-        _backward(reference, ids)
-        _backward(fused, ids)
-    result = {"changed": changed, "errors": {}, "flags": {}}
-    for (name, ref), (_, p) in zip(reference.named_parameters(), fused.named_parameters()):
+        for layers in (reference, fused, unhooked):
+            _backward(layers, ids)
+    result = {"changed": changed, "errors": {}, "flags": {}, "autograd_grads": {}}
+    for (name, ref), (_, p), (_, q) in zip(reference.named_parameters(), fused.named_parameters(),
+                                           unhooked.named_parameters()):
         # what DDP's hook would add: autograd's gradient, where the layer did not add it itself
         added = p.main_grad if p.grad_added_to_main_grad else p.main_grad + p.grad
         result["errors"][name] = (added - ref.grad).abs().max().item()
         result["flags"][name] = bool(p.grad_added_to_main_grad)
+        # where DDP's hook is optional the layer hands autograd nothing for the weights it added
+        result["autograd_grads"][name] = q.grad is not None
+        unhooked_added = q.main_grad if q.grad_added_to_main_grad else q.main_grad + q.grad
+        result["errors"][f"{name} (no hook)"] = (unhooked_added - ref.grad).abs().max().item()
     torch.distributed.destroy_process_group()
     return result
 
@@ -86,6 +97,30 @@ def test_megatron_layers_add_their_weight_gradients_into_main_grad(tmp_path):
         assert error < 1e-5, (name, error)
     assert result["flags"] == {"embedding.weight": True, "column.weight": True, "column.bias": False,
                                "row.weight": True}
+    assert result["autograd_grads"] == {"embedding.weight": False, "column.weight": False, "column.bias": True,
+                                        "row.weight": False}
+
+
+def test_stacked_expert_weights_add_their_gradients_into_main_grad():
+    """A grouped GEMM's stacked weights: the stacked gradient lands in each weight's main_grad, in one call, and
+    autograd gets a placeholder (DDP's hook needed) or nothing (optional); without main_grad, a plain stack."""
+    from mimo.plugins.kit.main_grad import stacked
+
+    torch.manual_seed(0)
+    x = torch.randn(5, 4).bfloat16()
+    reference = [torch.nn.Parameter(torch.randn(3, 4).bfloat16()) for _ in range(3)]
+    (torch.stack(reference) @ x.t()).float().square().sum().backward()
+    for optional in (False, True):
+        weights = [torch.nn.Parameter(w.detach().clone()) for w in reference]
+        for w in weights:
+            w.main_grad, w.add_into_main_grad, w.main_grad_hook_optional = torch.zeros(3, 4), True, optional
+        (stacked(weights) @ x.t()).float().square().sum().backward()
+        for w, ref in zip(weights, reference):
+            assert torch.equal(w.main_grad, ref.grad.float())
+            assert w.grad_added_to_main_grad and (w.grad is None) == optional
+    plain = [torch.nn.Parameter(w.detach().clone()) for w in reference]
+    (stacked(plain) @ x.t()).float().square().sum().backward()
+    assert all(torch.equal(p.grad, r.grad) for p, r in zip(plain, reference))
 
 
 @pytest.mark.parametrize("provider", ["mock-vlm"])

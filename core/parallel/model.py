@@ -125,7 +125,7 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
         else:
             model.modality_submodules[name] = wrapped
     if performance is not None and performance.grad_accum_fusion:
-        fuse_weight_gradient_accumulation(model, transformer_engine=te_extras_enabled())
+        fuse_weight_gradient_accumulation(model, transformer_engine=te_extras_enabled(), hooks_needed=overlap_grads)
     return model
 
 

@@ -13,8 +13,10 @@ in those adds, docs/benchmarks.md (g)).
 * megatron-core's VocabParallelEmbedding at TP 1: `_MainGradEmbedding` adds each token's gradient row into
   `main_grad` instead of building a dense [vocab, hidden] gradient that is then added whole.
 
-Each backward marks the weight `grad_added_to_main_grad` and hands autograd a placeholder gradient, as
-transformer-engine does, so that DDP's hook still runs (overlapped reduction counts on it) and adds nothing.
+Every trained parameter with a `main_grad` is marked for the layers of `mimo.plugins.kit.main_grad` (a grouped
+GEMM's experts add theirs in one call); each backward marks its weight `grad_added_to_main_grad` and hands
+autograd a placeholder gradient that DDP's hook skips, or none at all where that hook is optional (no overlapped
+reduction).
 """
 
 from __future__ import annotations
@@ -22,17 +24,22 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-_placeholders: dict[tuple, torch.Tensor] = {}
+from mimo.plugins.kit.main_grad import gradient_for_autograd
 
 
-def fuse_weight_gradient_accumulation(model, *, transformer_engine: bool = True) -> int:
+def fuse_weight_gradient_accumulation(model, *, transformer_engine: bool = True, hooks_needed: bool = True) -> int:
     """Every layer of `model` that can add its weight gradient into `main_grad` does so from now on;
-    `transformer_engine` False leaves transformer-engine's layers as they are. Call after DDP wrapped the
-    modules. Returns the layers changed."""
+    `transformer_engine` False leaves transformer-engine's layers as they are; `hooks_needed`: DDP's gradient
+    hooks do more than add (overlapped reduction). Call after DDP wrapped the modules. Returns the layers
+    changed."""
     from megatron.core.tensor_parallel.layers import (
         ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
     )
 
+    for param in model.parameters():
+        if param.requires_grad and hasattr(param, "main_grad"):
+            param.add_into_main_grad = True
+            param.main_grad_hook_optional = not hooks_needed
     te_base = _te_module_base() if transformer_engine else None
     changed = 0
     for module in model.modules():
@@ -92,17 +99,8 @@ def _embedding_forward(module):
     return forward
 
 
-def placeholder_gradient(weight: torch.Tensor) -> torch.Tensor:
-    """A gradient for autograd to hand DDP's hook, which skips it (the weight says grad_added_to_main_grad). One
-    buffer per shape, returned as a new tensor object so that autograd takes it over without a copy."""
-    key = (tuple(weight.shape), weight.dtype, weight.device)
-    if key not in _placeholders:
-        _placeholders[key] = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device)
-    return _placeholders[key].detach()
-
-
 def add_weight_gradient(weight: torch.Tensor, inputs: torch.Tensor, grads: torch.Tensor) -> None:
-    """weight.main_grad += grads^T @ inputs ([tokens, out] and [tokens, in]), and mark it added."""
+    """weight.main_grad += grads^T @ inputs ([tokens, out] and [tokens, in])."""
     main_grad = weight.main_grad
     gemm = _te_gemm() if grads.is_cuda and grads.dtype in (torch.bfloat16, torch.float16) else None
     if gemm is not None and main_grad.dtype == torch.float32 and inputs.dtype == grads.dtype:
@@ -111,7 +109,6 @@ def add_weight_gradient(weight: torch.Tensor, inputs: torch.Tensor, grads: torch
              accumulate=True, grad=True)
     else:
         main_grad.add_(grads.t().matmul(inputs))  # megatron-core's own computation, then the add
-    weight.grad_added_to_main_grad = True
 
 
 def _te_gemm():
@@ -139,7 +136,7 @@ class _MainGradLinear(torch.autograd.Function):
         grads = grad_output.reshape(-1, grad_output.shape[-1])
         add_weight_gradient(ctx.weight, input.reshape(-1, input.shape[-1]), grads)
         grad_bias = grads.sum(dim=0) if ctx.with_bias else None
-        return grad_input, placeholder_gradient(ctx.weight), grad_bias
+        return grad_input, gradient_for_autograd(ctx.weight), grad_bias
 
 
 class _MainGradEmbedding(torch.autograd.Function):
@@ -157,5 +154,4 @@ class _MainGradEmbedding(torch.autograd.Function):
         weight = ctx.weight
         main_grad = weight.main_grad
         main_grad.index_add_(0, ids.reshape(-1), grad_output.reshape(-1, grad_output.shape[-1]).to(main_grad.dtype))
-        weight.grad_added_to_main_grad = True
-        return None, placeholder_gradient(weight)
+        return None, gradient_for_autograd(weight)

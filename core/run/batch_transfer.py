@@ -13,7 +13,9 @@ def to_device(value, device: torch.device, float_dtype: torch.dtype):
     """Move a (nested) batch to the device; floating-point model inputs take the model's dtype."""
     if isinstance(value, torch.Tensor):
         cast = float_dtype if value.is_floating_point() else value.dtype
-        return value.to(device=device, dtype=cast, non_blocking=True)
+        # moved, then cast on the device: a copy that also casts converts on the host into pageable memory, and a
+        # copy from pageable memory waits for the GPU; from the read-ahead's pinned memory this one does not
+        return value.to(device=device, non_blocking=True).to(cast)
     if isinstance(value, dict):
         return {k: v if k in HOST_ARGUMENTS else to_device(v, device, float_dtype) for k, v in value.items()}
     return value

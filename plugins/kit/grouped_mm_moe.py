@@ -8,6 +8,8 @@ of a full-width Nemotron slice, its profile in docs/benchmarks.md (g)). Here:
 
 * `grouped_experts` runs fc1, the activation (times the routing probabilities) and fc2 of every expert as
   `torch.nn.functional.grouped_mm` calls whose group boundaries are the cumulative token counts, on the device.
+* the experts' weights are stacked for those calls; under mimo's loop their gradients go straight into DDP's
+  fp32 `main_grad`s in one multi-tensor call (`mimo.plugins.kit.main_grad`), not one hook and add per expert.
 * `GroupedMMExperts` (transformer-engine's `TEGroupedMLP`) and `GroupedMMSequentialMLP` (megatron-core's
   `SequentialMLP`) keep their parent's parameters, initialization and checkpoint keys and replace only the
   forward: a checkpoint moves between them and their parents unchanged.
@@ -27,9 +29,13 @@ import functools
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.activations import squared_relu
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+from .main_grad import stacked
+from .squared_relu_probs import squared_relu_probs
 
 
 def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor,
@@ -41,6 +47,8 @@ def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Ten
     up = F.grouped_mm(hidden, fc1.transpose(1, 2), offs=offsets)
 
     def act(up, probs):
+        if activation is squared_relu:  # one fused kernel each way on a GPU
+            return squared_relu_probs(up, probs)
         return (activation(up) * probs.unsqueeze(-1)).to(up.dtype)
 
     inner = recompute.checkpoint(act, up, probs) if recompute is not None else act(up, probs)
@@ -79,7 +87,7 @@ class _GroupedMMForward:
         if getattr(self, "activation_recompute", False):
             recompute = self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
         out = grouped_experts(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
-                              torch.stack(fc1), torch.stack(fc2), self.config.activation_func, recompute)
+                              stacked(fc1), stacked(fc2), self.config.activation_func, recompute)
         return out, None
 
 

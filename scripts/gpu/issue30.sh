@@ -497,5 +497,21 @@ case "$phase" in
     bench su $(( $(left) - 10 )) --cases slice-te-graphs $W --extra=--no-grad-accum-fusion
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round34"; exit 2 ;;
+  round35)
+    # The fused squared-ReLU-times-probabilities kernels checked against the eager expression; then the slice with
+    # them, the experts' weight gradients added into main_grad in one call (no hook per expert) and the step's
+    # images concatenated on the GPU, against main at d3b5848 (first: it takes the empty cache), this code, main
+    # again, this code profiled.
+    ready
+    versions > "$R/versions.txt" 2>&1
+    python3 scripts/gpu/check_squared_relu_probs.py 2>&1 | tee "$R/check_squared_relu_probs.json"
+    export MIMO_COMPILE_CACHE=/tmp/ccY
+    W="--iterations 24 --warmup 12"
+    bench sb 150 --cases slice-te-graphs $W --baseline-src "$base"
+    bench sn 110 --cases slice-te-graphs $W
+    bench sc 110 --cases slice-te-graphs $W --baseline-src "$base"
+    bench sp $(( $(left) - 10 )) --cases slice-te-graphs $W --profile slice-te-graphs
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round35"; exit 2 ;;
 esac
