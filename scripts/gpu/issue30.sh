@@ -513,5 +513,17 @@ case "$phase" in
     bench sp $(( $(left) - 10 )) --cases slice-te-graphs $W --profile slice-te-graphs
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round35"; exit 2 ;;
+  round36)
+    # round35's code on mid against main at d3b5848 (main first: a machine's first mid run is the slower one
+    # whatever its code), then the slice with --fp8 tensorwise.
+    ready
+    versions > "$R/versions.txt" 2>&1
+    export MIMO_COMPILE_CACHE=/tmp/ccZ
+    W="--iterations 24 --warmup 12"
+    bench mb 170 --cases mid-te-graphs $W --baseline-src "$base"
+    bench mn 120 --cases mid-te-graphs $W
+    bench sf $(( $(left) - 10 )) --cases slice-te-fp8 $W
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round36"; exit 2 ;;
 esac
