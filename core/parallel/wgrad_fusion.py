@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mimo.plugins.kit.main_grad import gradient_for_autograd
+from mimo.plugins.kit.main_grad import adds_into_main_grad, gradient_for_autograd
 
 
 def fuse_weight_gradient_accumulation(model, *, transformer_engine: bool = True, hooks_needed: bool = True) -> int:
@@ -74,7 +74,7 @@ def _embedding_fusable(module) -> bool:
     weight = module.weight
     # deterministic mode indexes the weight (a deterministic backward); index_add_ on a GPU is not
     return (_single_rank(module) and not module.reduce_scatter_embeddings and not module.deterministic_mode
-            and weight is not None and weight.requires_grad and hasattr(weight, "main_grad"))
+            and weight is not None and weight.requires_grad and adds_into_main_grad([weight]))
 
 
 def _linear_impl(megatron_impl):
@@ -82,7 +82,7 @@ def _linear_impl(megatron_impl):
 
     def forward_impl(input, weight, bias=None, *, allreduce_dgrad=False, sequence_parallel=False,
                      grad_output_buffer=None, **others):
-        if (not weight.requires_grad or not hasattr(weight, "main_grad") or allreduce_dgrad or sequence_parallel
+        if (not weight.requires_grad or not adds_into_main_grad([weight]) or allreduce_dgrad or sequence_parallel
                 or grad_output_buffer is not None or others.get("gtp_remat_size", 1) > 1):
             return megatron_impl(input=input, weight=weight, bias=bias, allreduce_dgrad=allreduce_dgrad,
                                  sequence_parallel=sequence_parallel, grad_output_buffer=grad_output_buffer,

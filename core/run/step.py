@@ -253,4 +253,3 @@ def _gradient_tensors(module) -> list[torch.Tensor]:
     """The gradient buffers of a DDP-wrapped module: what megatron-core's `scale_gradients` scales."""
     buffers = module.buffers + module.expert_parallel_buffers
     return [t for b in buffers for t in (b.grad_data, *getattr(b, "extra_main_grads", ()))]
-

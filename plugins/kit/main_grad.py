@@ -37,12 +37,6 @@ def gradient_for_autograd(weight: torch.Tensor) -> torch.Tensor | None:
     return _placeholders[key].detach()
 
 
-def add_stacked_gradient(weights, grad: torch.Tensor) -> None:
-    """`grad` [len(weights), *shape], the stacked gradient of `weights`, added into their `main_grad`s (one
-    multi-tensor call)."""
-    torch._foreach_add_([w.main_grad for w in weights], list(grad.unbind(0)))
-
-
 class StackedWeights(torch.autograd.Function):
     """torch.stack(weights), whose backward adds the stacked gradient into the weights' `main_grad`s in one call
     instead of one gradient, accumulator, hook and add per weight (a grouped GEMM's experts). Use where
@@ -55,7 +49,7 @@ class StackedWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        add_stacked_gradient(ctx.weights, grad)
+        torch._foreach_add_([w.main_grad for w in ctx.weights], list(grad.unbind(0)))
         return tuple(gradient_for_autograd(w) for w in ctx.weights)
 
 

@@ -14,6 +14,7 @@ are on a GPU with Triton; elsewhere the eager expression runs.
 from __future__ import annotations
 
 import torch
+from megatron.core.activations import squared_relu
 
 try:
     import triton
@@ -31,7 +32,7 @@ def squared_relu_probs(up: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
 
 def eager(up: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """megatron-core's expression: the activation in up's dtype, the product in the probabilities' precision."""
-    return (torch.pow(torch.relu(up), 2) * probs.unsqueeze(-1)).to(up.dtype)
+    return (squared_relu(up) * probs.unsqueeze(-1)).to(up.dtype)
 
 
 class _SquaredReluProbs(torch.autograd.Function):
