@@ -444,3 +444,20 @@ def test_image_token_comes_from_the_setting_or_the_tokenizer(tmp_path):
     assert image_token_id(NemotronVLMSettings(**TINY)) == 263
     with pytest.raises(UsageError, match="has no tokenizer.json"):  # a folder that holds no tokenizer
         image_token_id(NemotronVLMSettings(**{**TINY, "tokenizer_path": str(tmp_path)}))
+
+
+def test_radio_boundaries_left_on_the_host_reach_the_hidden_states_device():
+    """RadioEncoder hands RADIO its THD boundaries on the host (its class-token shift writes one element, a
+    blocking copy on a GPU tensor); the decoder's pre-hook moves them to the hidden states' device ('meta' here
+    stands for the GPU) and leaves boundaries already there alone."""
+    from mimo.providers.nemotron.model import _boundaries_to_device
+
+    cu = torch.tensor([0, 12, 30], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(), max_seqlen_q=18,
+                             max_seqlen_kv=18)
+    hidden = torch.empty(30, 1, 4, device="meta")
+    _, kwargs = _boundaries_to_device(None, (hidden,), {"packed_seq_params": params})
+    moved = kwargs["packed_seq_params"]
+    assert moved.cu_seqlens_q.device.type == moved.cu_seqlens_kv.device.type == "meta"
+    assert moved.max_seqlen_q == 18 and params.cu_seqlens_q.device.type == "cpu"  # the caller's object unchanged
+    assert _boundaries_to_device(None, (torch.empty(30, 1, 4),), {"packed_seq_params": params}) is None
