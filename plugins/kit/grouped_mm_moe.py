@@ -9,7 +9,8 @@ of a full-width Nemotron slice, its profile in docs/benchmarks.md (g)). Here:
 * `grouped_experts` runs fc1, the activation (times the routing probabilities) and fc2 of every expert as
   `torch.nn.functional.grouped_mm` calls whose group boundaries are the cumulative token counts, on the device.
 * the experts' weights are stacked for those calls; under mimo's loop their gradients go straight into DDP's
-  fp32 `main_grad`s in one multi-tensor call (`mimo.plugins.kit.main_grad`), not one hook and add per expert.
+  fp32 `main_grad`s, not through one hook and add per expert: on a GPU one grouped GEMM computes and adds them
+  (`mimo.plugins.kit.grouped_wgrad`), elsewhere one multi-tensor add (`mimo.plugins.kit.main_grad`).
 * `GroupedMMExperts` (transformer-engine's `TEGroupedMLP`) and `GroupedMMSequentialMLP` (megatron-core's
   `SequentialMLP`) keep their parent's parameters, initialization and checkpoint keys and replace only the
   forward: a checkpoint moves between them and their parents unchanged.
@@ -34,17 +35,48 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from .main_grad import stacked
+from .grouped_wgrad import fused_wgrad_enabled, grouped_wgrad
+from .main_grad import adds_into_main_grad, gradient_for_autograd, stacked
 from .squared_relu_probs import squared_relu_probs
 
 
-def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, fc1: torch.Tensor,
-                    fc2: torch.Tensor, activation, recompute=None) -> torch.Tensor:
+class _GroupedLinearIntoMainGrad(torch.autograd.Function):
+    """x [T, in] -> [T, out] by each group's weight (`weight` [E, out, in], stacked without autograd); backward
+    adds the weight gradients into the `weights`' main_grads with one grouped GEMM (`grouped_wgrad`)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, offsets, *weights):
+        ctx.save_for_backward(x, weight, offsets)
+        ctx.weights = weights
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, offsets = ctx.saved_tensors
+        grad = grad.contiguous()
+        grad_x = F.grouped_mm(grad, weight, offs=offsets) if ctx.needs_input_grad[0] else None
+        grouped_wgrad([w.main_grad for w in ctx.weights], grad, x, offsets)
+        return (grad_x, None, None, *(gradient_for_autograd(w) for w in ctx.weights))
+
+
+def _grouped_linear(x: torch.Tensor, weight, offsets: torch.Tensor) -> torch.Tensor:
+    """`weight`: a stacked tensor (autograd through it), or the list of weights whose gradients one grouped GEMM
+    adds into their main_grads."""
+    if isinstance(weight, torch.Tensor):
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
+    with torch.no_grad():
+        stacked_weight = torch.stack(weight)
+    return _GroupedLinearIntoMainGrad.apply(x, stacked_weight, offsets, *weight)
+
+
+def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, fc1, fc2, activation,
+                    recompute=None) -> torch.Tensor:
     """[tokens, H] sorted by expert -> [tokens, H]: `fc1` [E, ffn, H] and `fc2` [E, H, ffn] (megatron's [out, in]
-    weights stacked), `counts` [E] tokens per expert (any device), `probs` [tokens] routing weights applied after
-    the activation. `recompute`: a megatron-core CheckpointWithoutOutput for the activation (selective recompute)."""
+    weights stacked; or each a list of the E weights, whose gradients then go into their main_grads from one grouped
+    GEMM), `counts` [E] tokens per expert (any device), `probs` [tokens] routing weights applied after the
+    activation. `recompute`: a megatron-core CheckpointWithoutOutput for the activation (selective recompute)."""
     offsets = counts.to(device=hidden.device, dtype=torch.int32, non_blocking=True).cumsum(0, dtype=torch.int32)
-    up = F.grouped_mm(hidden, fc1.transpose(1, 2), offs=offsets)
+    up = _grouped_linear(hidden, fc1, offsets)
 
     def act(up, probs):
         if activation is squared_relu:  # one fused kernel each way on a GPU
@@ -52,7 +84,7 @@ def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Ten
         return (activation(up) * probs.unsqueeze(-1)).to(up.dtype)
 
     inner = recompute.checkpoint(act, up, probs) if recompute is not None else act(up, probs)
-    out = F.grouped_mm(inner, fc2.transpose(1, 2), offs=offsets)
+    out = _grouped_linear(inner, fc2, offsets)
     if recompute is not None:
         recompute.discard_output_and_register_recompute(out)
     return out
@@ -86,8 +118,10 @@ class _GroupedMMForward:
         recompute = None
         if getattr(self, "activation_recompute", False):
             recompute = self.activation_checkpoint = tensor_parallel.CheckpointWithoutOutput()
-        out = grouped_experts(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
-                              stacked(fc1), stacked(fc2), self.config.activation_func, recompute)
+        if not (permuted_local_hidden_states.is_cuda and fused_wgrad_enabled() and adds_into_main_grad(fc1 + fc2)):
+            fc1, fc2 = stacked(fc1), stacked(fc2)
+        out = grouped_experts(permuted_local_hidden_states, tokens_per_expert, permuted_probs, fc1, fc2,
+                              self.config.activation_func, recompute)
         return out, None
 
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from .grouped_wgrad import add_stacked
+
 _placeholders: dict[tuple, torch.Tensor] = {}
 
 
@@ -49,7 +51,7 @@ class StackedWeights(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        torch._foreach_add_([w.main_grad for w in ctx.weights], list(grad.unbind(0)))
+        add_stacked([w.main_grad for w in ctx.weights], grad)
         return tuple(gradient_for_autograd(w) for w in ctx.weights)
 
 
