@@ -30,9 +30,9 @@ INTERPRETED = textwrap.dedent("""
     for g, c in zip(grads, counts.tolist()):
         expected.append(g + dy[start:start + c].t() @ x[start:start + c])
         start += c
-    base, offsets = gw._buffer_offsets(grads)
-    assert base is buffer and offsets.tolist() == [64 + 2 * n * k, 64 + n * k, 64]
-    gw.launch_grouped_wgrad(base, offsets, dy, x, ends, config=(16, 16, 16, 4, 1))
+    base, offsets, aligned = gw._buffer_offsets(grads)
+    assert base is buffer and offsets.tolist() == [64 + 2 * n * k, 64 + n * k, 64] and aligned
+    gw.launch_grouped_wgrad(base, offsets, aligned, dy, x, ends, config=(16, 16, 16, 4, 1))
     worst = max((g - e).abs().max().item() for g, e in zip(grads, expected))
     assert worst < 1e-4, worst
     assert torch.equal(buffer[:64], before[:64])
@@ -40,7 +40,7 @@ INTERPRETED = textwrap.dedent("""
 
     stacked = torch.randn(experts, n, k)
     before = [g.clone() for g in grads]
-    gw._add_stacked[(triton.cdiv(n * k, 256), experts)](stacked, base, offsets, n * k, BLOCK=256)
+    gw._add_stacked[(triton.cdiv(n * k, 256), experts)](stacked, base, offsets, n * k, ALIGNED=True, BLOCK=256)
     assert all(torch.equal(g, b + s) for g, b, s in zip(grads, before, stacked))
     print("ok")
 """)
@@ -96,3 +96,29 @@ def test_grouped_experts_put_autograds_gradients_into_main_grad():
         assert w.grad is not None and w.grad_added_to_main_grad is True
         torch.testing.assert_close(w.main_grad, 2 * w.grad, rtol=1e-5, atol=1e-6)
     assert torch.count_nonzero(fc1[1].main_grad) == 0  # the expert without tokens
+
+
+def test_kernels_compile_for_hopper():
+    """Both kernels build for sm90 (no GPU needed): the GEMM on wgmma, the aligned adds 16 bytes at a time."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from mimo.plugins.kit import grouped_wgrad as gw
+
+    def ptx(fn, signature: dict, constexprs: dict, **options) -> str:
+        aligned = {(i,): [["tt.divisibility", 16]] for i, kind in enumerate(signature.values()) if kind != "constexpr"}
+        source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=aligned)
+        return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+    pointers = {"base_ptr": "*fp32", "offsets_ptr": "*i64"}
+    add = ptx(gw._add_stacked, {"grad_ptr": "*bf16", **pointers, "numel": "i32", "ALIGNED": "constexpr",
+                                "BLOCK": "constexpr"}, {"ALIGNED": True, "BLOCK": 4096})
+    assert "st.global.v4.b32" in add
+    block_m, block_n, block_t, warps, stages = gw.GEMM_CONFIG
+    gemm = ptx(gw._grouped_wgrad, {"dy_ptr": "*bf16", "x_ptr": "*bf16", "ends_ptr": "*i32", **pointers, "N": "i32",
+                                   "K": "i32", "ALIGNED": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
+                                   "BLOCK_T": "constexpr"},
+               {"ALIGNED": True, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_T": block_t},
+               num_warps=warps, num_stages=stages)
+    assert "wgmma.mma_async" in gemm and "st.global.v4.b32" in gemm

@@ -4,14 +4,14 @@ by one grouped GEMM (`grouped_wgrad`), or added from the bf16 gradients a groupe
 torch's grouped GEMM writes each expert's weight gradient in bf16; adding that into the fp32 `main_grad` is a
 mixed-dtype add that PyTorch runs element by element, not vectorized (27 ms an iteration of the Nemotron slice, for
 a kernel that reads and writes 10 bytes per weight). `add_stacked` is that add as one vectorized Triton kernel for
-all experts. `grouped_wgrad` goes further: dW_e += dY_e^T X_e for each expert e's rows, the group boundaries read
-on the device (no host synchronization), accumulated in fp32 and added into `main_grad` in the GEMM's epilogue:
-no bf16 gradient is written or read again.
+all experts (the default). `grouped_wgrad` goes further: dW_e += dY_e^T X_e for each expert e's rows, the group
+boundaries read on the device (no host synchronization), accumulated in fp32 and added into `main_grad` in the
+GEMM's epilogue: no bf16 gradient is written or read again.
 
 Both need the experts' `main_grad`s to be views of one buffer (DDP's gradient buffer): they address each
 expert's by its offset in that buffer. Elsewhere (no Triton, tensors on the CPU, separate buffers) the torch
-expressions run. `MIMO_GROUPED_WGRAD=separate` keeps torch's grouped GEMM for the weight gradients (then
-`add_stacked`), to compare the two on a GPU.
+expressions run. The grouped GEMM is used where `MIMO_GROUPED_WGRAD=fused` until a GPU measures it against
+torch's grouped GEMM (scripts/gpu/check_grouped_wgrad.py, the slice in scripts/gpu/issue30.sh round37).
 """
 
 from __future__ import annotations
@@ -28,26 +28,28 @@ except ImportError:  # a CPU-only install: the torch expressions
 
 # (BLOCK_M, BLOCK_N, BLOCK_T, warps, stages) of the grouped GEMM: scripts/gpu/check_grouped_wgrad.py times others
 GEMM_CONFIG = (128, 128, 64, 8, 3)
-_offsets: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+_offsets: dict[tuple, tuple[torch.Tensor, bool]] = {}
 
 
 def fused_wgrad_enabled() -> bool:
-    return triton is not None and os.environ.get("MIMO_GROUPED_WGRAD", "fused") != "separate"
+    return triton is not None and os.environ.get("MIMO_GROUPED_WGRAD") == "fused"
 
 
-def _buffer_offsets(main_grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(the buffer the `main_grad`s are views of, each one's element offset in it on the buffer's device), or None
-    where they are not fp32 contiguous views of one buffer. Cached: DDP's buffers live as long as the model."""
-    key = tuple(g.data_ptr() for g in main_grads)
-    if key in _offsets:
-        return _offsets[key]
+def _buffer_offsets(main_grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool] | None:
+    """(the buffer the `main_grad`s are views of, each one's element offset in it on the buffer's device, whether
+    every offset is a multiple of 16: the kernels then move 16 bytes at a time), or None where they are not fp32
+    contiguous views of one buffer. The offsets are cached (DDP's buffers live as long as the model), not the
+    buffer."""
     base = main_grads[0]._base if main_grads[0]._base is not None else main_grads[0]
-    if not all(g.dtype == torch.float32 and g.is_contiguous() and base.dtype == torch.float32
-               and (g._base if g._base is not None else g) is base for g in main_grads):
-        return None
-    offsets = torch.tensor([(g.data_ptr() - base.data_ptr()) // 4 for g in main_grads], dtype=torch.int64)
-    _offsets[key] = (base, offsets.to(base.device))
-    return _offsets[key]
+    key = (base.data_ptr(), *(g.data_ptr() for g in main_grads))
+    if key not in _offsets:
+        if not all(g.dtype == torch.float32 and g.is_contiguous() and base.dtype == torch.float32
+                   and (g._base if g._base is not None else g) is base for g in main_grads):
+            return None
+        offsets = [(g.data_ptr() - base.data_ptr()) // 4 for g in main_grads]
+        _offsets[key] = (torch.tensor(offsets, dtype=torch.int64).to(base.device),
+                         all(o % 16 == 0 for o in offsets))
+    return (base, *_offsets[key])
 
 
 def add_stacked(main_grads: list[torch.Tensor], grad: torch.Tensor) -> None:
@@ -56,11 +58,12 @@ def add_stacked(main_grads: list[torch.Tensor], grad: torch.Tensor) -> None:
     if located is None:
         torch._foreach_add_(main_grads, list(grad.unbind(0)))
         return
-    base, offsets = located
+    base, offsets, aligned = located
     grad = grad.contiguous()
     numel = grad[0].numel()
     block = 4096
-    _add_stacked[(triton.cdiv(numel, block), len(main_grads))](grad, base, offsets, numel, BLOCK=block)
+    _add_stacked[(triton.cdiv(numel, block), len(main_grads))](grad, base, offsets, numel, ALIGNED=aligned,
+                                                                 BLOCK=block)
 
 
 def grouped_wgrad(main_grads: list[torch.Tensor], grad_out: torch.Tensor, inputs: torch.Tensor,
@@ -72,32 +75,39 @@ def grouped_wgrad(main_grads: list[torch.Tensor], grad_out: torch.Tensor, inputs
         grad = torch.nn.functional.grouped_mm(grad_out.t(), inputs, offs=ends)
         add_stacked(main_grads, grad)
         return
-    launch_grouped_wgrad(located[0], located[1], grad_out.contiguous(), inputs.contiguous(), ends)
+    launch_grouped_wgrad(*located, grad_out.contiguous(), inputs.contiguous(), ends)
 
 
-def launch_grouped_wgrad(base: torch.Tensor, offsets: torch.Tensor, grad_out: torch.Tensor, inputs: torch.Tensor,
-                         ends: torch.Tensor, config: tuple = GEMM_CONFIG) -> None:
+def launch_grouped_wgrad(base: torch.Tensor, offsets: torch.Tensor, aligned: bool, grad_out: torch.Tensor,
+                         inputs: torch.Tensor, ends: torch.Tensor, config: tuple = GEMM_CONFIG) -> None:
     """The kernel itself (tests run it under Triton's interpreter): `base` the buffer, `offsets` [E] each expert's
-    [N, K] block in it."""
+    [N, K] block in it, `aligned` whether they are all multiples of 16."""
     block_m, block_n, block_t, warps, stages = config
     n, k = grad_out.shape[1], inputs.shape[1]
     grid = (triton.cdiv(n, block_m) * triton.cdiv(k, block_n), offsets.numel())
-    _grouped_wgrad[grid](grad_out, inputs, ends, base, offsets, n, k, BLOCK_M=block_m, BLOCK_N=block_n,
-                         BLOCK_T=block_t, num_warps=warps, num_stages=stages)
+    _grouped_wgrad[grid](grad_out, inputs, ends, base, offsets, n, k, ALIGNED=aligned, BLOCK_M=block_m,
+                         BLOCK_N=block_n, BLOCK_T=block_t, num_warps=warps, num_stages=stages)
 
 
 if triton is not None:
     @triton.jit
-    def _add_stacked(grad_ptr, base_ptr, offsets_ptr, numel, BLOCK: tl.constexpr):
+    def _expert_offset(offsets_ptr, expert, ALIGNED: tl.constexpr):
+        offset = tl.load(offsets_ptr + expert)
+        if ALIGNED:
+            offset = tl.multiple_of(offset, 16)
+        return offset
+
+    @triton.jit
+    def _add_stacked(grad_ptr, base_ptr, offsets_ptr, numel, ALIGNED: tl.constexpr, BLOCK: tl.constexpr):
         expert = tl.program_id(1)
         i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = i < numel
         g = tl.load(grad_ptr + expert.to(tl.int64) * numel + i, mask=mask, other=0.0).to(tl.float32)
-        dst = base_ptr + tl.load(offsets_ptr + expert) + i
+        dst = base_ptr + _expert_offset(offsets_ptr, expert, ALIGNED) + i
         tl.store(dst, tl.load(dst, mask=mask, other=0.0) + g, mask=mask)
 
     @triton.jit
-    def _grouped_wgrad(dy_ptr, x_ptr, ends_ptr, base_ptr, offsets_ptr, N, K,
+    def _grouped_wgrad(dy_ptr, x_ptr, ends_ptr, base_ptr, offsets_ptr, N, K, ALIGNED: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
         expert = tl.program_id(1)
         tile = tl.program_id(0)
@@ -115,6 +125,6 @@ if triton is not None:
                 a = tl.load(dy_ptr + rows[:, None] * N + rm[None, :], mask=in_rows & (rm[None, :] < N), other=0.0)
                 b = tl.load(x_ptr + rows[:, None] * K + rn[None, :], mask=in_rows & (rn[None, :] < K), other=0.0)
                 acc += tl.dot(tl.trans(a), b)
-            dst = base_ptr + tl.load(offsets_ptr + expert) + rm[:, None].to(tl.int64) * K + rn[None, :]
+            dst = base_ptr + _expert_offset(offsets_ptr, expert, ALIGNED) + rm[:, None].to(tl.int64) * K + rn[None, :]
             mask = (rm[:, None] < N) & (rn[None, :] < K)
             tl.store(dst, tl.load(dst, mask=mask, other=0.0) + acc, mask=mask)

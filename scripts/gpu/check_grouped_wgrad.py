@@ -52,16 +52,16 @@ def case(n: int, k: int, experts: int = 16, rows: int = 8192 * 6) -> dict:
         return max((g - r).abs().max().item() for g, r in zip(grads, reference)) / scale
 
     report = {"n": n, "k": k, "counts": [min(counts.tolist()), max(counts.tolist())]}
-    base, offsets = gw._buffer_offsets(grads)
+    located = gw._buffer_offsets(grads)
     for config in CONFIGS:
         buffer.zero_()
         began = time.perf_counter()
-        gw.launch_grouped_wgrad(base, offsets, dy, x, ends, config=config)
+        gw.launch_grouped_wgrad(*located, dy, x, ends, config=config)
         torch.cuda.synchronize()
         first = time.perf_counter() - began
         name = "fused_" + "x".join(map(str, config))
         report[name] = {"error": error(), "first_s": round(first, 2)}
-        report[name]["ms"] = timed(lambda: gw.launch_grouped_wgrad(base, offsets, dy, x, ends, config=config))
+        report[name]["ms"] = timed(lambda: gw.launch_grouped_wgrad(*located, dy, x, ends, config=config))
     for name, add in (("separate", lambda g: gw.add_stacked(grads, g)),
                       ("torch", lambda g: torch._foreach_add_(grads, list(g.unbind(0))))):
         buffer.zero_()

@@ -526,19 +526,20 @@ case "$phase" in
     python3 bench/te_path.py --summarize "$R"
     ;;
   round37)
-    # The experts' weight gradients computed and added into main_grad by one grouped GEMM (kit grouped_wgrad),
-    # checked against an fp32 reference and timed beside torch's grouped GEMM + add; then the slice against the
-    # previous session's code (5c2c3c7 in bench_baseline; first: it takes the empty cache), this code, this code
-    # profiled (its Chrome trace, compressed, comes back beside the records).
+    # The experts' weight gradients into main_grad: the Triton add after torch's grouped GEMM (the default) and the
+    # fused grouped GEMM (MIMO_GROUPED_WGRAD=fused), checked against an fp32 reference and timed; then the slice
+    # against the previous session's code (5c2c3c7 in bench_baseline; first: it takes the empty cache), this code,
+    # this code with the fused GEMM (only if its check passed), this code profiled if time is left (its Chrome
+    # trace, compressed, comes back beside the records).
     ready
     versions > "$R/versions.txt" 2>&1
-    # a kernel that fails its check must not cost the call: the benches then add torch's GEMM output instead
-    timeout -k 5 100 python3 scripts/gpu/check_grouped_wgrad.py 2>&1 | tee "$R/check_grouped_wgrad.json" \
-      || { echo "== check failed: MIMO_GROUPED_WGRAD=separate"; export MIMO_GROUPED_WGRAD=separate; }
+    fused=1
+    timeout -k 5 100 python3 scripts/gpu/check_grouped_wgrad.py 2>&1 | tee "$R/check_grouped_wgrad.json" || fused=0
     export MIMO_COMPILE_CACHE=/tmp/ccQ
     W="--iterations 24 --warmup 12"
     bench sb 150 --cases slice-te-graphs $W --baseline-src "$base"
     bench sn 110 --cases slice-te-graphs $W
+    (( fused )) && MIMO_GROUPED_WGRAD=fused bench sf 110 --cases slice-te-graphs $W
     bench sp $(( $(left) - 15 )) --cases slice-te-graphs $W --profile slice-te-graphs
     trace=$(ls "$R"/sp/profile_*/trace_rank0.json 2>/dev/null | head -1)
     [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace37.json.gz"
