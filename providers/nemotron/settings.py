@@ -67,6 +67,10 @@ class NemotronVLMSettings:
                    "chosen by --encoder-pass auto): RADIO's no-grad forward replays a CUDA graph per bucket of packed "
                    "patch counts (its Python launches otherwise leave the GPU waiting); all: each layer's recompute "
                    "and backward too (not with --overlap-grad-reduce); megatron: megatron-core's recompute")
+    vision_bias_in_gemm: bool = _setting(
+        False, "RADIO's attention output projection and MLP linears add their biases inside the GEMM (with backend "
+               "te, transformer-engine's epilogue; its backward GEMM gives the bias gradient) instead of returning "
+               "them for megatron-core's separate broadcast adds")
     vision_activation: Literal["gelu", "gelu_tanh"] = _setting(
         "gelu", "MLP activation of the RADIO encoder: gelu (exact, erf; C-RADIO's) or gelu_tanh (tanh "
                 "approximation: Megatron-LM's fast_gelu)")

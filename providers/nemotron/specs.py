@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from mimo.plugins import SDPAttention
 from mimo.plugins.kit.grouped_mm_moe import with_grouped_mm_experts
+from mimo.plugins.kit.linear_bias import with_biases_in_gemm
 from .layers import LayerNormColumnParallelLinear, LocalHybridStack
 from .mamba_mixer import LocalMambaMixer, MambaMixerSubmodules
 
@@ -139,8 +140,14 @@ def hybrid_stack_spec(backend: str, conv_kernel: int, num_experts: int, dt_clamp
 # --------------------------------------------------------------------------------------------- vision encoder
 
 
-def vit_layer_spec(backend: str) -> ModuleSpec:
-    """A pre-norm ViT layer without a causal mask; te is megatron-core's own TE ViT layer."""
+def vit_layer_spec(backend: str, bias_in_gemm: bool = False) -> ModuleSpec:
+    """A pre-norm ViT layer without a causal mask; te is megatron-core's own TE ViT layer. `bias_in_gemm`: the
+    attention output projection and the MLP's linears add their biases themselves (kit linear_bias)."""
+    spec = _vit_layer_spec(backend)
+    return with_biases_in_gemm(spec) if bias_in_gemm else spec
+
+
+def _vit_layer_spec(backend: str) -> ModuleSpec:
     if backend == "te":
         from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_transformer_engine_spec
 

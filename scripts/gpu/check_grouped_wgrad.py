@@ -19,8 +19,7 @@ import torch.nn.functional as F
 
 from mimo.plugins.kit import grouped_wgrad as gw
 
-CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4), (256, 128, 64, 8, 3),
-           (128, 128, 32, 4, 4)]
+CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]
 
 
 def timed(fn) -> list[float]:

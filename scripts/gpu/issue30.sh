@@ -6,8 +6,8 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round30 in place of slice/rest, each after an install call; round6-25 and 27 need
-# no main; round26, 28-31 need main at b01c73d in bench_baseline)
+# (later sessions: round2 .. round37 in place of slice/rest, each after an install call; round6-25 and 27 need
+# no main; the later rounds name the commit they need in bench_baseline: round37 the code at 5c2c3c7)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -529,17 +529,18 @@ case "$phase" in
     # The experts' weight gradients into main_grad: the Triton add after torch's grouped GEMM (the default) and the
     # fused grouped GEMM (MIMO_GROUPED_WGRAD=fused), checked against an fp32 reference and timed; then the slice
     # against the previous session's code (5c2c3c7 in bench_baseline; first: it takes the empty cache), this code,
-    # this code with the fused GEMM (only if its check passed), this code profiled if time is left (its Chrome
-    # trace, compressed, comes back beside the records).
+    # this code with the fused GEMM (only if its check passed), with RADIO's biases in transformer-engine's GEMMs
+    # (vision_bias_in_gemm), then profiled if time is left (its Chrome trace, compressed, comes back too).
     ready
     versions > "$R/versions.txt" 2>&1
     fused=1
-    timeout -k 5 100 python3 scripts/gpu/check_grouped_wgrad.py 2>&1 | tee "$R/check_grouped_wgrad.json" || fused=0
+    timeout -k 5 70 python3 scripts/gpu/check_grouped_wgrad.py 2>&1 | tee "$R/check_grouped_wgrad.json" || fused=0
     export MIMO_COMPILE_CACHE=/tmp/ccQ
     W="--iterations 24 --warmup 12"
     bench sb 150 --cases slice-te-graphs $W --baseline-src "$base"
     bench sn 110 --cases slice-te-graphs $W
-    (( fused )) && MIMO_GROUPED_WGRAD=fused bench sf 110 --cases slice-te-graphs $W
+    (( fused )) && MIMO_GROUPED_WGRAD=fused bench sf 105 --cases slice-te-graphs $W
+    bench sg 105 --cases slice-te-graphs $W --extra "--set vision_bias_in_gemm=true"
     bench sp $(( $(left) - 15 )) --cases slice-te-graphs $W --profile slice-te-graphs
     trace=$(ls "$R"/sp/profile_*/trace_rank0.json 2>/dev/null | head -1)
     [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace37.json.gz"
