@@ -54,12 +54,12 @@ def _buffer_offsets(main_grads: list[torch.Tensor]) -> tuple[torch.Tensor, torch
 
 def add_stacked(main_grads: list[torch.Tensor], grad: torch.Tensor) -> None:
     """main_grads[e] += grad[e] for a stacked gradient [E, ...] (any float dtype)."""
-    located = _buffer_offsets(main_grads) if triton is not None and grad.is_cuda else None
+    # a strided gradient (a transposed GEMM output) keeps PyTorch's add: a copy first would cost what is saved
+    located = _buffer_offsets(main_grads) if triton is not None and grad.is_cuda and grad.is_contiguous() else None
     if located is None:
         torch._foreach_add_(main_grads, list(grad.unbind(0)))
         return
     base, offsets, aligned = located
-    grad = grad.contiguous()
     numel = grad[0].numel()
     block = 4096
     _add_stacked[(triton.cdiv(numel, block), len(main_grads))](grad, base, offsets, numel, ALIGNED=aligned,
