@@ -118,6 +118,9 @@ class LoggingOptions:
               "summary per rank here, and where the GPU time went in the log")
     profile_step_start: int = option(5, "first profiled iteration (after warm-up)")
     profile_step_end: int = option(6, "last profiled iteration")
+    profile_with_stack: bool = option(
+        False, "record Python stacks in the profile: the summary names the source line that launched each of the "
+               "busiest kernels (the profiled iterations' host side runs slower)")
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """--profile-dir: where the GPU waits (idle gaps by loop phase) and the CPU run's summary."""
 
 import json
+import re
 
 from helpers import run_mimo
 
@@ -25,11 +26,16 @@ def test_kernel_kinds():
 
 def test_profile_dir_writes_a_trace_and_a_summary(tmp_path):
     result = run_mimo("run", "--provider", "mock-vlm", "--device", "cpu", "--train-iters", "4", "--log-interval", "4",
-                      "--profile-dir", str(tmp_path / "prof"), "--profile-step-start", "2", "--profile-step-end", "3")
+                      "--profile-dir", str(tmp_path / "prof"), "--profile-step-start", "2", "--profile-step-end", "3",
+                      "--profile-with-stack")
     assert result.returncode == 0, result.stderr[-2000:]
     assert "profile (2 iterations" in result.stdout
     summary = json.loads((tmp_path / "prof" / "summary_rank0.json").read_text())
     assert summary["iterations"] == 2 and summary["device"] == "cpu" and summary["top"]
+    # the busiest operators name where they were launched: a source line of mimo or megatron-core, or a backward
+    sites = [site["site"] for entry in summary["top"][:5] for site in entry.get("sites", [])]
+    assert sites and all(re.search(r"\.py:\d+ |backward of ", site) for site in sites), sites
+    assert " <- " in result.stdout
     assert (tmp_path / "prof" / "trace_rank0.json").stat().st_size > 0
 
 
@@ -71,3 +77,25 @@ def test_sync_sites_count_waits_by_call_site_and_pass_other_warnings_on():
     assert count == 3 and "wait_for_gpu" in site and "test_profile.py" in site
     assert syncs.top(iterations=3) == [{"per_iteration": 1.0, "site": site}]
     assert [str(w.message) for w in others] == ["an unrelated notice"]
+
+
+def test_launch_sites_name_the_source_line_or_the_backward_node():
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from mimo.core.telemetry.launch_sites import launch_sites
+
+    layer = torch.nn.Linear(8, 8)
+
+    def forward(x):
+        return torch.relu(layer(x)) * 3.0
+
+    x = torch.randn(64, 8, requires_grad=True)
+    for with_stack in (True, False):
+        with profile(activities=[ProfilerActivity.CPU], with_stack=with_stack) as prof:
+            forward(x).sum().backward()
+        sites = launch_sites(prof.events(), on_gpu=False, iterations=1, kernels=["aten::mul", "aten::mm"])
+        multiply = sites["aten::mul"][0]["site"]
+        if with_stack:
+            assert re.search(r"test_profile\.py:\d+ forward \(aten::mul\)", multiply), multiply
+        assert any(s["site"].startswith("backward of AddmmBackward0 (aten::mm)") for s in sites["aten::mm"]), sites

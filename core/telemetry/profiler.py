@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from .launch_sites import launch_sites
 from .sync_sites import SyncSites
 
 # First match wins: kernel names of cuBLAS/CUTLASS GEMMs, fused attention, NCCL, Adam, copies.
@@ -39,6 +40,7 @@ class StepProfiler:
         prints where the time went."""
         directory, start, end = options.profile_dir, options.profile_step_start, options.profile_step_end
         self.directory, self.start, self.end, self.rank = directory, start, end, rank
+        self.with_stack = options.profile_with_stack
         self.device, self.report = device, report
         self._profiler = None
 
@@ -49,7 +51,7 @@ class StepProfiler:
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
         self._synchronize()
-        self._profiler = profile(activities=activities)
+        self._profiler = profile(activities=activities, with_stack=self.with_stack)
         self._profiler.__enter__()
         self._syncs = SyncSites().__enter__() if self.device.type == "cuda" else None
         self._wall = time.perf_counter()
@@ -78,6 +80,7 @@ class StepProfiler:
 
 
 TOP_KERNELS = 40  # the summary's busiest kernels: enough to account for most of an iteration's GPU time
+SITED_KERNELS = 15  # the busiest of them with the places that launched them
 
 
 def summarize(profiler, wall_ms: float, iterations: int, device: torch.device) -> dict:
@@ -101,6 +104,9 @@ def summarize(profiler, wall_ms: float, iterations: int, device: torch.device) -
     per_iteration = wall_ms / iterations
     host = sorted(((e.self_cpu_time_total / 1000 / iterations, e.key) for e in entries
                    if e.device_type == torch.autograd.DeviceType.CPU), reverse=True)[:10]
+    top = sorted(top, reverse=True)[:TOP_KERNELS]
+    sites = launch_sites(profiler.events(), on_gpu=on_gpu, iterations=iterations,
+                         kernels=[name for _, name in top[:SITED_KERNELS]])
     return {
         "iterations": iterations,
         "wall_ms_per_iteration": per_iteration,
@@ -108,7 +114,8 @@ def summarize(profiler, wall_ms: float, iterations: int, device: torch.device) -
         "busy_ms_per_iteration": busy,
         "idle_fraction": max(0.0, 1 - busy / per_iteration) if on_gpu else None,
         "ms_per_iteration_by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])),
-        "top": [{"ms_per_iteration": ms, "name": name[:160]} for ms, name in sorted(top, reverse=True)[:TOP_KERNELS]],
+        "top": [{"ms_per_iteration": ms, "name": name[:160], **({"sites": sites[name]} if name in sites else {})}
+                for ms, name in top],
         "host_top": [{"ms_per_iteration": ms, "name": name[:160]} for ms, name in host],
         **(idle_report(profiler.events(), iterations) if on_gpu else {}),
     }
@@ -209,6 +216,9 @@ def format_summary(summary: dict, directory: Path) -> str:
         lines.append(f"  GPU idle in gaps {size:<13} {ms:7.1f} ms")
     for where, ms in list((summary.get("idle_ms_per_iteration_by_host_operation") or {}).items())[:6]:
         lines.append(f"  GPU idle while the loop ran {where}: {ms:.1f} ms")
+    for entry in summary["top"][:5]:
+        where = f" <- {entry['sites'][0]['site']}" if entry.get("sites") else ""
+        lines.append(f"  {entry['ms_per_iteration']:7.1f} ms  {entry['name'][:70]}{where}")
     for sync in (summary.get("host_syncs") or [])[:6]:
         lines.append(f"  host waits for the GPU {sync['per_iteration']:g} times per iteration at {sync['site']}")
     return "\n".join(lines)
