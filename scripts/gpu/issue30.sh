@@ -530,7 +530,8 @@ case "$phase" in
     # fused grouped GEMM (MIMO_GROUPED_WGRAD=fused), checked against an fp32 reference and timed; then the slice
     # against the previous session's code (5c2c3c7 in bench_baseline; first: it takes the empty cache), this code,
     # this code with the fused GEMM (only if its check passed), with RADIO's biases in transformer-engine's GEMMs
-    # (vision_bias_in_gemm), then profiled if time is left (its Chrome trace, compressed, comes back too).
+    # (vision_bias_in_gemm), then profiled with Python stacks if time is left (the summary names where each busy
+    # kernel was launched; the Chrome trace, compressed, comes back too).
     ready
     versions > "$R/versions.txt" 2>&1
     fused=1
@@ -541,7 +542,7 @@ case "$phase" in
     bench sn 110 --cases slice-te-graphs $W
     (( fused )) && MIMO_GROUPED_WGRAD=fused bench sf 105 --cases slice-te-graphs $W
     bench sg 105 --cases slice-te-graphs $W --extra "--set vision_bias_in_gemm=true"
-    bench sp $(( $(left) - 15 )) --cases slice-te-graphs $W --profile slice-te-graphs
+    bench sp $(( $(left) - 15 )) --cases slice-te-graphs $W --profile slice-te-graphs --extra=--profile-with-stack
     trace=$(ls "$R"/sp/profile_*/trace_rank0.json 2>/dev/null | head -1)
     [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace37.json.gz"
     python3 bench/te_path.py --summarize "$R"
