@@ -32,7 +32,7 @@ def _steps(rank: int) -> dict:
     model = world.build_model()
     optimizer = build_optimizer(cfg.optimizer, model=model, params_dtype=torch.float32)
     params = [p for p in model.parameters() if p.requires_grad]
-    collectives, updating = [], []
+    collectives, updating, update_squares = [], [], []
     real_all_reduce, real_update = torch.distributed.all_reduce, optimizer.step_with_ready_grads
 
     def all_reduce(*args, **kwargs):
@@ -41,6 +41,8 @@ def _steps(rank: int) -> dict:
 
     def update():
         updating.append(True)
+        grads = [p.grad for opt in optimizer._active_optimizers for p in opt.get_parameters() if p.grad is not None]
+        update_squares.append(sum(float(g.float().square().sum()) for g in grads))  # after clipping
         return real_update()
 
     def step(grad: float, veto: bool = False):
@@ -54,12 +56,14 @@ def _steps(rank: int) -> dict:
                 mock.patch.object(optimizer, "step_with_ready_grads", update):
             ok, norm, _ = optimizer.step()
         changed = any(not torch.equal(b, p) for b, p in zip(before, params))
-        return {"ok": ok, "norm": norm, "changed": changed, "collectives": list(collectives)}
+        squares = update_squares.pop() if update_squares else None
+        return {"ok": ok, "norm": norm, "changed": changed, "collectives": list(collectives), "squares": squares}
 
     # a non-finite gradient on the LLM's rank only: both ranks learn it from the one reduction and skip
     results = {"clean": step(0.01), "vetoed": step(0.01, veto=True),
                "non_finite": step(math.inf if rank == 1 else 0.01)}
     results["module_norms"] = optimizer.module_grad_norms
+    results["small"], results["elements"] = step(1e-7), sum(p.numel() for p in params)
     torch.distributed.destroy_process_group()
     return results
 
@@ -88,3 +92,9 @@ def test_one_reduction_before_the_update_and_every_rank_skips_alike(tmp_path):
     assert ranks[0]["clean"]["norm"] == ranks[1]["clean"]["norm"]
     norms = ranks[0]["module_norms"]
     assert set(norms) == {"images", "language"} and math.isinf(norms["language"])
+    # clipping (clip_grad 1.0) with the global norm: a norm above it leaves a global norm of 1 for the update; one
+    # below it leaves the gradients as they were (the host then skips megatron-core's clipping call altogether)
+    assert ranks[0]["clean"]["norm"] > 1 > ranks[0]["small"]["norm"]
+    assert math.isclose(sum(r["clean"]["squares"] for r in ranks), 1.0, rel_tol=1e-4)
+    for r in ranks:
+        assert math.isclose(r["small"]["squares"], r["elements"] * 1e-14, rel_tol=1e-4)

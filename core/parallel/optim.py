@@ -46,8 +46,12 @@ def _recording_optimizer_class():
             if self.prepare_grads():  # every rank decides alike: the flags and norms are world-reduced
                 return False, None, None
             for opt in self._active_optimizers:  # clipping with the global norm, as megatron-core's step
+                # megatron-core scales only below a coefficient of 1; asked anyway, it first walks every parameter
+                # on the host while the GPU, which has just been waited for, has nothing queued
+                if not 0.0 < opt.config.clip_grad < self.grad_norm + 1.0e-6:
+                    continue
                 params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
-                if params and opt.config.clip_grad > 0.0:
+                if params:
                     clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=self.grad_norm,
                                                  use_decoupled_grad=opt.config.use_precision_aware_optimizer)
             num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
