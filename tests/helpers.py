@@ -101,3 +101,23 @@ def doc_example_lines(doc) -> list[str]:
     text = doc.read_text().split("## Example", 1)[1]
     block = re.search(r"```bash\n(.*?)```", text, re.S).group(1)
     return [line for line in block.splitlines() if line.strip()]
+
+
+def build_nemotron_encoder(settings):
+    """The Nemotron provider's RADIO encoder alone (no projection), built through its build_encoders hook for a
+    world of one (inside `world_of_one()`), seeded."""
+    import torch
+    from megatron.core.transformer.spec_utils import build_module
+
+    from mimo.core.config import LayoutOptions
+    from mimo.core.parallel import topology
+    from mimo.core.run.launch import seed_everything
+    from mimo.plugins import BuildContext
+    from mimo.providers import nemotron
+
+    parallelism = topology.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
+    topo = topology.build(parallelism, backend="gloo")
+    seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
+    ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
+    spec = nemotron.build_encoders(settings, ctx)[nemotron.IMAGES].spec
+    return build_module(spec.submodules["encoders"][nemotron.ENCODER])

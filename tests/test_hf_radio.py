@@ -13,9 +13,8 @@ import json
 
 import pytest
 import torch
-from helpers import world_of_one
+from helpers import build_nemotron_encoder, world_of_one
 from megatron.core.models.vision.radio import RADIOViTModel
-from megatron.core.transformer.spec_utils import build_module
 from safetensors.torch import load_file, save_file
 from transformers import RadioConfig, RadioModel
 
@@ -26,7 +25,6 @@ from mimo.plugins.kit.tensor_map import to_hf
 
 from mimo.core.parallel import topology
 from mimo.core.config import LayoutOptions
-from mimo.core.run.launch import seed_everything
 from mimo.errors import UsageError
 from mimo.plugins import BuildContext
 from mimo.plugins.data import DynamicResolution, FixedTiles
@@ -87,12 +85,7 @@ def settings_for(hf_config: dict, **overrides) -> NemotronVLMSettings:
 
 def build_encoder(settings: NemotronVLMSettings):
     """The provider's RADIO encoder alone, built through its build_encoders hook in a world of one."""
-    parallelism = topology.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
-    topo = topology.build(parallelism, backend="gloo")
-    seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
-    ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
-    spec = nemotron.build_encoders(settings, ctx)[IMAGES].spec
-    return build_module(spec.submodules["encoders"][ENCODER]).eval()
+    return build_nemotron_encoder(settings).eval()
 
 
 def load_strictly(module, tmap, source) -> None:

@@ -8,16 +8,10 @@ from functools import partial
 
 import pytest
 import torch
-from helpers import world_of_one
-from megatron.core.transformer.spec_utils import build_module
+from helpers import build_nemotron_encoder, world_of_one
 
-from mimo.core.config import LayoutOptions
-from mimo.core.parallel import topology
-from mimo.core.run.launch import seed_everything
-from mimo.plugins import BuildContext
 from mimo.plugins.kit.linear_bias import bias_in_gemm, with_biases_in_gemm
-from mimo.providers import nemotron
-from mimo.providers.nemotron import ENCODER, IMAGES, TINY, NemotronVLMSettings
+from mimo.providers.nemotron import TINY, NemotronVLMSettings
 from mimo.providers.nemotron.data import image_mode
 
 
@@ -47,19 +41,10 @@ def world():
         yield
 
 
-def _encoder(settings: NemotronVLMSettings):
-    parallelism = topology.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
-    topo = topology.build(parallelism, backend="gloo")
-    seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
-    ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
-    spec = nemotron.build_encoders(settings, ctx)[IMAGES].spec
-    return build_module(spec.submodules["encoders"][ENCODER])
-
-
 def test_radio_gives_the_same_values_and_gradients(world):
     base = {**TINY, "backend": "local", "cpe_augmentation": False}
-    separate = _encoder(NemotronVLMSettings(**base))
-    in_gemm = _encoder(NemotronVLMSettings(**base, vision_bias_in_gemm=True))
+    separate = build_nemotron_encoder(NemotronVLMSettings(**base))
+    in_gemm = build_nemotron_encoder(NemotronVLMSettings(**base, vision_bias_in_gemm=True))
     with torch.no_grad():  # biases far from zero, so that a bias left out would show
         for p in separate.parameters():
             p.add_(torch.randn_like(p) * 0.5)
