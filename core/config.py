@@ -368,6 +368,8 @@ class RunConfig:
         if lg.profile_dir and not 1 <= lg.profile_step_start <= lg.profile_step_end:
             raise UsageError(f"--profile-step-start {lg.profile_step_start} and --profile-step-end "
                              f"{lg.profile_step_end} must satisfy 1 <= start <= end")
+        if lg.profile_with_stack and not lg.profile_dir:
+            raise UsageError("--profile-with-stack records stacks in a profile: add --profile-dir DIR")
         if self.data.prefetch_microbatches < 0:
             raise UsageError(f"--prefetch-microbatches must be 0 or more, got {self.data.prefetch_microbatches}")
         if not 0 <= self.data.max_skip_fraction <= 1:

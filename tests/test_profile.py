@@ -44,6 +44,10 @@ def test_a_bad_profile_window_is_one_line():
                       "--profile-step-start", "5", "--profile-step-end", "3")
     assert result.returncode == 2
     assert "--profile-step-start 5 and --profile-step-end 3 must satisfy 1 <= start <= end" in result.stderr
+    result = run_mimo("run", "--provider", "mock-vlm", "--device", "cpu", "--profile-with-stack")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "--profile-with-stack records stacks in a profile: add --profile-dir DIR")
 
 
 def test_innermost_host_operation_at_a_moment():
