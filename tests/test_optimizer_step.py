@@ -30,7 +30,17 @@ def _steps(rank: int) -> dict:
     cfg = _config()
     world = join(prepare(cfg, world_size=2), seed=1)
     model = world.build_model()
-    optimizer = build_optimizer(cfg.optimizer, model=model, params_dtype=torch.float32)
+    from megatron.core.optimizer import clip_grads
+
+    clip_calls = []  # megatron-core's clipping call, which walks every parameter on the host
+
+    def clip(*args, **kwargs):
+        clip_calls.append(True)
+        return real_clip(*args, **kwargs)
+
+    real_clip = clip_grads.clip_grad_by_total_norm_fp32
+    with mock.patch.object(clip_grads, "clip_grad_by_total_norm_fp32", clip):
+        optimizer = build_optimizer(cfg.optimizer, model=model, params_dtype=torch.float32)
     params = [p for p in model.parameters() if p.requires_grad]
     collectives, updating, update_squares = [], [], []
     real_all_reduce, real_update = torch.distributed.all_reduce, optimizer.step_with_ready_grads
@@ -52,12 +62,14 @@ def _steps(rank: int) -> dict:
         before = [p.detach().clone() for p in params]
         collectives.clear()
         updating.clear()
+        clip_calls.clear()
         with mock.patch.object(torch.distributed, "all_reduce", all_reduce), \
                 mock.patch.object(optimizer, "step_with_ready_grads", update):
             ok, norm, _ = optimizer.step()
         changed = any(not torch.equal(b, p) for b, p in zip(before, params))
         squares = update_squares.pop() if update_squares else None
-        return {"ok": ok, "norm": norm, "changed": changed, "collectives": list(collectives), "squares": squares}
+        return {"ok": ok, "norm": norm, "changed": changed, "collectives": list(collectives), "squares": squares,
+                "clip_calls": len(clip_calls)}
 
     # a non-finite gradient on the LLM's rank only: both ranks learn it from the one reduction and skip
     results = {"clean": step(0.01), "vetoed": step(0.01, veto=True),
@@ -98,3 +110,4 @@ def test_one_reduction_before_the_update_and_every_rank_skips_alike(tmp_path):
     assert math.isclose(sum(r["clean"]["squares"] for r in ranks), 1.0, rel_tol=1e-4)
     for r in ranks:
         assert math.isclose(r["small"]["squares"], r["elements"] * 1e-14, rel_tol=1e-4)
+        assert r["clean"]["clip_calls"] >= 1 and r["small"]["clip_calls"] == 0

@@ -9,8 +9,9 @@ of a full-width Nemotron slice, its profile in docs/benchmarks.md (g)). Here:
 * `grouped_experts` runs fc1, the activation (times the routing probabilities) and fc2 of every expert as
   `torch.nn.functional.grouped_mm` calls whose group boundaries are the cumulative token counts, on the device.
 * the experts' weights are stacked for those calls; under mimo's loop their gradients go straight into DDP's
-  fp32 `main_grad`s, not through one hook and add per expert: on a GPU one grouped GEMM computes and adds them
-  (`mimo.plugins.kit.grouped_wgrad`), elsewhere one multi-tensor add (`mimo.plugins.kit.main_grad`).
+  fp32 `main_grad`s, not through one hook and add per expert: the grouped GEMM's stacked gradient is added in one
+  call (`mimo.plugins.kit.main_grad`; on a GPU one Triton kernel, `mimo.plugins.kit.grouped_wgrad`), or, with
+  `MIMO_GROUPED_WGRAD=fused`, one Triton grouped GEMM computes and adds them (`_GroupedLinearIntoMainGrad`).
 * `GroupedMMExperts` (transformer-engine's `TEGroupedMLP`) and `GroupedMMSequentialMLP` (megatron-core's
   `SequentialMLP`) keep their parent's parameters, initialization and checkpoint keys and replace only the
   forward: a checkpoint moves between them and their parents unchanged.
