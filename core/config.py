@@ -207,6 +207,10 @@ class PerformanceOptions:
         "auto", "run the encoders once per step on every micro-batch's images (step: one launch of each encoder "
                 "kernel per step; the encoders' activations of the whole step are kept) or once per micro-batch; "
                 "auto: step on a GPU where the layout allows it (colocated encoders)")
+    gc_interval: int = option(
+        0, "Python's garbage collector during training: the objects built before the first iteration are frozen "
+           "(its passes never walk them again); 0 leaves its passes automatic, N turns them off and collects at "
+           "the end of every N-th iteration")
     grad_accum_fusion: bool = option(
         True, "layers add their weight gradients into the fp32 gradient buffer where they compute them "
               "(transformer-engine's inside the GEMM; megatron-core's output layer, linears and embedding at TP 1 "
@@ -235,6 +239,9 @@ class PerformanceOptions:
 
     def validate(self, optimizer: OptimizerOptions, precision: str) -> None:
         self.recompute_modes()
+        if self.gc_interval < 0:
+            raise UsageError(f"--gc-interval must be 0 (automatic collection) or a number of iterations, got "
+                             f"{self.gc_interval}")
         if self.overlap_param_gather and not (optimizer.use_distributed_optimizer and self.overlap_grad_reduce):
             raise UsageError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
         if self.fp8 != "none" and precision != "bf16":

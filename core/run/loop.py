@@ -16,13 +16,17 @@ from mimo.plugins import Registry
 from ..config import RunConfig
 from ..telemetry.summary import summary_lines
 from . import signals
+from .garbage import GarbageCollection
 from .plan import Plan, prepare
 from .session import Session, start
 from .stop import decide, is_scheduled_save, stop_run
 
 
-def advance(session: Session, iterations: int, first_iteration: int | None = None) -> None:
-    """Train `iterations` more iterations (at most to the end of the run): step, log, evaluate, decide, save."""
+def advance(session: Session, iterations: int, first_iteration: int | None = None,
+            garbage: GarbageCollection | None = None) -> None:
+    """Train `iterations` more iterations (at most to the end of the run): step, log, evaluate, decide, save;
+    `garbage` collects at its interval."""
+    garbage = garbage or GarbageCollection(0)
     plan, s = session.plan, session
     c, flop_check = plan.config.checkpoint, plan.config.logging.flop_check_iteration
     first_iteration = s.iteration if first_iteration is None else first_iteration
@@ -55,6 +59,7 @@ def advance(session: Session, iterations: int, first_iteration: int | None = Non
                 boundary()  # the loader's state at this boundary: what a save after a data error writes
         if stop is not None:
             stop_run(s, stop, first_iteration)
+        garbage.after(iteration)
 
 
 def finish(session: Session) -> list[dict]:
@@ -86,16 +91,20 @@ def train(plan: Plan) -> list[dict]:
                       f"{first_iteration} and this run ends at iteration {plan.train_iters}; raise --train-iters "
                       f"to train further", flush=True)
             return finish(session)
+        garbage = GarbageCollection(plan.config.performance.gc_interval)
+        garbage.start()
         try:
             if session.evaluations:
                 session.evaluations.at_start(session.iteration, session.consumed)
-            advance(session, plan.train_iters - session.iteration, first_iteration)
+            advance(session, plan.train_iters - session.iteration, first_iteration, garbage)
         except BaseException:
             session.logger.close()
             session.skips.close()
             if session.compiles:
                 session.compiles.close()
             raise
+        finally:
+            garbage.stop()
         records = finish(session)
         if session.logger.enabled:
             print("\n".join(summary_lines(session, first_iteration, time.perf_counter() - started)), flush=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from .gc_pauses import GcPauses
 from .timers import format_timers
 from .truncation import DataReport, data_parts
 
@@ -50,6 +51,7 @@ class MetricsLogger:
         self.nan_stop: str | None = None  # why the NaN limit stops the run (the loop saves, then stops)
         self.data_report = data_report or DataReport(share=1.0, seq_length=None)
         self.trained_tokens, self.trained_seconds = 0, 0.0  # the whole run's, for its closing summary
+        self.gc_pauses = GcPauses()
         self._reset()
 
     def _reset(self):
@@ -114,6 +116,8 @@ class MetricsLogger:
             **_alloc_retries(self.device),
             **{f"grad_norm_{name}": norm for name, norm in result.module_grad_norms.items()},
         }
+        gc_seconds, gc_passes = self.gc_pauses.take()
+        record["gc_ms"], record["gc_passes"] = gc_seconds * 1000 / self._iters, gc_passes  # per iteration, interval
         if self.flops_per_iteration:
             record["tflops_per_gpu"] = self.flops_per_iteration / seconds / self.world_size / 1e12
             if self.peak:
@@ -164,6 +168,7 @@ class MetricsLogger:
             self.tensorboard.add_scalar(f"{name} vs samples", value, samples)
 
     def close(self) -> None:
+        self.gc_pauses.close()
         if self.progress:
             self.progress.stop()
         if self.tensorboard:
@@ -184,6 +189,8 @@ def format_line(r: dict, total_iters: int, per: str = "GPU") -> str:
         parts.append(f"TFLOP/s/GPU {r['tflops_per_gpu']:.3g}" + (f" (MFU {r['mfu']:.1%})" if "mfu" in r else ""))
     parts += [f"lr {r['lr']:.3E}", f"lm loss {number(r['lm_loss'], '.6E')}", f"grad norm {number(r['grad_norm'], '.3f')}",
               f"loss scale {r['loss_scale']:g}", f"skipped {r['skipped_iterations']}", f"nan {r['nan_iterations']}"]
+    if r.get("gc_ms", 0) >= 1:  # the host stalled in Python's garbage collector (see --gc-interval)
+        parts.append(f"gc {r['gc_ms']:.0f} ms/iter")
     if r["peak_memory_gib"] is not None:
         parts.append(f"peak mem {r['peak_memory_gib']:.2f} GiB")
     parts += data_parts(r)

@@ -6,8 +6,8 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round37 in place of slice/rest, each after an install call; round6-25 and 27 need
-# no main; the later rounds name the commit they need in bench_baseline: round37 the code at 5c2c3c7)
+# (later sessions: round2 .. round38 in place of slice/rest, each after an install call; round6-25 and 27 need
+# no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -547,5 +547,20 @@ case "$phase" in
     [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace37.json.gz"
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round37"; exit 2 ;;
+  round38)
+    # Python's garbage collector: round37's iterations were slow at the same iterations in every run (the same
+    # allocations, so the same collector passes). The slice against main at c88aa2f (first: it takes the empty
+    # cache) with the objects of start-up frozen (this code's default), with --gc-interval 10, main again, FP8.
+    ready
+    versions > "$R/versions.txt" 2>&1
+    export MIMO_COMPILE_CACHE=/tmp/ccG
+    W="--iterations 36 --warmup 12"
+    bench sb 150 --cases slice-te-graphs $W --baseline-src "$base"
+    bench sn 105 --cases slice-te-graphs $W
+    bench si 105 --cases slice-te-graphs $W --extra "--gc-interval 10"
+    bench sc 100 --cases slice-te-graphs $W --baseline-src "$base"
+    bench sf $(( $(left) - 10 )) --cases slice-te-fp8 $W
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round38"; exit 2 ;;
 esac
