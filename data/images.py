@@ -76,29 +76,56 @@ def fit_patch_grid(height: int, width: int, patch_size: int, min_patches: int, m
     if not 1 <= min_patches <= max_patches:
         raise ValueError(f"need 1 <= min_patches <= max_patches, got {min_patches}, {max_patches}")
     aspect = width / height
-    native = (height / patch_size) * (width / patch_size)
-    target = min(max(native, min_patches), max_patches)
+    target = min(max((height / patch_size) * (width / patch_size), min_patches), max_patches)
     log_aspect, log_target = math.log(aspect), math.log(target)
-    best, best_err = None, math.inf
-    for hp in range(step, max_patches // step * step + 1, step):
-        lo = -(-max(min_patches, 1) // hp)  # ceil
-        lo = -(-lo // step) * step
-        hi = max_patches // hp // step * step
-        lo = max(lo, step)
-        if lo > hi:
-            continue
-        ideal = target / hp
-        # two candidates for w: the one keeping the area and the one keeping the aspect ratio
-        for w_float in (ideal, hp * aspect):
-            for wp in {int(math.floor(w_float / step)) * step, int(math.ceil(w_float / step)) * step}:
-                wp = min(max(wp, lo), hi)
-                err = abs(math.log(wp / hp) - log_aspect) + abs(math.log(hp * wp) - log_target)
-                if err < best_err - 1e-12:
-                    best, best_err = (hp, wp), err
-    if best is None:
+    # The error of a grid, |log(w/h) - log_aspect| + |log(h*w) - log_target|, is at least |2 log h - centre| (the
+    # triangle inequality), so only heights near exp(centre / 2) can win: scan outwards from there until that bound
+    # passes the best error found, then pick among the heights inside the bound in increasing order (the order,
+    # and so the tie-breaking, of a scan over every height).
+    centre = log_target - log_aspect
+    heights = range(step, max_patches // step * step + 1, step)
+    if not heights:
         raise ValueError(f"no patch grid with sides that are multiples of {step} has between {min_patches} and "
                          f"{max_patches} patches")
+    bound = lambda i: abs(2 * math.log(heights[i]) - centre)  # noqa: E731
+    below = min(max(math.ceil(math.exp(centre / 2) / step) - 1, 0), len(heights) - 1)  # heights[below] <= ideal
+    above, best_err = below + 1, math.inf
+    while True:
+        down, up = below >= 0 and bound(below), above < len(heights) and bound(above)
+        if down is False and up is False:
+            break
+        take_down = up is False or (down is not False and down <= up)
+        if min(b for b in (down, up) if b is not False) > best_err + 1e-9:
+            break
+        i = below if take_down else above
+        below, above = (below - 1, above) if take_down else (below, above + 1)
+        for _, err in _grids_of_height(heights[i], step, min_patches, max_patches, target, aspect, log_aspect,
+                                       log_target):
+            best_err = min(best_err, err)
+    if best_err == math.inf:
+        raise ValueError(f"no patch grid with sides that are multiples of {step} has between {min_patches} and "
+                         f"{max_patches} patches")
+    best, best_so_far = None, math.inf
+    for hp in heights[below + 1: above]:
+        for grid, err in _grids_of_height(hp, step, min_patches, max_patches, target, aspect, log_aspect,
+                                          log_target):
+            if err < best_so_far - 1e-12:
+                best, best_so_far = grid, err
     return best
+
+
+def _grids_of_height(hp, step, min_patches, max_patches, target, aspect, log_aspect, log_target):
+    """The candidate grids `((hp, wp), error)` of height `hp`: the widths keeping the area and the aspect ratio,
+    each rounded down and up to a multiple of `step` and clamped into the patch range."""
+    lo = -(-max(min_patches, 1) // hp)  # ceil
+    lo = max(-(-lo // step) * step, step)
+    hi = max_patches // hp // step * step
+    if lo > hi:
+        return
+    for w_float in (target / hp, hp * aspect):
+        for wp in {int(math.floor(w_float / step)) * step, int(math.ceil(w_float / step)) * step}:
+            wp = min(max(wp, lo), hi)
+            yield (hp, wp), abs(math.log(wp / hp) - log_aspect) + abs(math.log(hp * wp) - log_target)
 
 
 def patchify(image: torch.Tensor, patch_size: int) -> torch.Tensor:

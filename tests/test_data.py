@@ -207,6 +207,44 @@ def test_fit_patch_grid_bounds_and_aspect(step):
         fit_patch_grid(10, 10, 8, 5, 7, step=2)  # no multiple of 4 patches in [5, 7]
 
 
+def _fit_patch_grid_by_every_height(height, width, patch_size, min_patches, max_patches, step):
+    """The definition fit_patch_grid answers by: every height, in increasing order, the first best error kept."""
+    aspect = width / height
+    target = min(max((height / patch_size) * (width / patch_size), min_patches), max_patches)
+    best, best_err = None, math.inf
+    for hp in range(step, max_patches // step * step + 1, step):
+        lo = max(-(-(-(-min_patches // hp)) // step) * step, step)
+        hi = max_patches // hp // step * step
+        if lo > hi:
+            continue
+        for w_float in (target / hp, hp * aspect):
+            for wp in {math.floor(w_float / step) * step, math.ceil(w_float / step) * step}:
+                wp = min(max(wp, lo), hi)
+                err = abs(math.log(wp / hp) - math.log(aspect)) + abs(math.log(hp * wp) - math.log(target))
+                if err < best_err - 1e-12:
+                    best, best_err = (hp, wp), err
+    return best
+
+
+def test_fit_patch_grid_searches_only_near_heights_and_answers_as_every_height_would():
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(400):
+        patch_size = (8, 14, 16)[int(torch.randint(3, (1,), generator=gen))]
+        step = 1 + int(torch.randint(3, (1,), generator=gen))
+        min_patches = 1 + int(torch.randint(300, (1,), generator=gen))
+        max_patches = min_patches + int(torch.randint(4500, (1,), generator=gen))
+        h, w = (1 + int(v) for v in torch.randint(3000, (2,), generator=gen))
+        expected = _fit_patch_grid_by_every_height(h, w, patch_size, min_patches, max_patches, step)
+        if expected is None:
+            with pytest.raises(ValueError):
+                fit_patch_grid(h, w, patch_size, min_patches, max_patches, step)
+        else:
+            assert fit_patch_grid(h, w, patch_size, min_patches, max_patches, step) == expected, (h, w, step)
+    # square images at the edge of a height's range, and a grid that only the largest heights allow
+    assert fit_patch_grid(512, 512, 16, 256, 4096, 2) == _fit_patch_grid_by_every_height(512, 512, 16, 256, 4096, 2)
+    assert fit_patch_grid(1, 4000, 16, 1, 64, 1) == _fit_patch_grid_by_every_height(1, 4000, 16, 1, 64, 1)
+
+
 def test_patchify_layout():
     img = torch.arange(3 * 16 * 24, dtype=torch.float32).reshape(3, 16, 24)
     rows = patchify(img, 8)
