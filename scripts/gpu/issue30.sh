@@ -6,8 +6,9 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round38 in place of slice/rest, each after an install call; round6-25 and 27 need
-# no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f)
+# (later sessions: round2 .. round39 in place of slice/rest, each after an install call; round6-25 and 27 need
+# no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
+# round39 4f26129)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -562,5 +563,19 @@ case "$phase" in
     bench sf $(( $(left) - 10 )) --cases slice-te-fp8 $W
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round38"; exit 2 ;;
+  round39)
+    # The image-grid search of the data (about 45 ms of Python per sample, in the read-ahead thread, holding the
+    # interpreter's lock against the step's launches) made fast: the slice against main at 4f26129 (first: it
+    # takes the empty cache), this code, both again.
+    ready
+    versions > "$R/versions.txt" 2>&1
+    export MIMO_COMPILE_CACHE=/tmp/ccH
+    W="--iterations 36 --warmup 12"
+    bench sb 150 --cases slice-te-graphs $W --baseline-src "$base"
+    bench sn 95 --cases slice-te-graphs $W
+    bench sc 95 --cases slice-te-graphs $W --baseline-src "$base"
+    bench sm $(( $(left) - 10 )) --cases slice-te-graphs $W
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round39"; exit 2 ;;
 esac
