@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -113,12 +114,40 @@ def run_case(name: str, case, out: Path, device: str, iterations: int, warmup: i
         if (mfu := spread(kept, "mfu")) is not None:
             row["mfu"] = mfu["median"]
         row["lm_loss_last"] = run.records[-1]["lm_loss"]
+        without_captures(row, kept, capture_iterations(run.output))
     if run.records:
         row["alloc_retries"] = run.records[-1].get("alloc_retries")
     summary = out / f"profile_{label}" / "summary_rank0.json"
     if summary.exists():
         row["profile"] = json.loads(summary.read_text())
     return row
+
+
+ITERATION_LINE = re.compile(r"^\s*iteration\s+(\d+)/")
+
+
+def capture_iterations(output: str) -> list[int]:
+    """The iterations during which a CUDA graph of a new shape was captured (the recomputed encoder's bucket of
+    packed patches, plugins/kit/recompute_graphs.py): its line comes before the iteration's log line."""
+    pending, found = 0, []
+    for line in output.splitlines():
+        if "CUDA graph for" in line and " captured in " in line:
+            pending += 1
+        elif (m := ITERATION_LINE.match(line)) and pending:
+            found.append(int(m.group(1)))
+            pending = 0
+    return found
+
+
+def without_captures(row: dict, kept: list[dict], captured: list[int]) -> None:
+    """The steady figures again over the iterations that captured nothing: what a long run, whose buckets have
+    all been captured, settles to (each capture is a one-time cost of 0.1-0.3 s)."""
+    row["capture_iterations"] = captured
+    clean = [r for r in kept if r["iteration"] not in captured]
+    if clean and len(clean) < len(kept):
+        for key, short in (("elapsed_ms", "ms_per_iter"), ("tflops_per_gpu", "tflops")):
+            if (figures := spread(clean, key)) is not None:
+                row[f"{short}_without_captures_spread"] = figures
 
 
 def record(row: dict, device: dict) -> dict:
@@ -136,8 +165,23 @@ def record(row: dict, device: dict) -> dict:
         "tflops_per_gpu": row.get("tflops_per_gpu"), "tflops_spread": row.get("tflops_spread"),
         "mfu": row.get("mfu"), "peak_mem_gib": row.get("peak_memory_gib"),
         "alloc_retries": row.get("alloc_retries"), "compile_report": row.get("compile_report"),
+        "capture_iterations": row.get("capture_iterations"),
+        "ms_per_iter_without_captures": row.get("ms_per_iter_without_captures_spread"),
+        "tflops_without_captures": row.get("tflops_without_captures_spread"),
         "command": row["command"],
     }
+
+
+def capture_notes(rows: list[dict]) -> list[str]:
+    notes = []
+    for r in rows:
+        ms, tf = r.get("ms_per_iter_without_captures_spread"), r.get("tflops_without_captures_spread")
+        if ms and tf:
+            notes.append(f"{r['case']}: {ms['n']} steady iterations captured no graph: ms/iter "
+                         f"{ms['min']:.0f}-{ms['median']:.0f}-{ms['max']:.0f}, TFLOP/s/GPU "
+                         f"{tf['min']:.0f}-{tf['median']:.0f}-{tf['max']:.0f} (captures at iterations "
+                         f"{', '.join(map(str, r['capture_iterations']))})")
+    return notes
 
 
 def summarize(folder: Path) -> None:
@@ -148,6 +192,7 @@ def summarize(folder: Path) -> None:
             results.rows.append({**row, "case": f"{path.parent.relative_to(folder)}/{row['case']}"})
             if row.get("compile_report"):
                 results.notes.append(f"{path.parent.relative_to(folder)}/{row['case']}: {row['compile_report']}")
+            results.notes += [f"{path.parent.relative_to(folder)}/{note}" for note in capture_notes([row])]
     results.print_table()
 
 
@@ -184,7 +229,7 @@ def main() -> None:
         results.rows.append(row)
         (args.out / "records" / f"{row['case']}.json").write_text(json.dumps(record(row, info), indent=1))
         results.notes = profile_notes(results.rows) + [f"{r['case']}: {r['compile_report']}" for r in results.rows
-                                                      if r.get("compile_report")]
+                                                      if r.get("compile_report")] + capture_notes(results.rows)
         results.write(args.out, show=False)  # after every case: a killed call keeps what finished
     results.write(args.out)
 

@@ -208,9 +208,9 @@ class PerformanceOptions:
                 "kernel per step; the encoders' activations of the whole step are kept) or once per micro-batch; "
                 "auto: step on a GPU where the layout allows it (colocated encoders)")
     gc_interval: int = option(
-        0, "Python's garbage collector during training: the objects built before the first iteration are frozen "
-           "(its passes never walk them again); 0 leaves its passes automatic, N turns them off and collects at "
-           "the end of every N-th iteration")
+        0, "Python's garbage collector during training: 0 leaves it as it is; N freezes the objects built before "
+           "the first iteration (no pass walks them again), turns its own passes off and collects at the end of "
+           "every N-th iteration, on every rank at once (the logs' gc ms/iter says what it costs)")
     grad_accum_fusion: bool = option(
         True, "layers add their weight gradients into the fp32 gradient buffer where they compute them "
               "(transformer-engine's inside the GEMM; megatron-core's output layer, linears and embedding at TP 1 "

@@ -73,3 +73,33 @@ def test_te_path_benchmark_writes_the_record_fields(tmp_path):
     assert record["first_iteration_s"] > 0 and record["to_first_iteration_end_s"] > record["first_iteration_s"]
     spread = record["ms_per_iter_spread"]
     assert spread["n"] == 3 and spread["min"] <= spread["median"] <= spread["max"]
+
+
+def test_te_path_names_the_iterations_that_captured_a_graph_and_the_figures_without_them():
+    """A recomputed encoder's graph is captured once per new bucket of patches (0.1-0.3 s, in that iteration):
+    the benchmark reads which iterations did from the run's output and gives the steady figures without them."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import te_path
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    output = "\n".join([
+        "recomputed layers (32): CUDA graph for 10240 tokens in 9 sequences captured in 0.25 s (1 so far)",
+        "first iteration 4.3 s: Triton: 10 compiled or loaded in 0.0 s",
+        " iteration      1/4 | consumed samples        8 | elapsed ms/iter   4658.7",
+        " iteration      2/4 | consumed samples       16 | elapsed ms/iter   1000.0",
+        "recomputed layers (32): CUDA graph for 8192 tokens in 9 sequences captured in 0.12 s (2 so far)",
+        "recomputed layers (32): CUDA graph for 6144 tokens in 9 sequences captured in 0.18 s (3 so far)",
+        " iteration      3/4 | consumed samples       24 | elapsed ms/iter   1300.0",
+        " iteration      4/4 | consumed samples       32 | elapsed ms/iter   1100.0",
+    ])
+    assert te_path.capture_iterations(output) == [1, 3]
+    kept = [{"iteration": i, "elapsed_ms": ms, "tflops_per_gpu": 400_000 / ms}
+            for i, ms in ((2, 1000.0), (3, 1300.0), (4, 1100.0))]
+    row = {}
+    te_path.without_captures(row, kept, [1, 3])
+    assert row["capture_iterations"] == [1, 3]
+    assert row["ms_per_iter_without_captures_spread"] == {"min": 1000.0, "median": 1050.0, "max": 1100.0, "n": 2}
+    assert row["tflops_without_captures_spread"]["n"] == 2
+    [note] = te_path.capture_notes([{"case": "slice", **row}])
+    assert note.startswith("slice: 2 steady iterations captured no graph: ms/iter 1000-1050-1100")
