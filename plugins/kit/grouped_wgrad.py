@@ -10,8 +10,9 @@ GEMM's epilogue: no bf16 gradient is written or read again.
 
 Both need the experts' `main_grad`s to be views of one buffer (DDP's gradient buffer): they address each
 expert's by its offset in that buffer. Elsewhere (no Triton, tensors on the CPU, separate buffers) the torch
-expressions run. The grouped GEMM is used where `MIMO_GROUPED_WGRAD=fused` until a GPU measures it against
-torch's grouped GEMM (scripts/gpu/check_grouped_wgrad.py, the slice in scripts/gpu/issue30.sh round37).
+expressions run. The grouped GEMM is used only where `MIMO_GROUPED_WGRAD=fused`: on an H100 at the Nemotron
+slice's shapes it is no faster than torch's grouped GEMM followed by `add_stacked` (scripts/gpu/check_grouped_wgrad.py,
+docs/benchmarks.md (g)).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ try:
 except ImportError:  # a CPU-only install: the torch expressions
     triton = None
 
-# (BLOCK_M, BLOCK_N, BLOCK_T, warps, stages) of the grouped GEMM: scripts/gpu/check_grouped_wgrad.py times others
-GEMM_CONFIG = (128, 128, 64, 8, 3)
+# (BLOCK_M, BLOCK_N, BLOCK_T, warps, stages) of the grouped GEMM: the fastest of the three that
+# scripts/gpu/check_grouped_wgrad.py times, at the Nemotron slice's shapes on an H100 (docs/benchmarks.md (g))
+GEMM_CONFIG = (128, 256, 64, 8, 3)
 _offsets: dict[tuple, tuple[torch.Tensor, bool]] = {}
 
 

@@ -39,8 +39,8 @@ first_done() { grep -q '"first_iteration_s"' "$R/$1/te_path.json" 2>/dev/null; }
 
 versions() {
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader
-  python3 -c "import torch, triton, transformer_engine_torch as tex, mamba_ssm; print('torch', torch.__version__, \
-'triton', triton.__version__, 'cublasLt', tex.get_cublasLt_version(), 'mamba_ssm', mamba_ssm.__version__, \
+  python3 -c "import torch, triton, transformer_engine as te, mamba_ssm; print('torch', torch.__version__, \
+'triton', triton.__version__, 'transformer_engine', te.__version__, 'mamba_ssm', mamba_ssm.__version__, \
 torch.cuda.get_device_name())"
 }
 
