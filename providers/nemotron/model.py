@@ -18,6 +18,7 @@ from mimo import LANGUAGE, Encoder
 from mimo.plugins.kit.recompute_graphs import RecomputeGraphs
 from mimo.plugins.kit.te_extras import te_extras_enabled
 
+from .cpe_jitter import jittered_position_embeddings
 from .settings import ENCODER, IMAGES, NemotronVLMSettings
 from .specs import hybrid_stack_spec, projection_submodules, resolve_backend, uses_grouped_mm, vit_layer_spec
 from .tokens import image_token_id
@@ -89,6 +90,16 @@ class RadioEncoder(RADIOViTModel):
             tokens.append(pixel_shuffle(out[start + cls:start + cls + n], rows, cols, self.shuffle_side))
             start += cls + n
         return torch.cat(tokens)
+
+
+    def _get_pos_embeddings(self, batch_size: int, input_dims):
+        """Training's jittered position embeddings as two GEMMs (cpe_jitter.py) where RADIOViTModel would sample
+        them with grid_sample; everything else as it does."""
+        if (self.has_cpe and not self.interpolate_only_cpe and self.training and not self.force_cpe_eval_mode
+                and (self.max_num_rows, self.max_num_cols) != tuple(input_dims)):
+            return jittered_position_embeddings(self.position_embeddings, self.max_num_rows, self.max_num_cols,
+                                                batch_size, tuple(input_dims), self.grid_sample_align_corners)
+        return super()._get_pos_embeddings(batch_size, input_dims)
 
 
 def _boundaries_to_device(decoder, args, kwargs):
