@@ -6,9 +6,9 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round39 in place of slice/rest, each after an install call; round6-25 and 27 need
+# (later sessions: round2 .. round40 in place of slice/rest, each after an install call; round6-25 and 27 need
 # no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
-# round39 4f26129)
+# round39 4f26129, round40 eede709)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -577,5 +577,19 @@ case "$phase" in
     bench sm $(( $(left) - 10 )) --cases slice-te-graphs $W
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round39"; exit 2 ;;
+  round40)
+    # RADIO's jittered position embeddings as two GEMMs (no grid_sample): the slice against main at eede709 (first:
+    # it takes the empty cache), this code, both again; 48 iterations, so that the window after the 12 of
+    # warm-up holds more iterations without a graph capture (te_path gives the figures without them too).
+    ready
+    versions > "$R/versions.txt" 2>&1
+    export MIMO_COMPILE_CACHE=/tmp/ccK
+    W="--iterations 48 --warmup 12"
+    bench sb 150 --cases slice-te-graphs $W --baseline-src "$base"
+    bench sn 110 --cases slice-te-graphs $W
+    bench sc 110 --cases slice-te-graphs $W --baseline-src "$base"
+    bench sm $(( $(left) - 10 )) --cases slice-te-graphs $W
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round40"; exit 2 ;;
 esac
