@@ -579,16 +579,17 @@ case "$phase" in
     ;;
   round40)
     # RADIO's jittered position embeddings as two GEMMs (no grid_sample): the slice against main at eede709 (first:
-    # it takes the empty cache), this code, both again; 48 iterations, so that the window after the 12 of
-    # warm-up holds more iterations without a graph capture (te_path gives the figures without them too).
+    # it takes the empty cache), this code, this code with RADIO's biases in the GEMMs (round37 had 6 iterations
+    # of it), main again; 40 iterations, so that the window after the 12 of warm-up holds more iterations without
+    # a graph capture (te_path gives the figures without them too).
     ready
     versions > "$R/versions.txt" 2>&1
     export MIMO_COMPILE_CACHE=/tmp/ccK
-    W="--iterations 48 --warmup 12"
+    W="--iterations 40 --warmup 12"
     bench sb 150 --cases slice-te-graphs $W --baseline-src "$base"
-    bench sn 110 --cases slice-te-graphs $W
-    bench sc 110 --cases slice-te-graphs $W --baseline-src "$base"
-    bench sm $(( $(left) - 10 )) --cases slice-te-graphs $W
+    bench sn 100 --cases slice-te-graphs $W
+    bench sg 100 --cases slice-te-graphs $W --extra "--set vision_bias_in_gemm=true"
+    bench sc $(( $(left) - 10 )) --cases slice-te-graphs $W --baseline-src "$base"
     python3 bench/te_path.py --summarize "$R"
     ;;
   *) echo "phase: install, slice, rest, round2 .. round40"; exit 2 ;;
