@@ -54,6 +54,24 @@ ready() {
     || { echo "bench_baseline/mimo missing (git archive, see the header)"; exit 3; }
 }
 
+# start_round CACHE ITERATIONS: ready, the versions noted, the round's own kernel cache, W for te_path (12 of
+# warm-up)
+start_round() {
+  ready
+  versions > "$R/versions.txt" 2>&1
+  export MIMO_COMPILE_CACHE=$1
+  W="--iterations $2 --warmup 12"
+}
+
+# slice RUN CAP|rest [base] [te_path options...]: one slice-te-graphs run of the round (W from start_round) with
+# this checkout's code, or main's with "base"; "rest": what the phase has left
+slice() {
+  local run=$1 cap=$2; shift 2
+  [ "$cap" = rest ] && cap=$(( $(left) - 10 ))
+  if [ "${1:-}" = base ]; then shift; set -- --baseline-src "$base" "$@"; fi
+  bench "$run" "$cap" --cases slice-te-graphs $W "$@"
+}
+
 case "$phase" in
   install)
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/te-site .whl-te/*.whl \
@@ -552,44 +570,24 @@ case "$phase" in
     # Python's garbage collector: round37's iterations were slow at the same iterations in every run (the same
     # allocations, so the same collector passes). The slice against main at c88aa2f (first: it takes the empty
     # cache) with the objects of start-up frozen (this code's default), with --gc-interval 10, main again, FP8.
-    ready
-    versions > "$R/versions.txt" 2>&1
-    export MIMO_COMPILE_CACHE=/tmp/ccG
-    W="--iterations 36 --warmup 12"
-    bench sb 150 --cases slice-te-graphs $W --baseline-src "$base"
-    bench sn 105 --cases slice-te-graphs $W
-    bench si 105 --cases slice-te-graphs $W --extra "--gc-interval 10"
-    bench sc 100 --cases slice-te-graphs $W --baseline-src "$base"
-    bench sf $(( $(left) - 10 )) --cases slice-te-fp8 $W
-    python3 bench/te_path.py --summarize "$R"
+    start_round /tmp/ccG 36
+    slice sb 150 base; slice sn 105; slice si 105 --extra "--gc-interval 10"; slice sc 100 base
+    bench sf $(( $(left) - 10 )) --cases slice-te-fp8 $W; python3 bench/te_path.py --summarize "$R"
     ;;
   round39)
     # The image-grid search of the data (about 45 ms of Python per sample, in the read-ahead thread, holding the
     # interpreter's lock against the step's launches) made fast: the slice against main at 4f26129 (first: it
     # takes the empty cache), this code, both again.
-    ready
-    versions > "$R/versions.txt" 2>&1
-    export MIMO_COMPILE_CACHE=/tmp/ccH
-    W="--iterations 36 --warmup 12"
-    bench sb 150 --cases slice-te-graphs $W --baseline-src "$base"
-    bench sn 95 --cases slice-te-graphs $W
-    bench sc 95 --cases slice-te-graphs $W --baseline-src "$base"
-    bench sm $(( $(left) - 10 )) --cases slice-te-graphs $W
-    python3 bench/te_path.py --summarize "$R"
+    start_round /tmp/ccH 36
+    slice sb 150 base; slice sn 95; slice sc 95 base; slice sm rest; python3 bench/te_path.py --summarize "$R"
     ;;
   round40)
     # RADIO's jittered position embeddings as two GEMMs (no grid_sample): the slice against main at eede709 (first:
     # it takes the empty cache), this code, this code with RADIO's biases in the GEMMs (round37 had 6 iterations
     # of it), main again; 40 iterations, so that the window after the 12 of warm-up holds more iterations without
     # a graph capture (te_path gives the figures without them too).
-    ready
-    versions > "$R/versions.txt" 2>&1
-    export MIMO_COMPILE_CACHE=/tmp/ccK
-    W="--iterations 40 --warmup 12"
-    bench sb 150 --cases slice-te-graphs $W --baseline-src "$base"
-    bench sn 100 --cases slice-te-graphs $W
-    bench sg 100 --cases slice-te-graphs $W --extra "--set vision_bias_in_gemm=true"
-    bench sc $(( $(left) - 10 )) --cases slice-te-graphs $W --baseline-src "$base"
+    start_round /tmp/ccK 40
+    slice sb 150 base; slice sn 100; slice sg 100 --extra "--set vision_bias_in_gemm=true"; slice sc rest base
     python3 bench/te_path.py --summarize "$R"
     ;;
   *) echo "phase: install, slice, rest, round2 .. round40"; exit 2 ;;
