@@ -84,31 +84,26 @@ def fit_patch_grid(height: int, width: int, patch_size: int, min_patches: int, m
     # and so the tie-breaking, of a scan over every height).
     centre = log_target - log_aspect
     heights = range(step, max_patches // step * step + 1, step)
-    if not heights:
-        raise ValueError(f"no patch grid with sides that are multiples of {step} has between {min_patches} and "
-                         f"{max_patches} patches")
-    bound = lambda i: abs(2 * math.log(heights[i]) - centre)  # noqa: E731
-    below = min(max(math.ceil(math.exp(centre / 2) / step) - 1, 0), len(heights) - 1)  # heights[below] <= ideal
-    above, best_err = below + 1, math.inf
-    while True:
-        down, up = below >= 0 and bound(below), above < len(heights) and bound(above)
-        if down is False and up is False:
-            break
-        take_down = up is False or (down is not False and down <= up)
-        if min(b for b in (down, up) if b is not False) > best_err + 1e-9:
-            break
-        i = below if take_down else above
-        below, above = (below - 1, above) if take_down else (below, above + 1)
-        for _, err in _grids_of_height(heights[i], step, min_patches, max_patches, target, aspect, log_aspect,
-                                       log_target):
-            best_err = min(best_err, err)
+
+    def bound(i: int) -> float:  # the least error a height can reach; none past either end
+        return abs(2 * math.log(heights[i]) - centre) if 0 <= i < len(heights) else math.inf
+
+    below = min(max(math.ceil(math.exp(centre / 2) / step) - 1, 0), len(heights) - 1)  # nearest the ideal
+    above, best_err, scanned = below + 1, math.inf, {}
+    while (nearest := min(bound(below), bound(above))) < math.inf and nearest <= best_err + 1e-9:
+        if bound(below) <= bound(above):
+            i, below = below, below - 1
+        else:
+            i, above = above, above + 1
+        grids = scanned[heights[i]] = list(_grids_of_height(heights[i], step, min_patches, max_patches, target,
+                                                            aspect, log_aspect, log_target))
+        best_err = min([best_err] + [err for _, err in grids])
     if best_err == math.inf:
         raise ValueError(f"no patch grid with sides that are multiples of {step} has between {min_patches} and "
                          f"{max_patches} patches")
     best, best_so_far = None, math.inf
-    for hp in heights[below + 1: above]:
-        for grid, err in _grids_of_height(hp, step, min_patches, max_patches, target, aspect, log_aspect,
-                                          log_target):
+    for hp in sorted(scanned):
+        for grid, err in scanned[hp]:
             if err < best_so_far - 1e-12:
                 best, best_so_far = grid, err
     return best

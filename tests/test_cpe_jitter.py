@@ -57,7 +57,7 @@ def test_taps_outside_the_table_are_zero_padding():
     torch.testing.assert_close(weights[0, 4], torch.tensor([0, 0.5, 0.5, 0]))
 
 
-def test_radio_in_training_uses_it_and_trains_as_megatron_cores_grid_sample_would():
+def test_radio_in_training_uses_it_and_trains_as_megatron_cores_grid_sample_would(monkeypatch):
     from helpers import build_nemotron_encoder, world_of_one
 
     from mimo.providers.nemotron import TINY, NemotronVLMSettings
@@ -79,7 +79,7 @@ def test_radio_in_training_uses_it_and_trains_as_megatron_cores_grid_sample_woul
             samplings.append(use_megatrons)
             return grid_sample(*args, **kwargs)
 
-        torch.nn.functional.grid_sample = counted
+        monkeypatch.setattr(torch.nn.functional, "grid_sample", counted)
         for use_megatrons in (False, True):
             if use_megatrons:  # megatron-core's own method, grid_sample
                 encoder._get_pos_embeddings = types.MethodType(RADIOViTModel._get_pos_embeddings, encoder)
@@ -88,7 +88,6 @@ def test_radio_in_training_uses_it_and_trains_as_megatron_cores_grid_sample_woul
             out = encoder(**images)
             out.square().sum().backward()
             results.append((out.detach(), {n: p.grad.clone() for n, p in encoder.named_parameters()}))
-        torch.nn.functional.grid_sample = grid_sample
     assert samplings and all(samplings)  # grid_sample ran only where megatron-core's method did
     (ours, our_grads), (theirs, their_grads) = results
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)

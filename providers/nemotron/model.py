@@ -91,7 +91,6 @@ class RadioEncoder(RADIOViTModel):
             start += cls + n
         return torch.cat(tokens)
 
-
     def _get_pos_embeddings(self, batch_size: int, input_dims):
         """Training's jittered position embeddings as two GEMMs (cpe_jitter.py) where RADIOViTModel would sample
         them with grid_sample; everything else as it does."""
