@@ -71,7 +71,9 @@ def test_a_run_logs_its_collector_time_and_refuses_a_negative_interval(tmp_path)
              "--gc-interval", "2", "--metrics-file", str(metrics))
     records = [r for r in read_metrics(metrics) if r["split"] == "train"]
     assert [r["iteration"] for r in records] == [2, 4]
-    assert all(r["gc_passes"] == 1 and r["gc_ms"] > 0 for r in records)  # one collection per 2 iterations
+    # each interval holds the loop's collection (a library may make one more of its own: a fresh-clone CI run saw
+    # one; the exact schedule is test_an_interval_collects_at_its_iterations_only_and_restores_the_collector's)
+    assert all(r["gc_passes"] >= 1 and r["gc_ms"] > 0 for r in records), records
 
     result = run_mimo("run", "--provider", "mock-vlm", "--device", "cpu", "--gc-interval", "-1")
     assert result.returncode != 0
