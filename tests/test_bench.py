@@ -103,3 +103,32 @@ def test_te_path_names_the_iterations_that_captured_a_graph_and_the_figures_with
     assert row["tflops_without_captures_spread"]["n"] == 2
     [note] = te_path.capture_notes([{"case": "slice", **row}])
     assert note.startswith("slice: 2 steady iterations captured no graph: ms/iter 1000-1050-1100")
+
+
+def test_encoder_bucket_counts_predict_the_captures_the_gpu_runs_logged(tmp_path):
+    """bench/encoder_buckets.py keys the slice's steps as RecomputeGraphs does: with the default bucket it names
+    the iterations at which every recorded H100 run of the slice logged a capture (docs/benchmarks.md (g))."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import encoder_buckets
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    provider, assignments, images_per_step = encoder_buckets.SLICE
+    steps = encoder_buckets.step_lengths(provider, assignments, images_per_step, steps=40, seed=1234)
+    predicted = encoder_buckets.bucket_figures(steps, 2048, warmup=12, window_end=40)["capture_steps"]
+    record = json.loads((REPO / "docs" / "benchmarks" / "te_path_issue30_captures.json").read_text())
+    for row in record["rows"]:
+        logged = len(row["ms_per_iter_by_iteration"])
+        assert [step for step in predicted if step <= logged] == row["capture_iterations"], (row["call"], row["run"])
+    finer = encoder_buckets.bucket_figures(steps, 1024, warmup=12, window_end=40)
+    coarse = encoder_buckets.bucket_figures(steps, 2048, warmup=12, window_end=40)
+    assert finer["padding_share"] < coarse["padding_share"] and finer["buckets"] > coarse["buckets"]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "encoder_buckets.py"), "--quick", "--steps", "20",
+                             "--out", str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "encoder_buckets.json").read_text())
+    assert [row["token_bucket"] for row in report["rows"]] == [512, 1024, 2048, 4096]
+    assert all(row["captures_in_warmup"] + row["captures_in_window"] + row["captures_after"] == row["buckets"]
+               for row in report["rows"])

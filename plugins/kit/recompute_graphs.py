@@ -57,6 +57,12 @@ def padded_lengths(lengths: list[int], token_bucket: int, sequence_bucket: int) 
     return lengths + [extra // pads + (1 if i < extra % pads else 0) for i in range(pads)]
 
 
+def bucket_key(padded: list[int], seqlen_bucket: int) -> tuple[int, int, int]:
+    """(tokens, sequences, longest sequence rounded up to `seqlen_bucket`) of `padded` lengths: one graph each.
+    Attention kernels (cuDNN's THD) cost about sequences x max_seqlen: both bucketed tight, not to the maximum."""
+    return sum(padded), len(padded), _round_up(max(padded), seqlen_bucket)
+
+
 class RecomputeGraphs:
     """Replaces `block.forward` (a megatron-core TransformerBlock configured for full recompute) where it applies:
     training, gradients on, a THD-packed input with the host-side sequence lengths given in `lengths` by the caller
@@ -120,9 +126,8 @@ class RecomputeGraphs:
                 and self.block.pre_process and bool(self.layers))
 
     def _bucket(self, hidden: torch.Tensor, lengths: list[int], padded: list[int]) -> _Bucket | None:
-        # attention kernels (cuDNN's THD) cost about sequences x max_seqlen: both bucketed tight, not to the maximum
-        tokens, max_seqlen = sum(padded), _round_up(max(padded), self.seqlen_bucket)
-        key = (tokens, len(padded), max_seqlen)
+        key = bucket_key(padded, self.seqlen_bucket)
+        tokens, _, max_seqlen = key
         bucket = self._buckets.get(key)
         if bucket is not None:
             return bucket

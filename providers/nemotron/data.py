@@ -78,14 +78,25 @@ class SyntheticTask:
                                     max(1, round(math.sqrt(patches * aspect) * s.patch_size)))
         return rows * s.patch_size, cols * s.patch_size
 
+    def _draw(self, seed: int, index: int) -> tuple[torch.Generator, int, tuple[int, int] | None]:
+        """Sample `index`'s generator, class and image size (None: no image), drawn in that order."""
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+        label = int(torch.randint(self.settings.num_classes, (1,), generator=gen))
+        size = self._image_size(gen) if float(torch.rand(1, generator=gen)) < self.settings.image_probability \
+            else None
+        return gen, label, size
+
+    def image_size(self, seed: int, index: int) -> tuple[int, int] | None:
+        """(height, width) of sample `index`'s image, or None, without making it (bench/encoder_buckets.py)."""
+        return self._draw(seed, index)[2]
+
     def sample(self, seed: int, index: int) -> dict:
         """Tokens [seq_length + 1] (the image's placeholders first) and the processed image or None."""
         s = self.settings
-        gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        label = int(torch.randint(s.num_classes, (1,), generator=gen))
+        gen, label, size = self._draw(seed, index)
         image = None
-        if float(torch.rand(1, generator=gen)) < s.image_probability:
-            height, width = self._image_size(gen)
+        if size is not None:
+            height, width = size
             pixels = F.interpolate(self.patterns[label][None], size=(height, width), mode="nearest")[0]
             pixels = (pixels + 0.1 * torch.randn(pixels.shape, generator=gen)).clamp(0, 1)
             image = self.mode.process(pixels)
