@@ -1,6 +1,6 @@
 """What the graphed encoder's token bucket trades: padded patches every step against CUDA-graph captures.
 
-    python bench/encoder_buckets.py --out results/encoder_buckets                  # the slice, 40 and 300 steps
+    python bench/encoder_buckets.py --out results/encoder_buckets                  # the slice, 300 steps
     python bench/encoder_buckets.py --out /tmp/smoke --quick                        # the script itself, small
 
 Nemotron's recomputed RADIO forward replays one CUDA graph per bucket of a step's packed patches
@@ -50,17 +50,17 @@ def step_lengths(provider: str, assignments: dict, images_per_step: int, steps: 
     return out
 
 
-def bucket_figures(steps: list[list[int]], token_bucket: int, warmup: int, window_end: int,
-                   sequence_bucket: int = 1, seqlen_bucket: int = 1024) -> dict:
-    """Padding share and capture steps (1-based) of one bucket choice, as RecomputeGraphs keys its graphs."""
-    from mimo.plugins.kit.recompute_graphs import bucket_key, padded_lengths
+def bucket_figures(steps: list[list[int]], token_bucket: int, warmup: int, window_end: int) -> dict:
+    """Padding share and capture steps (1-based) of one token bucket (the other buckets RecomputeGraphs' defaults),
+    as RecomputeGraphs keys its graphs."""
+    from mimo.plugins.kit.recompute_graphs import SEQLEN_BUCKET, SEQUENCE_BUCKET, bucket_key, padded_lengths
 
     seen, captures, padding, patches = set(), [], 0, 0
     for step, lengths in enumerate(steps, 1):
         if not lengths:
             continue
-        padded = padded_lengths(lengths, token_bucket, sequence_bucket)
-        key = bucket_key(padded, seqlen_bucket)
+        padded = padded_lengths(lengths, token_bucket, SEQUENCE_BUCKET)
+        key = bucket_key(padded, SEQLEN_BUCKET)
         if key not in seen:
             seen.add(key)
             captures.append(step)
@@ -92,6 +92,7 @@ def main() -> None:
     results.write(args.out, extra={"provider": provider, "settings": assignments, "images_per_step": images_per_step,
                                    "steps": args.steps, "warmup": args.warmup, "window_end": args.window_end,
                                    "seed": args.seed, "patches_per_step": sum(map(sum, steps)) / len(steps)})
+
 
 if __name__ == "__main__":
     main()

@@ -113,16 +113,18 @@ def test_encoder_bucket_counts_predict_the_captures_the_gpu_runs_logged(tmp_path
         import encoder_buckets
     finally:
         sys.path.remove(str(REPO / "bench"))
+    from mimo.plugins.kit.recompute_graphs import TOKEN_BUCKET
+
     provider, assignments, images_per_step = encoder_buckets.SLICE
     steps = encoder_buckets.step_lengths(provider, assignments, images_per_step, steps=40, seed=1234)
-    predicted = encoder_buckets.bucket_figures(steps, 2048, warmup=12, window_end=40)["capture_steps"]
+    default = encoder_buckets.bucket_figures(steps, TOKEN_BUCKET, warmup=12, window_end=40)
+    predicted = default["capture_steps"]
     record = json.loads((REPO / "docs" / "benchmarks" / "te_path_issue30_captures.json").read_text())
     for row in record["rows"]:
         logged = len(row["ms_per_iter_by_iteration"])
         assert [step for step in predicted if step <= logged] == row["capture_iterations"], (row["call"], row["run"])
-    finer = encoder_buckets.bucket_figures(steps, 1024, warmup=12, window_end=40)
-    coarse = encoder_buckets.bucket_figures(steps, 2048, warmup=12, window_end=40)
-    assert finer["padding_share"] < coarse["padding_share"] and finer["buckets"] > coarse["buckets"]
+    finer = encoder_buckets.bucket_figures(steps, TOKEN_BUCKET // 2, warmup=12, window_end=40)
+    assert finer["padding_share"] < default["padding_share"] and finer["buckets"] > default["buckets"]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([sys.executable, str(REPO / "bench" / "encoder_buckets.py"), "--quick", "--steps", "20",

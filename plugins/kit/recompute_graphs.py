@@ -38,6 +38,11 @@ class _Bucket:
     grads: torch.Tensor | None = None
 
 
+# The default buckets: a step's packed tokens, its sequence count, its longest sequence (bench/encoder_buckets.py
+# counts what other token buckets would pad and capture)
+TOKEN_BUCKET, SEQUENCE_BUCKET, SEQLEN_BUCKET = 2048, 1, 1024
+
+
 def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
@@ -81,8 +86,8 @@ class RecomputeGraphs:
     costs one eager run and a capture of what it replays; the layer outputs' buffer holds the most tokens that many
     sequences can have, and every bucket captures again when more sequences than ever before make it grow."""
 
-    def __init__(self, block, *, max_seqlen: int, token_bucket: int = 2048,
-                 sequence_bucket: int = 1, seqlen_bucket: int = 1024, backward: bool = False):
+    def __init__(self, block, *, max_seqlen: int, token_bucket: int = TOKEN_BUCKET,
+                 sequence_bucket: int = SEQUENCE_BUCKET, seqlen_bucket: int = SEQLEN_BUCKET, backward: bool = False):
         self.block, self.layers = block, list(block.layers)
         self.backward = backward
         self.max_seqlen = max_seqlen
