@@ -111,3 +111,46 @@ def test_one_reduction_before_the_update_and_every_rank_skips_alike(tmp_path):
     for r in ranks:
         assert math.isclose(r["small"]["squares"], r["elements"] * 1e-14, rel_tol=1e-4)
         assert r["clean"]["clip_calls"] >= 1 and r["small"]["clip_calls"] == 0
+
+
+def test_module_norms_as_device_tensors_are_read_once(monkeypatch):
+    """With transformer-engine's kernels megatron-core hands each module's norm back as a device tensor: the step
+    copies them into its reduction on the device and reads the GPU once (`tolist`), never testing one for truth
+    (which waited for the GPU once per module before the step's one wait)."""
+    from types import SimpleNamespace
+
+    from helpers import world_of_one
+    from mimo.core.parallel.optim import _recording_optimizer_class
+
+    def module(norm):
+        return SimpleNamespace(is_active=True, optimizer=SimpleNamespace(get_grad_norm=lambda: norm))
+
+    recording = SimpleNamespace(module_infos={"images": module(torch.tensor(3.0)), "language": module(torch.tensor(4.0)),
+                                              "audio": module(None)})
+    reads = []
+    real_tolist = torch.Tensor.tolist
+
+    def refuse(name):
+        def read(self, *args):
+            raise AssertionError(f"the host read a norm with {name}")
+        return read
+
+    def tolist(self):
+        if not reads or reads[-1] != "inside":  # torch's own dispatch calls it again from within
+            reads.append("inside")
+            try:
+                return real_tolist(self)
+            finally:
+                reads[-1] = self.numel()
+        return real_tolist(self)
+
+    with world_of_one():
+        cls = _recording_optimizer_class()
+        for name in ("__bool__", "item", "__float__"):
+            monkeypatch.setattr(torch.Tensor, name, refuse(name))
+        monkeypatch.setattr(torch.Tensor, "tolist", tolist)
+        found_inf = cls._module_norms(recording, False)
+        monkeypatch.undo()
+    assert reads == [4] and found_inf is False
+    assert recording.module_grad_norms == {"audio": 0.0, "images": 3.0, "language": 4.0}
+    assert recording.grad_norm == 5.0

@@ -66,7 +66,11 @@ def _recording_optimizer_class():
             for i, name in enumerate(names):
                 info = self.module_infos[name]
                 if info.is_active and info.optimizer:
-                    reduced[i] = (info.optimizer.get_grad_norm() or 0.0) ** 2
+                    # with transformer-engine's kernels megatron-core returns the norm as a device tensor: copied
+                    # in on the device, never tested for truth (`norm or 0.0` waited for the GPU once per module)
+                    norm = info.optimizer.get_grad_norm()
+                    if norm is not None:
+                        reduced[i] = norm ** 2
             reduced[-1] = float(found_inf)
             torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
             *norm_sq, any_inf = reduced.tolist()

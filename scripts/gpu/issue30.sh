@@ -8,7 +8,8 @@
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
 # (later sessions: round2 .. round40 in place of slice/rest, each after an install call; round6-25 and 27 need
 # no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
-# round39 4f26129, round40 eede709)
+# round39 4f26129, round40 and round41 (after round40, same machine) eede709,
+# round43 550576f)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -583,12 +584,36 @@ case "$phase" in
     ;;
   round40)
     # RADIO's jittered position embeddings as two GEMMs (no grid_sample): the slice against main at eede709 (first:
-    # it takes the empty cache), this code, this code with RADIO's biases in the GEMMs (round37 had 6 iterations
-    # of it), main again; 40 iterations, so that the window after the 12 of warm-up holds more iterations without
-    # a graph capture (te_path gives the figures without them too).
+    # it takes the empty cache), this code, main again, this code again (alternating, so that a machine's drift over
+    # the call falls on both); 40 iterations, so that the window after the 12 of warm-up holds more iterations
+    # without a graph capture (te_path gives the figures without them too).
     start_round /tmp/ccK 40
-    slice sb 150 base; slice sn 100; slice sg 100 --extra "--set vision_bias_in_gemm=true"; slice sc rest base
+    slice sb 150 base; slice sn 100; slice sc 100 base; slice sn2 rest
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round40"; exit 2 ;;
+  round41)
+    # The long window, right after round40 on the same machine (warm kernel cache): this code and main at eede709,
+    # 100 iterations each, so that the steady figures cover 88 iterations and the encoder's captures thin out.
+    start_round /tmp/ccK 100
+    slice ln 200; slice lb rest base
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  round42)
+    # CUDA_DEVICE_MAX_CONNECTIONS=32 (the reference stack's setting) against the default (8) on the slice, alternating,
+    # 40 iterations each, after round41 on the same machine.
+    start_round /tmp/ccK 40
+    CUDA_DEVICE_MAX_CONNECTIONS=32 slice c32 120; slice c8 120
+    CUDA_DEVICE_MAX_CONNECTIONS=32 slice c32b 120; slice c8b rest
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  round43)
+    # The module norms copied in on the device (no wait per module before the step's one wait): main at 550576f
+    # (first, empty cache) and this code, each profiled at iteration 13 (the optimizer's idle time by phase), then
+    # this code with RADIO's biases in the GEMMs, main again; 50 iterations each.
+    start_round /tmp/ccK 50
+    slice sb 150 base --profile slice-te-graphs; slice sn 115 --profile slice-te-graphs
+    slice sg 110 --extra "--set vision_bias_in_gemm=true"; slice sc rest base
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round43"; exit 2 ;;
 esac
