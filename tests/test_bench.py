@@ -116,11 +116,14 @@ def test_encoder_bucket_counts_predict_the_captures_the_gpu_runs_logged(tmp_path
     from mimo.plugins.kit.recompute_graphs import TOKEN_BUCKET
 
     provider, assignments, images_per_step = encoder_buckets.SLICE
-    steps = encoder_buckets.step_lengths(provider, assignments, images_per_step, steps=40, seed=1234)
+    records = [json.loads((REPO / "docs" / "benchmarks" / name).read_text())
+               for name in ("te_path_issue30_captures.json", "te_path_issue30_two_machines.json")]
+    rows = [row for record in records for row in record["rows"]]
+    longest = max(len(row["ms_per_iter_by_iteration"]) for row in rows)  # 100 (round41)
+    steps = encoder_buckets.step_lengths(provider, assignments, images_per_step, steps=longest, seed=1234)
     default = encoder_buckets.bucket_figures(steps, TOKEN_BUCKET, warmup=12, window_end=40)
     predicted = default["capture_steps"]
-    record = json.loads((REPO / "docs" / "benchmarks" / "te_path_issue30_captures.json").read_text())
-    for row in record["rows"]:
+    for row in rows:
         logged = len(row["ms_per_iter_by_iteration"])
         assert [step for step in predicted if step <= logged] == row["capture_iterations"], (row["call"], row["run"])
     finer = encoder_buckets.bucket_figures(steps, TOKEN_BUCKET // 2, warmup=12, window_end=40)

@@ -71,7 +71,7 @@ def _recording_optimizer_class():
                     norm = info.optimizer.get_grad_norm()
                     if norm is not None:
                         reduced[i] = norm ** 2
-            reduced[-1] = float(found_inf)
+            reduced[-1].fill_(float(found_inf))  # a kernel; assigning a Python number copies it in and waits
             torch.distributed.all_reduce(reduced, op=torch.distributed.ReduceOp.MAX)
             *norm_sq, any_inf = reduced.tolist()
             self.module_grad_norms = {name: math.sqrt(n) for name, n in zip(names, norm_sq)}

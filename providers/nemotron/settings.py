@@ -68,7 +68,7 @@ class NemotronVLMSettings:
                    "patch counts (its Python launches otherwise leave the GPU waiting); all: each layer's recompute "
                    "and backward too (not with --overlap-grad-reduce); megatron: megatron-core's recompute")
     vision_bias_in_gemm: bool = _setting(
-        False, "RADIO's attention output projection and MLP linears add their biases inside the GEMM (with backend "
+        True, "RADIO's attention output projection and MLP linears add their biases inside the GEMM (with backend "
                "te, transformer-engine's epilogue; its backward GEMM gives the bias gradient) instead of returning "
                "them for megatron-core's separate broadcast adds")
     vision_activation: Literal["gelu", "gelu_tanh"] = _setting(

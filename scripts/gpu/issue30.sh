@@ -6,10 +6,10 @@
 #   1  carry [".whl-te"]  timeout_s 420   bash scripts/gpu/issue30.sh install
 #   2  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh slice
 #   3  carry [".whl"]     timeout_s 600   bash scripts/gpu/issue30.sh rest
-# (later sessions: round2 .. round40 in place of slice/rest, each after an install call; round6-25 and 27 need
+# (later sessions: round2 .. round45 in place of slice/rest, each after an install call; round6-25 and 27 need
 # no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
 # round39 4f26129, round40 and round41 (after round40, same machine) eede709,
-# round43 550576f)
+# round43, round44 (after round43, same machine) and round45 550576f)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -615,5 +615,19 @@ case "$phase" in
     slice sg 110 --extra "--set vision_bias_in_gemm=true"; slice sc rest base
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round43"; exit 2 ;;
+  round44)
+    # After round43 on the same machine (warm cache), unprofiled: this code, main at 550576f, this code with RADIO's
+    # biases in the GEMMs, this code again; 50 iterations each.
+    start_round /tmp/ccK 50
+    slice sn 125; slice sb 125 base; slice sg 125 --extra "--set vision_bias_in_gemm=true"; slice sn2 rest
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  round45)
+    # The landed defaults (RADIO's biases in the GEMMs on, the found-inf flag by a kernel) against main at 550576f,
+    # alternating, on a fresh machine (main first, on the empty cache); 45 iterations each.
+    start_round /tmp/ccK 45
+    slice sb 150 base; slice sn 120; slice sc 120 base; slice sn2 rest
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round45"; exit 2 ;;
 esac
