@@ -157,7 +157,8 @@ def vision_spec(s: NemotronVLMSettings, ctx) -> Encoder:
         normalization="RMSNorm", layernorm_epsilon=1e-5,  # read only by projection_norm's fused norm
     )
     encoder = ModuleSpec(module=RadioEncoder, params=dict(
-        transformer_config=vit_config, transformer_layer_spec=vit_layer_spec(backend, s.vision_bias_in_gemm),
+        transformer_config=vit_config,
+        transformer_layer_spec=vit_layer_spec(backend, s.vision_bias_in_gemm, s.vision_attention),
         add_class_token=s.class_tokens > 0, class_token_len=s.class_tokens, patch_dim=s.patch_size,
         img_h=s.image_size, img_w=s.image_size, max_img_h=s.max_image_size, max_img_w=s.max_image_size,
         has_cpe=True, embedder_bias=False, dynamic_resolution=s.dynamic_resolution,

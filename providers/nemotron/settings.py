@@ -71,6 +71,9 @@ class NemotronVLMSettings:
         True, "RADIO's attention output projection and MLP linears add their biases inside the GEMM (with backend "
                "te, transformer-engine's epilogue; its backward GEMM gives the bias gradient) instead of returning "
                "them for megatron-core's separate broadcast adds")
+    vision_attention: Literal["te", "flash"] = _setting(
+        "te", "backend te: the packed images' attention by transformer-engine's fused attention (cuDNN), or flash: "
+              "torch's variable-length flash-attention kernel (no cuDNN backward preprocessing; GPU, bf16/fp16)")
     vision_activation: Literal["gelu", "gelu_tanh"] = _setting(
         "gelu", "MLP activation of the RADIO encoder: gelu (exact, erf; C-RADIO's) or gelu_tanh (tanh "
                 "approximation: Megatron-LM's fast_gelu)")

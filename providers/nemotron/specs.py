@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_layer import (
 from mimo.plugins import SDPAttention
 from mimo.plugins.kit.grouped_mm_moe import with_grouped_mm_experts
 from mimo.plugins.kit.linear_bias import with_biases_in_gemm
+from mimo.plugins.kit.varlen_attention import FlashVarlenAttention
 from .layers import LayerNormColumnParallelLinear, LocalHybridStack
 from .mamba_mixer import LocalMambaMixer, MambaMixerSubmodules
 
@@ -140,10 +141,17 @@ def hybrid_stack_spec(backend: str, conv_kernel: int, num_experts: int, dt_clamp
 # --------------------------------------------------------------------------------------------- vision encoder
 
 
-def vit_layer_spec(backend: str, bias_in_gemm: bool = False) -> ModuleSpec:
+def vit_layer_spec(backend: str, bias_in_gemm: bool = False, attention: str = "te") -> ModuleSpec:
     """A pre-norm ViT layer without a causal mask; te is megatron-core's own TE ViT layer. `bias_in_gemm`: the
-    attention output projection and the MLP's linears add their biases themselves (kit linear_bias)."""
+    attention output projection and the MLP's linears add their biases themselves (kit linear_bias). `attention`
+    flash (backend te): the packed images' attention by torch's flash kernel (kit varlen_attention) in place of
+    transformer-engine's."""
     spec = _vit_layer_spec(backend)
+    if backend == "te" and attention == "flash":
+        attn = spec.submodules.self_attention
+        attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules,
+                                                                        core_attention=FlashVarlenAttention))
+        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
     return with_biases_in_gemm(spec) if bias_in_gemm else spec
 
 

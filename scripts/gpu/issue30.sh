@@ -9,7 +9,8 @@
 # (later sessions: round2 .. round45 in place of slice/rest, each after an install call; round6-25 and 27 need
 # no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
 # round39 4f26129, round40 and round41 (after round40, same machine) eede709,
-# round43, round44 (after round43, same machine) and round45 550576f)
+# round43, round44 (after round43, same machine) and round45 550576f, round46 and round47 (after round46, same
+# machine) 1f7ac12)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -629,5 +630,23 @@ case "$phase" in
     slice sb 150 base; slice sn 120; slice sc 120 base; slice sn2 rest
     python3 bench/te_path.py --summarize "$R"
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round45"; exit 2 ;;
+  round46)
+    # RADIO's attention by torch's flash kernel (vision_attention=flash) against transformer-engine's (cuDNN): the
+    # kernels alone at RADIO's shapes (scripts/gpu/check_radio_attention.py), then main at 1f7ac12 (first, empty
+    # cache), flash, te; 45 iterations each.
+    start_round /tmp/ccK 45
+    timeout -k 10 150 python3 scripts/gpu/check_radio_attention.py --out "$R/radio_attention.json" 2>&1 \
+      | tee "$R/radio_attention.log"
+    pack
+    slice sb 150 base; slice sf 120 --extra "--set vision_attention=flash"; slice sn rest
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  round47)
+    # After round46 on the same machine: flash, main at 1f7ac12, flash, te, alternating; 45 iterations each.
+    start_round /tmp/ccK 45
+    slice sf 125 --extra "--set vision_attention=flash"; slice sb 125 base
+    slice sf2 125 --extra "--set vision_attention=flash"; slice sn rest
+    python3 bench/te_path.py --summarize "$R"
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round47"; exit 2 ;;
 esac
