@@ -123,6 +123,9 @@ class NemotronVLMSettings:
         0.0, "lower bound of the Mamba-2 step size dt (after softplus) in the forward pass; 0: none, as in "
              "megatron-core's MambaMixer; Hugging Face's NemotronH clamps at its time_step_min (local backend only)",
         minimum=0.0)
+    mamba_chunk_size: int = _setting(
+        128, "Mamba-2 chunk length of the chunked scan (SSD): the same values up to rounding for any length; "
+             "megatron-core's default 128; FLOPs are counted at 128 whatever it is", **SIZE)
     vocab_size: int = _setting(131072, "vocabulary size (embedding and output layer, untied)", **SIZE)
     seq_length: int = _setting(8192, "tokens per sample, image tokens included", **SIZE)
     init_method_std: float = _setting(0.0173, "standard deviation of the initial weights (all modules)", minimum=0.0)

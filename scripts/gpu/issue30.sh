@@ -9,8 +9,7 @@
 # (later sessions: round2 .. round45 in place of slice/rest, each after an install call; round6-25 and 27 need
 # no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
 # round39 4f26129, round40 and round41 (after round40, same machine) eede709,
-# round43, round44 (after round43, same machine) and round45 550576f, round46 and round47 (after round46, same
-# machine) 1f7ac12)
+# round43, round44 (after round43, same machine) and round45 550576f, round46 and round47 1f7ac12)
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -642,10 +641,13 @@ case "$phase" in
     python3 bench/te_path.py --summarize "$R"
     ;;
   round47)
-    # After round46 on the same machine: flash, main at 1f7ac12, flash, te, alternating; 45 iterations each.
+    # Mamba-2's chunked scan at chunk 256 (mamba_chunk_size) against megatron-core's 128, after an install call
+    # that ran the probe (both chunks alone, at the slice's shape): main at 1f7ac12 (first, empty cache), 256, this
+    # code at 128, 256; 45 iterations each. The kernel choices autotuned for 256 are kept (kernel_configs.json).
     start_round /tmp/ccK 45
-    slice sf 125 --extra "--set vision_attention=flash"; slice sb 125 base
-    slice sf2 125 --extra "--set vision_attention=flash"; slice sn rest
+    slice sb 150 base; slice s256 130 --extra "--set mamba_chunk_size=256"; slice sn 120
+    slice s256b rest --extra "--set mamba_chunk_size=256"
+    cp /tmp/ccK/kernel_configs.json "$R/kernel_configs_K.json" 2>/dev/null; pack
     python3 bench/te_path.py --summarize "$R"
     ;;
   *) echo "phase: install, slice, rest, round2 .. round47"; exit 2 ;;
