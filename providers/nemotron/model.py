@@ -157,8 +157,7 @@ def vision_spec(s: NemotronVLMSettings, ctx) -> Encoder:
         normalization="RMSNorm", layernorm_epsilon=1e-5,  # read only by projection_norm's fused norm
     )
     encoder = ModuleSpec(module=RadioEncoder, params=dict(
-        transformer_config=vit_config,
-        transformer_layer_spec=vit_layer_spec(backend, s.vision_bias_in_gemm, s.vision_attention),
+        transformer_config=vit_config, transformer_layer_spec=vit_layer_spec(backend, s.vision_bias_in_gemm),
         add_class_token=s.class_tokens > 0, class_token_len=s.class_tokens, patch_dim=s.patch_size,
         img_h=s.image_size, img_w=s.image_size, max_img_h=s.max_image_size, max_img_w=s.max_image_size,
         has_cpe=True, embedder_bias=False, dynamic_resolution=s.dynamic_resolution,
@@ -203,7 +202,7 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
     return ModuleSpec(module=HybridModel, params=dict(
         config=config,
         hybrid_stack_spec=hybrid_stack_spec(backend, s.mamba_conv_kernel, s.num_experts, s.mamba_dt_clamp_min,
-                                            s.expert_gemm, s.mamba_chunk_size),
+                                            s.expert_gemm),
         vocab_size=s.vocab_size, max_sequence_length=s.seq_length, hybrid_layer_pattern=s.hybrid_pattern,
         share_embeddings_and_output_weights=False, position_embedding_type="none",
         scatter_embedding_sequence_parallel=False,  # MimoModel scatters the combined embeddings itself

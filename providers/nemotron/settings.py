@@ -71,9 +71,6 @@ class NemotronVLMSettings:
         True, "RADIO's attention output projection and MLP linears add their biases inside the GEMM (with backend "
                "te, transformer-engine's epilogue; its backward GEMM gives the bias gradient) instead of returning "
                "them for megatron-core's separate broadcast adds")
-    vision_attention: Literal["te", "flash"] = _setting(
-        "te", "backend te: the packed images' attention by transformer-engine's fused attention (cuDNN), or flash: "
-              "torch's variable-length flash-attention kernel (no cuDNN backward preprocessing; GPU, bf16/fp16)")
     vision_activation: Literal["gelu", "gelu_tanh"] = _setting(
         "gelu", "MLP activation of the RADIO encoder: gelu (exact, erf; C-RADIO's) or gelu_tanh (tanh "
                 "approximation: Megatron-LM's fast_gelu)")
@@ -123,9 +120,6 @@ class NemotronVLMSettings:
         0.0, "lower bound of the Mamba-2 step size dt (after softplus) in the forward pass; 0: none, as in "
              "megatron-core's MambaMixer; Hugging Face's NemotronH clamps at its time_step_min (local backend only)",
         minimum=0.0)
-    mamba_chunk_size: int = _setting(
-        128, "Mamba-2 chunk length of the chunked scan (SSD): the same values up to rounding for any length; "
-             "megatron-core's default 128; FLOPs are counted at 128 whatever it is", **SIZE)
     vocab_size: int = _setting(131072, "vocabulary size (embedding and output layer, untied)", **SIZE)
     seq_length: int = _setting(8192, "tokens per sample, image tokens included", **SIZE)
     init_method_std: float = _setting(0.0173, "standard deviation of the initial weights (all modules)", minimum=0.0)

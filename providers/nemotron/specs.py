@@ -34,7 +34,6 @@ from megatron.core.transformer.transformer_layer import (
 from mimo.plugins import SDPAttention
 from mimo.plugins.kit.grouped_mm_moe import with_grouped_mm_experts
 from mimo.plugins.kit.linear_bias import with_biases_in_gemm
-from mimo.plugins.kit.varlen_attention import FlashVarlenAttention
 from .layers import LayerNormColumnParallelLinear, LocalHybridStack
 from .mamba_mixer import LocalMambaMixer, MambaMixerSubmodules
 
@@ -75,7 +74,7 @@ def resolve_backend(requested: str) -> str:
 # --------------------------------------------------------------------------------------------- language model
 
 
-def _te_hybrid_stack(conv_kernel: int, grouped_mm: bool, chunk_size: int = 128) -> ModuleSpec:
+def _te_hybrid_stack(conv_kernel: int, grouped_mm: bool) -> ModuleSpec:
     """megatron-core's TE hybrid stack with only the layer kinds this family uses (M, E, *, -); `grouped_mm`: the
     routed experts as torch grouped GEMMs (mimo.plugins.kit.grouped_mm_moe)."""
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
@@ -83,7 +82,7 @@ def _te_hybrid_stack(conv_kernel: int, grouped_mm: bool, chunk_size: int = 128) 
     sub = hybrid_stack_spec.submodules
     moe = with_grouped_mm_experts(sub.moe_layer) if grouped_mm else sub.moe_layer
     mixer = sub.mamba_layer.submodules.mixer  # copied, not changed: the spec is megatron-core's module global
-    mixer = dataclasses.replace(mixer, params={**mixer.params, "d_conv": conv_kernel, "chunk_size": chunk_size})
+    mixer = dataclasses.replace(mixer, params={**mixer.params, "d_conv": conv_kernel})
     mamba = dataclasses.replace(sub.mamba_layer, submodules=dataclasses.replace(sub.mamba_layer.submodules,
                                                                                 mixer=mixer))
     return ModuleSpec(module=HybridStack, submodules=HybridStackSubmodules(
@@ -91,11 +90,11 @@ def _te_hybrid_stack(conv_kernel: int, grouped_mm: bool, chunk_size: int = 128) 
 
 
 def _local_hybrid_stack(conv_kernel: int, num_experts: int, dt_clamp_min: float = 0.0,
-                        grouped_mm: bool = False, chunk_size: int = 128) -> ModuleSpec:
+                        grouped_mm: bool = False) -> ModuleSpec:
     """The same stack from local modules: the norms fused into the first linear of each layer kind, like TE's.
     `dt_clamp_min` > 0 bounds the Mamba step size from below (Hugging Face's NemotronH does), which only the local
     mixer can; at 0 the spec is exactly the TE one."""
-    mixer_params = {"d_conv": conv_kernel, "chunk_size": chunk_size}
+    mixer_params = {"d_conv": conv_kernel}
     if dt_clamp_min > 0:
         mixer_params["dt_limit"] = (dt_clamp_min, float("inf"))
     mamba = ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
@@ -128,30 +127,23 @@ def uses_grouped_mm(expert_gemm: str, backend: str) -> bool:
 
 
 def hybrid_stack_spec(backend: str, conv_kernel: int, num_experts: int, dt_clamp_min: float = 0.0,
-                      expert_gemm: str = "megatron", chunk_size: int = 128) -> ModuleSpec:
+                      expert_gemm: str = "megatron") -> ModuleSpec:
     grouped_mm = uses_grouped_mm(expert_gemm, backend)
     if backend != "te":
-        return _local_hybrid_stack(conv_kernel, num_experts, dt_clamp_min, grouped_mm, chunk_size)
+        return _local_hybrid_stack(conv_kernel, num_experts, dt_clamp_min, grouped_mm)
     if dt_clamp_min > 0:  # MambaMixer calls the mamba-ssm kernels with a fixed dt_limit of (0, inf)
         raise ValueError(f"mamba_dt_clamp_min {dt_clamp_min}: megatron-core's MambaMixer (backend te) does not "
                          f"clamp the Mamba step size; use backend=local or mamba_dt_clamp_min=0")
-    return _te_hybrid_stack(conv_kernel, grouped_mm, chunk_size)
+    return _te_hybrid_stack(conv_kernel, grouped_mm)
 
 
 # --------------------------------------------------------------------------------------------- vision encoder
 
 
-def vit_layer_spec(backend: str, bias_in_gemm: bool = False, attention: str = "te") -> ModuleSpec:
+def vit_layer_spec(backend: str, bias_in_gemm: bool = False) -> ModuleSpec:
     """A pre-norm ViT layer without a causal mask; te is megatron-core's own TE ViT layer. `bias_in_gemm`: the
-    attention output projection and the MLP's linears add their biases themselves (kit linear_bias). `attention`
-    flash (backend te): the packed images' attention by torch's flash kernel (kit varlen_attention) in place of
-    transformer-engine's."""
+    attention output projection and the MLP's linears add their biases themselves (kit linear_bias)."""
     spec = _vit_layer_spec(backend)
-    if backend == "te" and attention == "flash":
-        attn = spec.submodules.self_attention
-        attn = dataclasses.replace(attn, submodules=dataclasses.replace(attn.submodules,
-                                                                        core_attention=FlashVarlenAttention))
-        spec = dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, self_attention=attn))
     return with_biases_in_gemm(spec) if bias_in_gemm else spec
 
 

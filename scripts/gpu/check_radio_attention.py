@@ -1,9 +1,11 @@
 """RADIO's packed (THD) self-attention on a GPU at the Nemotron slice's shapes: transformer-engine's fused
-attention (cuDNN, what megatron-core's TE ViT layer calls) against torch's variable-length flash attention
-(mimo.plugins.kit.varlen_attention), each given the query/key/value views megatron-core splits from one fused
-QKV GEMM output. Per draw of image sizes: milliseconds forward without autograd (the graphed recomputed forward)
-and forward + backward (min-median-max of 20 after 5 warm-up runs), the kernels of one forward + backward, and
-the two paths' largest differences (output and gradients, relative to the largest value), each also against fp32.
+attention (cuDNN, what megatron-core's TE ViT layer calls), the same over heads zero-padded from 80 to 96 and 128
+(cuDNN's packed backward takes a slow generic preprocessing kernel at RADIO's head dimension), and torch's
+variable-length flash attention (the aten op itself: newer torch releases route `varlen_attn` to cuDNN on Hopper),
+each given the query/key/value views megatron-core splits from one fused QKV GEMM output. Per draw of image sizes:
+milliseconds forward without autograd (the graphed recomputed forward) and forward + backward (min-median-max of
+20 after 5 warm-up runs), the kernels of one forward + backward, and each path's largest differences from the
+first (output and gradients, relative to the largest value), te and flash also against fp32.
 
     python3 scripts/gpu/check_radio_attention.py [--draws 3] [--out FILE]
 """
@@ -18,8 +20,6 @@ from collections import defaultdict
 
 import torch
 from transformer_engine.pytorch import DotProductAttention
-
-from mimo.plugins.kit.varlen_attention import flash_varlen
 
 HEADS, HEAD_DIM, CLASS_TOKENS, MIN_PATCHES, MAX_PATCHES, IMAGES = 16, 80, 8, 256, 4096, 8
 SEQLEN_STEP = 256  # mimo rounds RADIO's max_seqlen up to this (providers/nemotron/model.py)
@@ -45,8 +45,25 @@ def te_attention():
                                       qkv_format="thd", attn_mask_type="padding").view(q.shape[0], -1)
 
 
+def te_padded_attention(width: int):
+    """transformer-engine's attention over heads zero-padded from 80 to `width` (the scale kept at 1/sqrt(80)):
+    the same scores and, in the first 80 columns, the same output."""
+    dpa = DotProductAttention(HEADS, width, attention_dropout=0.0, qkv_format="thd", attn_mask_type="padding",
+                              softmax_scale=1 / math.sqrt(HEAD_DIM))
+
+    def run(q, k, v, cu, m):
+        q, k, v = (torch.nn.functional.pad(t, (0, width - HEAD_DIM)) for t in (q, k, v))
+        out = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m, qkv_format="thd",
+                  attn_mask_type="padding").view(q.shape[0], HEADS, width)
+        return out[..., :HEAD_DIM].reshape(q.shape[0], -1)
+
+    return run
+
+
 def varlen(q, k, v, cu, m):
-    return flash_varlen(q, k, v, cu, cu, m, m, causal=False, scale=1 / math.sqrt(HEAD_DIM)).reshape(q.shape[0], -1)
+    out = torch.ops.aten._flash_attention_forward(q, k, v, cu, cu, m, m, 0.0, False, False,
+                                                  scale=1 / math.sqrt(HEAD_DIM))[0]
+    return out.reshape(q.shape[0], -1)
 
 
 def reference(q, k, v, lengths) -> torch.Tensor:
@@ -121,7 +138,7 @@ def main() -> None:
     args = parser.parse_args()
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": HEADS, "head_dim": HEAD_DIM,
               "draws": []}
-    te_fn = te_attention()
+    te_fn, padded = te_attention(), {w: te_padded_attention(w) for w in (96, 128)}
     for draw in range(args.draws):
         lengths = lengths_of(draw)
         tokens = sum(lengths)
@@ -131,14 +148,19 @@ def main() -> None:
         flops = 4 * sum(n * n for n in lengths) * HEADS * HEAD_DIM  # forward: QK^T and PV
         entry = {"lengths": lengths, "tokens": tokens, "forward_gflop": round(flops / 1e9, 2), "runs": [
             measure("te", te_fn, lengths, cu, bound, grad),
-            measure("te", te_fn, lengths, cu, MAX_PATCHES + CLASS_TOKENS + 248, grad),  # the graphs' largest bound
+            measure("te-pad96", padded[96], lengths, cu, bound, grad),
+            measure("te-pad128", padded[128], lengths, cu, bound, grad),
             measure("flash", varlen, lengths, cu, bound, grad),
         ]}
         for r in entry["runs"]:
             fwd, both = r["forward_ms"][1], r["forward_backward_ms"][1]
-            r["tflops_forward"], r["tflops_forward_backward"] = round(flops / fwd / 1e9, 1), round(3.5 * flops / both / 1e9, 1)
+            r["tflops_forward"] = round(flops / fwd / 1e9, 1)
+            r["tflops_forward_backward"] = round(3.5 * flops / both / 1e9, 1)  # backward 2.5 forwards
         te_out, te_grad = run(te_fn, lengths, cu, bound, grad)
         fl_out, fl_grad = run(varlen, lengths, cu, bound, grad)
+        for w, fn in padded.items():
+            p_out, p_grad = run(fn, lengths, cu, bound, grad)
+            entry[f"te_vs_pad{w}"] = {"out": relative(p_out, te_out), "grad": relative(p_grad, te_grad)}
         torch.manual_seed(0)
         mixed, q, k, v = qkv_views(tokens)
         ref = reference(q, k, v, lengths)
@@ -152,8 +174,9 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-    worst = max(e["te_vs_flash"][k] for e in report["draws"] for k in ("out", "grad"))
-    raise SystemExit(0 if worst < 2e-2 else f"te and flash differ by {worst:.3g} (relative)")
+    worst = max(e[c][k] for e in report["draws"] for c in ("te_vs_flash", "te_vs_pad96", "te_vs_pad128")
+                for k in ("out", "grad"))
+    raise SystemExit(0 if worst < 2e-2 else f"the paths differ by {worst:.3g} (relative)")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@
 # (later sessions: round2 .. round45 in place of slice/rest, each after an install call; round6-25 and 27 need
 # no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
 # round39 4f26129, round40 and round41 (after round40, same machine) eede709,
-# round43, round44 (after round43, same machine) and round45 550576f, round46 and round47 1f7ac12)
+# round43, round44 (after round43, same machine) and round45 550576f, round46 1f7ac12; the install call's Mamba
+# probe takes its chunk lengths from ISSUE30_PROBE_CHUNKS, default "128 256")
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -83,7 +84,7 @@ case "$phase" in
     # its speed at chunk 128 (megatron's) and 256, at the slice's shape (ISSUE30_PROBE_SHAPES="slice mid" adds
     # mid's); a cache of its own, so that call 2 starts cold
     [ "${ISSUE30_PROBE:-1}" = 0 ] || TRITON_CACHE_DIR=/tmp/triton-probe timeout -k 10 $(( $(left) - 10 )) python3 scripts/gpu/mamba_ssd_probe.py \
-      --shapes ${ISSUE30_PROBE_SHAPES:-slice} --out "$R/mamba_probe.json" 2>&1 | tee "$R/probe.log"
+      --shapes ${ISSUE30_PROBE_SHAPES:-slice} --chunks ${ISSUE30_PROBE_CHUNKS:-128 256} --out "$R/mamba_probe.json" 2>&1 | tee "$R/probe.log"
     pack
     ;;
   slice|rest)
@@ -630,9 +631,10 @@ case "$phase" in
     python3 bench/te_path.py --summarize "$R"
     ;;
   round46)
-    # RADIO's attention by torch's flash kernel (vision_attention=flash) against transformer-engine's (cuDNN): the
-    # kernels alone at RADIO's shapes (scripts/gpu/check_radio_attention.py), then main at 1f7ac12 (first, empty
-    # cache), flash, te; 45 iterations each.
+    # RADIO's attention by torch's flash kernel against transformer-engine's (cuDNN): the kernels alone at RADIO's
+    # shapes (scripts/gpu/check_radio_attention.py), then main at 1f7ac12 (first, empty cache), flash, te; 45
+    # iterations each. Ran at ac04e32, whose Nemotron setting vision_attention=flash was removed after it (no
+    # faster: docs/benchmarks.md (g)); the sf run needs that commit.
     start_round /tmp/ccK 45
     timeout -k 10 150 python3 scripts/gpu/check_radio_attention.py --out "$R/radio_attention.json" 2>&1 \
       | tee "$R/radio_attention.log"
@@ -640,15 +642,5 @@ case "$phase" in
     slice sb 150 base; slice sf 120 --extra "--set vision_attention=flash"; slice sn rest
     python3 bench/te_path.py --summarize "$R"
     ;;
-  round47)
-    # Mamba-2's chunked scan at chunk 256 (mamba_chunk_size) against megatron-core's 128, after an install call
-    # that ran the probe (both chunks alone, at the slice's shape): main at 1f7ac12 (first, empty cache), 256, this
-    # code at 128, 256; 45 iterations each. The kernel choices autotuned for 256 are kept (kernel_configs.json).
-    start_round /tmp/ccK 45
-    slice sb 150 base; slice s256 130 --extra "--set mamba_chunk_size=256"; slice sn 120
-    slice s256b rest --extra "--set mamba_chunk_size=256"
-    cp /tmp/ccK/kernel_configs.json "$R/kernel_configs_K.json" 2>/dev/null; pack
-    python3 bench/te_path.py --summarize "$R"
-    ;;
-  *) echo "phase: install, slice, rest, round2 .. round47"; exit 2 ;;
+  *) echo "phase: install, slice, rest, round2 .. round46"; exit 2 ;;
 esac
