@@ -11,28 +11,15 @@ to the largest value); milliseconds min-median-max of 20 after 5 warm-up runs; a
 from __future__ import annotations
 
 import json
-import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from event_timing import spread_ms
 
 from mimo.plugins.kit import grouped_wgrad as gw
 
 CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]
-
-
-def timed(fn) -> list[float]:
-    times = []
-    for i in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(end))
-    return [round(min(times), 3), round(statistics.median(times), 3), round(max(times), 3)]
 
 
 def case(n: int, k: int, experts: int = 16, rows: int = 8192 * 6) -> dict:
@@ -60,13 +47,13 @@ def case(n: int, k: int, experts: int = 16, rows: int = 8192 * 6) -> dict:
         first = time.perf_counter() - began
         name = "fused_" + "x".join(map(str, config))
         report[name] = {"error": error(), "first_s": round(first, 2)}
-        report[name]["ms"] = timed(lambda: gw.launch_grouped_wgrad(*located, dy, x, ends, config=config))
+        report[name]["ms"] = spread_ms(lambda: gw.launch_grouped_wgrad(*located, dy, x, ends, config=config))
     for name, add in (("separate", lambda g: gw.add_stacked(grads, g)),
                       ("torch", lambda g: torch._foreach_add_(grads, list(g.unbind(0))))):
         buffer.zero_()
         add(F.grouped_mm(dy.t(), x, offs=ends))
-        report[name] = {"error": error(), "ms": timed(lambda: add(F.grouped_mm(dy.t(), x, offs=ends)))}
-    report["gemm_only_ms"] = timed(lambda: F.grouped_mm(dy.t(), x, offs=ends))
+        report[name] = {"error": error(), "ms": spread_ms(lambda: add(F.grouped_mm(dy.t(), x, offs=ends)))}
+    report["gemm_only_ms"] = spread_ms(lambda: F.grouped_mm(dy.t(), x, offs=ends))
     return report
 
 

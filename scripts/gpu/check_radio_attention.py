@@ -15,10 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 from collections import defaultdict
 
 import torch
+from event_timing import spread_ms
 from transformer_engine.pytorch import DotProductAttention
 
 HEADS, HEAD_DIM, CLASS_TOKENS, MIN_PATCHES, MAX_PATCHES, IMAGES = 16, 80, 8, 256, 4096, 8
@@ -39,25 +39,20 @@ def qkv_views(tokens: int):
     return mixed, q, k, v
 
 
-def te_attention():
-    dpa = DotProductAttention(HEADS, HEAD_DIM, attention_dropout=0.0, qkv_format="thd", attn_mask_type="padding")
-    return lambda q, k, v, cu, m: dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m,
-                                      qkv_format="thd", attn_mask_type="padding").view(q.shape[0], -1)
-
-
-def te_padded_attention(width: int):
-    """transformer-engine's attention over heads zero-padded from 80 to `width` (the scale kept at 1/sqrt(80)):
-    the same scores and, in the first 80 columns, the same output."""
+def te_attention(width: int = HEAD_DIM):
+    """transformer-engine's attention; with `width` > 80 over heads zero-padded to it (the scale kept at
+    1/sqrt(80)): the same scores and, in the first 80 columns, the same output."""
     dpa = DotProductAttention(HEADS, width, attention_dropout=0.0, qkv_format="thd", attn_mask_type="padding",
                               softmax_scale=1 / math.sqrt(HEAD_DIM))
 
-    def run(q, k, v, cu, m):
-        q, k, v = (torch.nn.functional.pad(t, (0, width - HEAD_DIM)) for t in (q, k, v))
+    def attend(q, k, v, cu, m):
+        if width != HEAD_DIM:
+            q, k, v = (torch.nn.functional.pad(t, (0, width - HEAD_DIM)) for t in (q, k, v))
         out = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=m, max_seqlen_kv=m, qkv_format="thd",
                   attn_mask_type="padding").view(q.shape[0], HEADS, width)
         return out[..., :HEAD_DIM].reshape(q.shape[0], -1)
 
-    return run
+    return attend
 
 
 def varlen(q, k, v, cu, m):
@@ -76,25 +71,12 @@ def reference(q, k, v, lengths) -> torch.Tensor:
     return torch.cat(out)
 
 
-def run(fn, lengths, cu, m, grad, seed=0):
-    torch.manual_seed(seed)
+def run(fn, lengths, cu, m, grad):
+    torch.manual_seed(0)
     mixed, q, k, v = qkv_views(sum(lengths))
     out = fn(q, k, v, cu, m)
     out.backward(grad)
     return out.detach().float(), mixed.grad.float()
-
-
-def timed(body, runs: int = 25) -> list[float]:
-    times = []
-    for i in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        body()
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(end))
-    return [round(min(times), 3), round(statistics.median(times), 3), round(max(times), 3)]
 
 
 def kernels(body) -> dict[str, float]:
@@ -123,7 +105,8 @@ def measure(name, fn, lengths, cu, m, grad) -> dict:
         mixed.grad = None
         fn(q, k, v, cu, m).backward(grad)
 
-    return {"path": name, "max_seqlen": m, "forward_ms": timed(forward), "forward_backward_ms": timed(forward_backward),
+    return {"path": name, "max_seqlen": m, "forward_ms": spread_ms(forward),
+            "forward_backward_ms": spread_ms(forward_backward),
             "kernels_forward_backward_ms": kernels(forward_backward)}
 
 
@@ -138,7 +121,7 @@ def main() -> None:
     args = parser.parse_args()
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "heads": HEADS, "head_dim": HEAD_DIM,
               "draws": []}
-    te_fn, padded = te_attention(), {w: te_padded_attention(w) for w in (96, 128)}
+    te_fn, padded = te_attention(), {w: te_attention(w) for w in (96, 128)}
     for draw in range(args.draws):
         lengths = lengths_of(draw)
         tokens = sum(lengths)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from event_timing import spread_ms
 
 from mimo.plugins.kit.squared_relu_probs import eager, squared_relu_probs
 
@@ -21,19 +21,6 @@ def run(fn, up, probs, grad):
     out = fn(up, probs)
     out.backward(grad)
     return out, up.grad, probs.grad
-
-
-def timed(fn, up, probs, grad) -> list[float]:
-    times = []
-    for i in range(25):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run(fn, up, probs, grad)
-        end.record()
-        torch.cuda.synchronize()
-        if i >= 5:
-            times.append(start.elapsed_time(end))
-    return times
 
 
 def main() -> None:
@@ -51,8 +38,7 @@ def main() -> None:
         a, b = a.float(), b.float()
         report[f"{name}_max_diff_relative"] = ((a - b).abs().max() / b.abs().max()).item()
     for name, fn in (("fused", squared_relu_probs), ("eager", eager)):
-        t = timed(fn, up, probs, grad)
-        report[f"{name}_ms"] = [round(min(t), 3), round(statistics.median(t), 3), round(max(t), 3)]
+        report[f"{name}_ms"] = spread_ms(lambda: run(fn, up, probs, grad))
     print(json.dumps(report))
     worst = max(v for k, v in report.items() if k.endswith("relative"))
     raise SystemExit(0 if worst < 2e-2 else f"fused and eager differ by {worst:.3g} (relative)")

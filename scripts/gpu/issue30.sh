@@ -83,8 +83,9 @@ case "$phase" in
     # mamba-ssm's share of the first iteration (compile + autotune of the training kernel megatron-core calls) and
     # its speed at chunk 128 (megatron's) and 256, at the slice's shape (ISSUE30_PROBE_SHAPES="slice mid" adds
     # mid's); a cache of its own, so that call 2 starts cold
-    [ "${ISSUE30_PROBE:-1}" = 0 ] || TRITON_CACHE_DIR=/tmp/triton-probe timeout -k 10 $(( $(left) - 10 )) python3 scripts/gpu/mamba_ssd_probe.py \
-      --shapes ${ISSUE30_PROBE_SHAPES:-slice} --chunks ${ISSUE30_PROBE_CHUNKS:-128 256} --out "$R/mamba_probe.json" 2>&1 | tee "$R/probe.log"
+    [ "${ISSUE30_PROBE:-1}" = 0 ] || TRITON_CACHE_DIR=/tmp/triton-probe timeout -k 10 $(( $(left) - 10 )) \
+      python3 scripts/gpu/mamba_ssd_probe.py --shapes ${ISSUE30_PROBE_SHAPES:-slice} \
+      --chunks ${ISSUE30_PROBE_CHUNKS:-128 256} --out "$R/mamba_probe.json" 2>&1 | tee "$R/probe.log"
     pack
     ;;
   slice|rest)
