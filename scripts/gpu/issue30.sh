@@ -148,7 +148,6 @@ case "$phase" in
         --repeats 3 2>&1 | tail -40 | tee -a "$R/console.log"
       pack
     fi
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round4|round5)
     # The third device session: the provider's recorded pins (kernel_configs/sm90.json, from the first session's
@@ -166,7 +165,6 @@ case "$phase" in
       MIMO_STACK_DUMP_S=60 bench m $(( $(left) - 10 )) --cases mid-te-mbs8-selective \
         --extra "--compile-cache /tmp/ccD --image-patches mean"
     fi
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round6)
     # The fourth device session: the slice with CUDA graphs (Mamba and attention layers), and with FP8 tensorwise
@@ -176,7 +174,6 @@ case "$phase" in
     bench p 190 --cases slice-te --extra "--compile-cache /tmp/ccE"
     bench g 170 --cases slice-te-graphs --extra "--compile-cache /tmp/ccE"
     bench 8 $(( $(left) - 10 )) --cases slice-te-fp8 --extra "--compile-cache /tmp/ccE"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round7)
     # After round6 found FP8 failing in iteration 1's backward (the in-place padded routing map, now with the
@@ -185,7 +182,6 @@ case "$phase" in
     versions > "$R/versions.txt" 2>&1
     bench 8 170 --cases slice-te-fp8 --extra "--compile-cache /tmp/ccF"
     bench g $(( $(left) - 10 )) --cases slice-te-graphs --extra "--compile-cache /tmp/ccF"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round8)
     # The fifth device session: the encoders once per step (--encoder-pass step) against once per micro-batch, on
@@ -200,7 +196,6 @@ case "$phase" in
     bench f 110 --cases slice-te-fp8 --extra "--compile-cache /tmp/ccG --encoder-pass step --recompute images=full"
     bench d 80 --cases dense-te-graphs-fp8-mbs4 --extra "--compile-cache /tmp/ccG --encoder-pass micro-batch"
     bench e $(( $(left) - 10 )) --cases dense-te-graphs-fp8-mbs4 --extra "--compile-cache /tmp/ccG --encoder-pass step"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round9|round10|round11)
     # The fifth device session, after round8: the routed experts as torch grouped GEMMs with the token counts on
@@ -226,7 +221,6 @@ case "$phase" in
       bench t $(( $(left) - 10 )) --cases mid-te-mbs8-selective \
         --extra "--compile-cache /tmp/ccJ --image-patches mean --set expert_gemm=megatron"
     fi
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round12)
     # Where the slice's GPU still waits with every default (step encoders recomputed, grouped-GEMM experts), and
@@ -237,7 +231,6 @@ case "$phase" in
     bench a 170 --cases slice-te-graphs --iterations 12 --profile slice-te-graphs --extra "--compile-cache /tmp/ccK"
     bench m $(( $(left) - 10 )) --cases slice-te-graphs --iterations 12 --profile slice-te-graphs \
       --extra "--compile-cache /tmp/ccK --encoder-pass step --image-patches mean"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round13)
     # The slice and mid with every default, profiled: the summaries name each host synchronization's call site.
@@ -245,7 +238,6 @@ case "$phase" in
     versions > "$R/versions.txt" 2>&1
     bench a 170 --cases slice-te-graphs --iterations 12 --profile slice-te-graphs --extra "--compile-cache /tmp/ccL"
     bench m $(( $(left) - 10 )) --cases mid-te --iterations 12 --profile mid-te --extra "--compile-cache /tmp/ccL"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round14)
     # nemotron-moe-vlm-mid with CUDA graphs of its Mamba and attention layers, at micro-batch 4 x 2 and 8 x 1.
@@ -253,7 +245,6 @@ case "$phase" in
     versions > "$R/versions.txt" 2>&1
     bench g 170 --cases mid-te-graphs --extra "--compile-cache /tmp/ccM"
     bench s $(( $(left) - 10 )) --cases mid-te-mbs8-selective-graphs --extra "--compile-cache /tmp/ccM --image-patches mean"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round15)
     # The closing record: main's choices (per-micro-batch encoders, transformer-engine's grouped GEMM) against every
@@ -265,7 +256,6 @@ case "$phase" in
     bench sd 110 --cases slice-te-graphs --extra "--compile-cache /tmp/ccN"
     bench mb 130 --cases mid-te-graphs --extra "--compile-cache /tmp/ccN $M"
     bench md $(( $(left) - 10 )) --cases mid-te-graphs --extra "--compile-cache /tmp/ccN"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round16)
     # RADIO's recomputed forward replayed as CUDA graphs (the vision_graphs setting): the slice without and with
@@ -277,7 +267,6 @@ case "$phase" in
     bench sg 130 --cases slice-te-graphs $W --profile slice-te-graphs --extra "--compile-cache /tmp/ccP"
     bench md 110 --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccP"
     bench mg $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccP --recompute images=full"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round17)
     # round16 again over 40 iterations (20 left out): every bucket of patch counts is captured in the first ones
@@ -288,7 +277,6 @@ case "$phase" in
     bench sg 150 --cases slice-te-graphs $W --profile slice-te-graphs --extra "--compile-cache /tmp/ccQ"
     bench mg 100 --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccQ --recompute images=full"
     bench md $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccQ"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round18)
     # Why round17's mid with images=full and graphed recompute did not finish its first iteration: four
@@ -309,7 +297,6 @@ case "$phase" in
     W="--iterations 24 --warmup 12 --extra"
     bench so 150 --cases slice-te-graphs $W "--compile-cache /tmp/ccR --recompute images=full --set vision_graphs=false"
     bench sg $(( $(left) - 10 )) --cases slice-te-graphs $W "--compile-cache /tmp/ccR --recompute images=full"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round19)
     # The slice with every default (on an H100 the encoders are recomputed, so their forward replays graphs) against
@@ -320,7 +307,6 @@ case "$phase" in
     bench so 170 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccS --set vision_graphs=false"
     bench sg $(( $(left) - 10 )) --cases slice-te-graphs $W --profile slice-te-graphs --extra "--compile-cache /tmp/ccS"
     grep -h "recomputed layers" "$R"/sg/*.log
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round20)
     # A launch queue four times CUDA's default (CUDA_SCALE_LAUNCH_QUEUES=4x): the host runs further ahead in the
@@ -332,7 +318,6 @@ case "$phase" in
     export CUDA_SCALE_LAUNCH_QUEUES=4x
     bench sq 120 --cases slice-te-graphs $W --profile slice-te-graphs --extra "--compile-cache /tmp/ccT"
     bench mq $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccT"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round21)
     # The closing record on an H100: the slice with every default, the same with --fp8 tensorwise, and mid's
@@ -343,7 +328,6 @@ case "$phase" in
     bench sg 160 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccU"
     bench sf 140 --cases slice-te-fp8 $W --extra "--compile-cache /tmp/ccU"
     bench md $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccU"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round22)
     # The recomputed encoder's backward replayed as graphs too (vision_graphs=on, the new default) against the
@@ -355,7 +339,6 @@ case "$phase" in
     bench sf 120 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccV --set vision_graphs=forward"
     bench sb $(( $(left) - 10 )) --cases slice-te-graphs $W --profile slice-te-graphs --extra "--compile-cache /tmp/ccV"
     grep -h "recomputed layers\|CUDA graphs" "$R"/sb/*.log | head -12
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round23)
     # round22 again with the buckets tight (one padding sequence, the longest image rounded to 1024): the forward
@@ -366,7 +349,6 @@ case "$phase" in
     bench sf 175 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccW"
     bench sb $(( $(left) - 10 )) --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccW --set vision_graphs=all"
     grep -h "recomputed layers" "$R"/s?/*.log | tail -4
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round24)
     # The closing comparison on one H100: megatron-core's recompute against the graphed forward (the default, tight
@@ -376,7 +358,6 @@ case "$phase" in
     W="--iterations 28 --warmup 14"
     bench so 115 --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccX --set vision_graphs=megatron"
     bench sf $(( $(left) - 10 )) --cases slice-te-graphs $W --extra "--compile-cache /tmp/ccX"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round25)
     # The MoE layers' router and dispatch preprocessing captured too (--cuda-graph-modules mamba,attn,moe_router:
@@ -390,7 +371,6 @@ case "$phase" in
     bench md 100 --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccY"
     bench mr $(( $(left) - 10 )) --cases mid-te-graphs $W --extra "--compile-cache /tmp/ccY --cuda-graph-modules mamba,attn,moe_router"
     grep -h "CUDA graph\|captur" "$R"/sr/*.log | head -6
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round26)
     # One wait for the GPU per step (the optimizer's gradient norms; the loss totals, MoE losses, found-inf and
@@ -404,7 +384,6 @@ case "$phase" in
     bench sn 130 --cases slice-te-graphs $W --profile slice-te-graphs
     bench mb 110 --cases mid-te-graphs $W --baseline-src "$base"
     bench mn $(( $(left) - 10 )) --cases mid-te-graphs $W
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round27)
     # The closing record with one wait per step: the slice with every default (40 iterations, 20 left out), the
@@ -417,7 +396,6 @@ case "$phase" in
     bench md 110 --cases mid-te-graphs --iterations 24 --warmup 12
     bench mr 80 --cases mid-te-graphs --iterations 24 --warmup 12 --extra "--cuda-graph-modules mamba,attn,moe_router"
     bench sf $(( $(left) - 10 )) --cases slice-te-fp8 --iterations 24 --warmup 12
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round28)
     # round26 in the other order (the second mid run of a call was the faster one in round26 and round27, whatever
@@ -430,7 +408,6 @@ case "$phase" in
     bench mb 90 --cases mid-te-graphs $W --baseline-src "$base"
     bench sn 135 --cases slice-te-graphs $W
     bench sb $(( $(left) - 10 )) --cases slice-te-graphs $W --baseline-src "$base"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round29)
     # mid alone, in the order this code, main at b01c73d, this code with the MoE routers graphed too, this code
@@ -444,7 +421,6 @@ case "$phase" in
     bench m3 90 --cases mid-te-graphs $W --extra "--cuda-graph-modules mamba,attn,moe_router"
     bench m4 90 --cases mid-te-graphs $W
     bench m5 $(( $(left) - 10 )) --cases mid-te-graphs $W --baseline-src "$base"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round30)
     # The closing record: every default (one wait per step, the MoE routers graphed) against main at b01c73d, the
@@ -460,7 +436,6 @@ case "$phase" in
     bench mb 100 --cases mid-te-graphs $W --baseline-src "$base"
     bench mn 80 --cases mid-te-graphs $W
     bench mc $(( $(left) - 10 )) --cases mid-te-graphs $W --baseline-src "$base"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round31)
     # round30 again after its failure (the provider then asked for moe_preprocess too, which breaks megatron-core's
@@ -475,7 +450,6 @@ case "$phase" in
     W="--iterations 32 --warmup 12"
     bench mb 100 --cases mid-te-graphs $W --baseline-src "$base"
     bench mn $(( $(left) - 10 )) --cases mid-te-graphs $W
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round32)
     # Weight gradients into main_grad for megatron-core's own layers (the output layer, the embedding), the
@@ -489,7 +463,6 @@ case "$phase" in
     bench sn 120 --cases slice-te-graphs $W
     bench sp 120 --cases slice-te-graphs $W --profile slice-te-graphs
     bench sc $(( $(left) - 10 )) --cases slice-te-graphs $W --baseline-src "$base"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round33)
     # round32's code on mid against main at d3b5848 (main, this code, main: the first mid run on a machine is
@@ -504,7 +477,6 @@ case "$phase" in
     bench mc 80 --cases mid-te-graphs $W --baseline-src "$base"
     bench sf 140 --cases slice-te-fp8 $W
     bench su $(( $(left) - 10 )) --cases slice-te-graphs $W --extra "--no-grad-accum-fusion"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round34)
     # round33's mid rows again with caps that fit mid's start and first-iteration autotuning (round33's were
@@ -517,7 +489,6 @@ case "$phase" in
     bench mb 160 --cases mid-te-graphs $W --baseline-src "$base"
     bench mn 120 --cases mid-te-graphs $W
     bench su $(( $(left) - 10 )) --cases slice-te-graphs $W --extra=--no-grad-accum-fusion
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round35)
     # The fused squared-ReLU-times-probabilities kernels checked against the eager expression; then the slice with
@@ -533,7 +504,6 @@ case "$phase" in
     bench sn 110 --cases slice-te-graphs $W
     bench sc 110 --cases slice-te-graphs $W --baseline-src "$base"
     bench sp $(( $(left) - 10 )) --cases slice-te-graphs $W --profile slice-te-graphs
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round36)
     # round35's code on mid against main at d3b5848 (main first: a machine's first mid run is the slower one
@@ -545,7 +515,6 @@ case "$phase" in
     bench mb 170 --cases mid-te-graphs $W --baseline-src "$base"
     bench mn 120 --cases mid-te-graphs $W
     bench sf $(( $(left) - 10 )) --cases slice-te-fp8 $W
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round37)
     # The experts' weight gradients into main_grad: the Triton add after torch's grouped GEMM (the default) and the
@@ -567,7 +536,6 @@ case "$phase" in
     bench sp $(( $(left) - 15 )) --cases slice-te-graphs $W --profile slice-te-graphs --extra=--profile-with-stack
     trace=$(ls "$R"/sp/profile_*/trace_rank0.json 2>/dev/null | head -1)
     [ -n "$trace" ] && gzip -c "$trace" > "$OUT/trace37.json.gz"
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round38)
     # Python's garbage collector: round37's iterations were slow at the same iterations in every run (the same
@@ -575,14 +543,14 @@ case "$phase" in
     # cache) with the objects of start-up frozen (this code's default), with --gc-interval 10, main again, FP8.
     start_round /tmp/ccG 36
     slice sb 150 base; slice sn 105; slice si 105 --extra "--gc-interval 10"; slice sc 100 base
-    bench sf $(( $(left) - 10 )) --cases slice-te-fp8 $W; python3 bench/te_path.py --summarize "$R"
+    bench sf $(( $(left) - 10 )) --cases slice-te-fp8 $W
     ;;
   round39)
     # The image-grid search of the data (about 45 ms of Python per sample, in the read-ahead thread, holding the
     # interpreter's lock against the step's launches) made fast: the slice against main at 4f26129 (first: it
     # takes the empty cache), this code, both again.
     start_round /tmp/ccH 36
-    slice sb 150 base; slice sn 95; slice sc 95 base; slice sm rest; python3 bench/te_path.py --summarize "$R"
+    slice sb 150 base; slice sn 95; slice sc 95 base; slice sm rest
     ;;
   round40)
     # RADIO's jittered position embeddings as two GEMMs (no grid_sample): the slice against main at eede709 (first:
@@ -591,14 +559,12 @@ case "$phase" in
     # without a graph capture (te_path gives the figures without them too).
     start_round /tmp/ccK 40
     slice sb 150 base; slice sn 100; slice sc 100 base; slice sn2 rest
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round41)
     # The long window, right after round40 on the same machine (warm kernel cache): this code and main at eede709,
     # 100 iterations each, so that the steady figures cover 88 iterations and the encoder's captures thin out.
     start_round /tmp/ccK 100
     slice ln 200; slice lb rest base
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round42)
     # CUDA_DEVICE_MAX_CONNECTIONS=32 (the reference stack's setting) against the default (8) on the slice, alternating,
@@ -606,7 +572,6 @@ case "$phase" in
     start_round /tmp/ccK 40
     CUDA_DEVICE_MAX_CONNECTIONS=32 slice c32 120; slice c8 120
     CUDA_DEVICE_MAX_CONNECTIONS=32 slice c32b 120; slice c8b rest
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round43)
     # The module norms copied in on the device (no wait per module before the step's one wait): main at 550576f
@@ -615,21 +580,18 @@ case "$phase" in
     start_round /tmp/ccK 50
     slice sb 150 base --profile slice-te-graphs; slice sn 115 --profile slice-te-graphs
     slice sg 110 --extra "--set vision_bias_in_gemm=true"; slice sc rest base
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round44)
     # After round43 on the same machine (warm cache), unprofiled: this code, main at 550576f, this code with RADIO's
     # biases in the GEMMs, this code again; 50 iterations each.
     start_round /tmp/ccK 50
     slice sn 125; slice sb 125 base; slice sg 125 --extra "--set vision_bias_in_gemm=true"; slice sn2 rest
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round45)
     # The landed defaults (RADIO's biases in the GEMMs on, the found-inf flag by a kernel) against main at 550576f,
     # alternating, on a fresh machine (main first, on the empty cache); 45 iterations each.
     start_round /tmp/ccK 45
     slice sb 150 base; slice sn 120; slice sc 120 base; slice sn2 rest
-    python3 bench/te_path.py --summarize "$R"
     ;;
   round46)
     # RADIO's attention by torch's flash kernel against transformer-engine's (cuDNN): the kernels alone at RADIO's
@@ -641,7 +603,8 @@ case "$phase" in
       | tee "$R/radio_attention.log"
     pack
     slice sb 150 base; slice sf 120 --extra "--set vision_attention=flash"; slice sn rest
-    python3 bench/te_path.py --summarize "$R"
     ;;
   *) echo "phase: install, slice, rest, round2 .. round46"; exit 2 ;;
 esac
+# a round ends with one table of every run it made
+case "$phase" in round*) python3 bench/te_path.py --summarize "$R" ;; esac
