@@ -12,9 +12,12 @@ import torch
 import torch.nn.functional as F
 
 from helpers import read_metrics, run_mimo, world_of_one
+from mimo.plugins.kit.expert_storage import pack_contiguously, packed_view
 from mimo.plugins.kit.grouped_mm_moe import (
-    DeviceCountsMoELayer, GroupedMMSequentialMLP, _DeviceCountsDispatcher, grouped_experts, with_grouped_mm_experts,
+    DeviceCountsMoELayer, GroupedMMSequentialMLP, _DeviceCountsDispatcher, expert_weights, grouped_experts,
+    with_grouped_mm_experts,
 )
+from mimo.plugins.kit.main_grad import stacked
 
 ENV = {"OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
 CPU = torch.device("cpu")
@@ -96,6 +99,33 @@ def test_grouped_experts_takes_counts_as_any_integer_tensor():
 
 
 # --------------------------------------------------------------------------------------------- the spec
+
+
+def test_packed_expert_weights_are_stacked_without_a_copy():
+    """pack_contiguously moves a layer's weights into one tensor, keeping their objects and values; `stacked` then
+    hands the grouped GEMM that tensor itself, with torch.stack's gradients; weights apart are stacked as before."""
+    generator = torch.Generator().manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(3, 4, generator=generator)) for _ in range(4)]
+    weights[1].tag = "kept"
+    values, objects = torch.stack([w.detach().clone() for w in weights]), list(weights)
+    assert packed_view(weights) is None
+    pack_contiguously(weights)
+    view = packed_view(weights)
+    assert view is not None and torch.equal(view, values) and view.data_ptr() == weights[0].data_ptr()
+    assert all(a is b for a, b in zip(weights, objects)) and weights[1].tag == "kept"
+    x = torch.randn(2, 4, generator=generator)
+    result = stacked(weights)
+    assert result.data_ptr() == weights[0].data_ptr()  # no copy
+    (result @ x.t()).square().sum().backward()
+    reference = [torch.nn.Parameter(v.clone()) for v in values]
+    (torch.stack(reference) @ x.t()).square().sum().backward()
+    assert all(torch.equal(w.grad, r.grad) for w, r in zip(weights, reference))
+    with torch.no_grad():
+        view[2].add_(1.0)  # the parameters are its rows
+    assert torch.equal(weights[2], values[2] + 1.0)
+    weights[3].data = weights[3].data.clone()  # moved apart: stacked again, by copy
+    assert packed_view(weights) is None and stacked(weights).data_ptr() != weights[0].data_ptr()
+    assert packed_view(weights[:3]) is not None
 
 
 def test_with_grouped_mm_experts_leaves_other_specs_unchanged():
@@ -185,6 +215,8 @@ def test_nemotron_grouped_mm_model_uses_grouped_experts_and_keeps_megatrons_chec
     for layer in layers:
         assert type(layer.experts) is GroupedMMSequentialMLP and layer.experts.grouped_mm is True
         assert layer.experts.num_local_experts == 4
+        # each linear's expert weights lie in one tensor, after DDP's wrapping too: the GEMMs take them uncopied
+        assert all(packed_view(weights) is not None for weights in expert_weights(layer.experts))
         assert type(layer.token_dispatcher) is _DeviceCountsDispatcher
     plain = [m for m in megatron.modules() if isinstance(m, MoELayer)]
     assert len(plain) == len(layers) and not any(isinstance(m, DeviceCountsMoELayer) for m in plain)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.profiler import record_function
 
 from ..config import OptimizerOptions, SchedulerOptions
 
@@ -34,8 +35,9 @@ def _recording_optimizer_class():
         @torch.no_grad()
         def prepare_grads(self) -> bool:
             found_inf = self._module_norms(super().prepare_grads())
-            self.loss_scale = float(self.get_loss_scale())  # the GPU is idle here: no wait
-            vetoed = bool(self.before_update()) if self.before_update is not None else False
+            with record_function("mimo/optimizer-read"):  # profiles tell the host's time after the wait apart
+                self.loss_scale = float(self.get_loss_scale())  # the GPU is idle here: no wait
+                vetoed = bool(self.before_update()) if self.before_update is not None else False
             return found_inf or not math.isfinite(self.grad_norm) or vetoed
 
         def get_grad_norm(self) -> float:
@@ -55,7 +57,8 @@ def _recording_optimizer_class():
                     clip_grad_by_total_norm_fp32(params, max_norm=opt.config.clip_grad, total_norm=self.grad_norm,
                                                  use_decoupled_grad=opt.config.use_precision_aware_optimizer)
             num_zeros = self.count_zeros() if self.config.log_num_zeros_in_grad else None
-            return self.step_with_ready_grads(), self.grad_norm, num_zeros
+            with record_function("mimo/optimizer-update"):
+                return self.step_with_ready_grads(), self.grad_norm, num_zeros
 
         @torch.no_grad()
         def _module_norms(self, found_inf: bool) -> bool:
@@ -95,7 +98,25 @@ def build_optimizer(options: OptimizerOptions, *, model, params_dtype: torch.dty
     built = get_mimo_optimizer(model, config)
     for name in _frozen_everywhere(model, sorted(built.module_infos)):
         built.module_infos[name].optimizer = None  # nothing to step, no state to keep or checkpoint
+    _copy_main_params_in_one_kernel(info.optimizer for info in built.module_infos.values())
     return _recording_optimizer_class()(built.module_infos, built.config)
+
+
+def _copy_main_params_in_one_kernel(module_optimizers) -> None:
+    """megatron-core copies a bf16 run's fp32 main weights into the model's weights with one `copy_` per parameter
+    (its multi-tensor path needs a flag buffer it makes only for fp16): a kernel and a launch per parameter each
+    iteration. Handing its optimizers that buffer makes the copy transformer-engine's (or
+    apex's) multi-tensor kernel: the same values, a scale by 1.0 rounded to bf16 as `copy_` rounds."""
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.utils import local_multi_tensor_scale
+
+    if megatron_optimizer.multi_tensor_scale_impl is local_multi_tensor_scale:
+        return  # no fused kernel: megatron-core's stand-in copies tensor by tensor too
+    for optimizer in module_optimizers:
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]) if optimizer is not None else []:
+            params = inner.get_parameters() if getattr(inner, "_dummy_overflow_buf", False) is None else []
+            if params and params[0].is_cuda and inner.config.bf16:
+                inner._dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device=params[0].device)
 
 
 def _frozen_everywhere(model, names: list[str]) -> list[str]:

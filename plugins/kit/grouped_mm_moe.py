@@ -8,7 +8,8 @@ of a full-width Nemotron slice, its profile in docs/benchmarks.md (g)). Here:
 
 * `grouped_experts` runs fc1, the activation (times the routing probabilities) and fc2 of every expert as
   `torch.nn.functional.grouped_mm` calls whose group boundaries are the cumulative token counts, on the device.
-* the experts' weights are stacked for those calls; under mimo's loop their gradients go straight into DDP's
+* the experts' weights lie back to back in one tensor per linear (`expert_storage.py`), which those calls take
+  with no copy (stacked where something moved them apart); under mimo's loop their gradients go straight into DDP's
   fp32 `main_grad`s, not through one hook and add per expert: the grouped GEMM's stacked gradient is added in one
   call (`mimo.plugins.kit.main_grad`; on a GPU one Triton kernel, `mimo.plugins.kit.grouped_wgrad`), or, with
   `MIMO_GROUPED_WGRAD=fused`, one Triton grouped GEMM computes and adds them (`_GroupedLinearIntoMainGrad`).
@@ -36,6 +37,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
+from .expert_storage import pack_contiguously, packed_view
 from .grouped_wgrad import fused_wgrad_enabled, grouped_wgrad
 from .main_grad import adds_into_main_grad, gradient_for_autograd, stacked
 from .squared_relu_probs import squared_relu_probs
@@ -65,8 +67,10 @@ def _grouped_linear(x: torch.Tensor, weight, offsets: torch.Tensor) -> torch.Ten
     adds into their main_grads."""
     if isinstance(weight, torch.Tensor):
         return F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    with torch.no_grad():
-        stacked_weight = torch.stack(weight)
+    stacked_weight = packed_view(weight)
+    if stacked_weight is None:
+        with torch.no_grad():
+            stacked_weight = torch.stack(weight)
     return _GroupedLinearIntoMainGrad.apply(x, stacked_weight, offsets, *weight)
 
 
@@ -125,6 +129,13 @@ class _GroupedMMForward:
                               self.config.activation_func, recompute)
         return out, None
 
+    def _pack_weights(self) -> None:
+        """Each of fc1's and fc2's expert weights in one [E, out, in] tensor: the grouped GEMMs take them as they
+        lie (expert_storage.py)."""
+        if self.grouped_mm:
+            for weights in expert_weights(self):
+                pack_contiguously(weights)
+
 
 class GroupedMMExperts(_GroupedMMForward, TEGroupedMLP):
     """transformer-engine's TEGroupedMLP (weight0..weightN of its grouped linears) run as torch grouped GEMMs."""
@@ -132,6 +143,7 @@ class GroupedMMExperts(_GroupedMMForward, TEGroupedMLP):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.grouped_mm = self._grouped_mm_eligible()
+        self._pack_weights()
 
 
 class GroupedMMSequentialMLP(_GroupedMMForward, SequentialMLP):
@@ -140,6 +152,7 @@ class GroupedMMSequentialMLP(_GroupedMMForward, SequentialMLP):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.grouped_mm = self._grouped_mm_eligible() and self.num_local_experts > 1
+        self._pack_weights()
 
 
 class _DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from .expert_storage import packed_view
 from .grouped_wgrad import add_stacked
 
 _placeholders: dict[tuple, torch.Tensor] = {}
@@ -40,23 +41,25 @@ def gradient_for_autograd(weight: torch.Tensor) -> torch.Tensor | None:
 
 
 class StackedWeights(torch.autograd.Function):
-    """torch.stack(weights), whose backward adds the stacked gradient into the weights' `main_grad`s in one call
-    instead of one gradient, accumulator, hook and add per weight (a grouped GEMM's experts). Use where
-    `adds_into_main_grad(weights)`."""
+    """torch.stack(weights) (their own storage where they lie back to back in one: no copy, expert_storage.py).
+    With `into_main_grad` backward adds the stacked gradient into the weights' `main_grad`s in one call instead of
+    one gradient, accumulator, hook and add per weight (a grouped GEMM's experts; use where
+    `adds_into_main_grad(weights)`); without, it hands each weight its row, as torch.stack's backward does."""
 
     @staticmethod
-    def forward(ctx, *weights):
-        ctx.weights = weights
-        return torch.stack(weights)
+    def forward(ctx, into_main_grad, *weights):
+        ctx.weights, ctx.into_main_grad = weights, into_main_grad
+        view = packed_view(weights)
+        return view if view is not None else torch.stack(weights)
 
     @staticmethod
     def backward(ctx, grad):
+        if not ctx.into_main_grad:
+            return None, *grad.unbind(0)
         add_stacked([w.main_grad for w in ctx.weights], grad)
-        return tuple(gradient_for_autograd(w) for w in ctx.weights)
+        return None, *(gradient_for_autograd(w) for w in ctx.weights)
 
 
 def stacked(weights) -> torch.Tensor:
     """The weights stacked for a grouped GEMM; their gradients go straight into `main_grad` where allowed."""
-    if adds_into_main_grad(weights):
-        return StackedWeights.apply(*weights)
-    return torch.stack(weights)
+    return StackedWeights.apply(adds_into_main_grad(weights), *weights)

@@ -9,8 +9,8 @@
 # (later sessions: round2 .. round45 in place of slice/rest, each after an install call; round6-25 and 27 need
 # no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
 # round39 4f26129, round40 and round41 (after round40, same machine) eede709,
-# round43, round44 (after round43, same machine) and round45 550576f, round46 1f7ac12; the install call's Mamba
-# probe takes its chunk lengths from ISSUE30_PROBE_CHUNKS, default "128 256")
+# round43, round44 (after round43, same machine) and round45 550576f, round46 1f7ac12, round47 and round48 e1396d0; the
+# install call's Mamba probe takes its chunk lengths from ISSUE30_PROBE_CHUNKS, default "128 256")
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -604,7 +604,22 @@ case "$phase" in
     pack
     slice sb 150 base; slice sf 120 --extra "--set vision_attention=flash"; slice sn rest
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round46"; exit 2 ;;
+  round47)
+    # The experts' weights in one tensor per linear (no stack copy per micro-batch) and the main weights copied into
+    # the model's by one multi-tensor kernel, against main at e1396d0, alternating (main first, on the empty cache);
+    # the last run profiled at iteration 13 (the optimizer's idle time by its new phases); 45 iterations each.
+    start_round /tmp/ccK 45
+    slice sb 150 base; slice sn 110; slice sc 110 base; slice sn2 rest --profile slice-te-graphs
+    ;;
+  round48)
+    # On another fresh machine: main at e1396d0 (first, empty cache), this code, this code with RADIO's recompute
+    # and backward graphed too (vision_graphs=all), this code with a launch queue four times CUDA's default (the
+    # host further ahead when it reaches the encoders' host-bound backward); 45 iterations each.
+    start_round /tmp/ccK 45
+    slice sb 140 base; slice sn 105; slice sa 120 --extra "--set vision_graphs=all"
+    CUDA_SCALE_LAUNCH_QUEUES=4x slice sq rest
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round48"; exit 2 ;;
 esac
 # a round ends with one table of every run it made
 case "$phase" in round*) python3 bench/te_path.py --summarize "$R" ;; esac
