@@ -9,8 +9,8 @@
 # (later sessions: round2 .. round45 in place of slice/rest, each after an install call; round6-25 and 27 need
 # no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
 # round39 4f26129, round40 and round41 (after round40, same machine) eede709,
-# round43, round44 (after round43, same machine) and round45 550576f, round46 1f7ac12, round47 and round48 e1396d0; the
-# install call's Mamba probe takes its chunk lengths from ISSUE30_PROBE_CHUNKS, default "128 256")
+# round43, round44 (after round43, same machine) and round45 550576f, round46 1f7ac12, round47 and round48
+# e1396d0; the install call's Mamba probe takes its chunk lengths from ISSUE30_PROBE_CHUNKS, default "128 256")
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
