@@ -9,7 +9,7 @@
 # (later sessions: round2 .. round45 in place of slice/rest, each after an install call; round6-25 and 27 need
 # no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
 # round39 4f26129, round40 and round41 (after round40, same machine) eede709,
-# round43, round44 (after round43, same machine) and round45 550576f, round46 1f7ac12, round47 and round48
+# round43, round44 (after round43, same machine) and round45 550576f, round46 1f7ac12, round47 to round49
 # e1396d0; the install call's Mamba probe takes its chunk lengths from ISSUE30_PROBE_CHUNKS, default "128 256")
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
@@ -619,7 +619,14 @@ case "$phase" in
     slice sb 140 base; slice sn 105; slice sa 120 --extra "--set vision_graphs=all"
     CUDA_SCALE_LAUNCH_QUEUES=4x slice sq rest
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round48"; exit 2 ;;
+  round49)
+    # main at e1396d0 (first, empty cache) and this code, each profiled at iteration 13 (GPU busy time, the
+    # optimizer's idle by phase), then both again unprofiled; 45 iterations each.
+    start_round /tmp/ccK 45
+    slice sb 155 base --profile slice-te-graphs; slice sn 125 --profile slice-te-graphs
+    slice sc 115 base; slice sn2 rest
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round49"; exit 2 ;;
 esac
 # a round ends with one table of every run it made
 case "$phase" in round*) python3 bench/te_path.py --summarize "$R" ;; esac
