@@ -105,8 +105,9 @@ def build_optimizer(options: OptimizerOptions, *, model, params_dtype: torch.dty
 def _copy_main_params_in_one_kernel(module_optimizers) -> None:
     """megatron-core copies a bf16 run's fp32 main weights into the model's weights with one `copy_` per parameter
     (its multi-tensor path needs a flag buffer it makes only for fp16): a kernel and a launch per parameter each
-    iteration. Handing its optimizers that buffer makes the copy transformer-engine's (or
-    apex's) multi-tensor kernel: the same values, a scale by 1.0 rounded to bf16 as `copy_` rounds."""
+    iteration. Handing its optimizers that buffer makes the copy transformer-engine's (or apex's) multi-tensor
+    kernel: the same values, a scale by 1.0 rounded to bf16 as `copy_` rounds (mimo's model weights are plain bf16
+    tensors; only megatron-core's Float16 optimizer reads the buffer)."""
     from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.utils import local_multi_tensor_scale
 
