@@ -9,7 +9,7 @@
 # (later sessions: round2 .. round45 in place of slice/rest, each after an install call; round6-25 and 27 need
 # no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
 # round39 4f26129, round40 and round41 (after round40, same machine) eede709,
-# round43, round44 (after round43, same machine) and round45 550576f, round46 1f7ac12, round47 to round49
+# round43, round44 (after round43, same machine) and round45 550576f, round46 1f7ac12, round47 to round50
 # e1396d0; the install call's Mamba probe takes its chunk lengths from ISSUE30_PROBE_CHUNKS, default "128 256")
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
@@ -626,7 +626,14 @@ case "$phase" in
     slice sb 155 base --profile slice-te-graphs; slice sn 125 --profile slice-te-graphs
     slice sc 115 base; slice sn2 rest
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round49"; exit 2 ;;
+  round50)
+    # 100 iterations each on a fresh machine: this code first (its first iteration on the empty cache), then main
+    # at e1396d0; the long run dilutes the capture iterations of the first forty. Ran with ISSUE30_LIMIT=440 (the
+    # session's device time left).
+    start_round /tmp/ccK 100
+    slice sn 225; slice sb rest base
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round50"; exit 2 ;;
 esac
 # a round ends with one table of every run it made
 case "$phase" in round*) python3 bench/te_path.py --summarize "$R" ;; esac
