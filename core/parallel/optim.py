@@ -113,10 +113,12 @@ def _copy_main_params_in_one_kernel(module_optimizers) -> None:
 
     if megatron_optimizer.multi_tensor_scale_impl is local_multi_tensor_scale:
         return  # no fused kernel: megatron-core's stand-in copies tensor by tensor too
-    for optimizer in module_optimizers:
-        for inner in getattr(optimizer, "chained_optimizers", [optimizer]) if optimizer is not None else []:
-            params = inner.get_parameters() if getattr(inner, "_dummy_overflow_buf", False) is None else []
-            if params and params[0].is_cuda and inner.config.bf16:
+    for optimizer in filter(None, module_optimizers):
+        for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if getattr(inner, "_dummy_overflow_buf", False) is not None or not inner.config.bf16:
+                continue  # fp16's has the buffer already; fp32 copies nothing
+            params = inner.get_parameters()
+            if params and params[0].is_cuda:
                 inner._dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device=params[0].device)
 
 

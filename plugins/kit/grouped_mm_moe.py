@@ -37,7 +37,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from .expert_storage import pack_contiguously, packed_view
+from .expert_storage import as_stack, pack_contiguously
 from .grouped_wgrad import fused_wgrad_enabled, grouped_wgrad
 from .main_grad import adds_into_main_grad, gradient_for_autograd, stacked
 from .squared_relu_probs import squared_relu_probs
@@ -67,11 +67,7 @@ def _grouped_linear(x: torch.Tensor, weight, offsets: torch.Tensor) -> torch.Ten
     adds into their main_grads."""
     if isinstance(weight, torch.Tensor):
         return F.grouped_mm(x, weight.transpose(1, 2), offs=offsets)
-    stacked_weight = packed_view(weight)
-    if stacked_weight is None:
-        with torch.no_grad():
-            stacked_weight = torch.stack(weight)
-    return _GroupedLinearIntoMainGrad.apply(x, stacked_weight, offsets, *weight)
+    return _GroupedLinearIntoMainGrad.apply(x, as_stack(weight), offsets, *weight)
 
 
 def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, fc1, fc2, activation,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .expert_storage import packed_view
+from .expert_storage import as_stack
 from .grouped_wgrad import add_stacked
 
 _placeholders: dict[tuple, torch.Tensor] = {}
@@ -49,8 +49,7 @@ class StackedWeights(torch.autograd.Function):
     @staticmethod
     def forward(ctx, into_main_grad, *weights):
         ctx.weights, ctx.into_main_grad = weights, into_main_grad
-        view = packed_view(weights)
-        return view if view is not None else torch.stack(weights)
+        return as_stack(weights)
 
     @staticmethod
     def backward(ctx, grad):
