@@ -137,11 +137,6 @@ class TrainStep:
     @record_function("mimo/finalize-grads")
     def _finalize_grads(self, model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):
         """Reduce each module's gradients over its own grid, then divide all by the global token count."""
-        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-
-        if self.encoder_pass is not None:  # the encoders' backward, once, after the last micro-batch's
-            with self.timers.phase("backward"), record_function("mimo/encoders-backward"):
-                self.encoder_pass.backward()
         # Only one rank per LLM data lane contributes, so every rank of every grid learns the same totals.
         counts = self._data_counts()
         if counts is not None:
@@ -153,7 +148,22 @@ class TrainStep:
         tokens = totals[1]
         # a device scalar: dividing by the token count here would make the host wait for the backward
         scale = torch.where(tokens > 0, 1.0 / tokens, torch.zeros_like(tokens)).float()
-        for name, module in held_modules(self.model):
+        modules = held_modules(self.model)
+        if self.encoder_pass is not None:  # the encoders' backward, once, after the last micro-batch's
+            # The LLM's gradients are complete already: its reduction and scaling go first, GPU work queued
+            # ahead of the encoders' backward, whose small kernels the host launches slower than the GPU runs them
+            # (and, over data-parallel ranks, a reduction that overlaps that backward).
+            language = [(name, module) for name, module in modules if name == LANGUAGE]
+            self._finalize_modules(language, scale, force_all_reduce)
+            with self.timers.phase("backward"), record_function("mimo/encoders-backward"):
+                self.encoder_pass.backward()
+            modules = [(name, module) for name, module in modules if name != LANGUAGE]
+        self._finalize_modules(modules, scale, force_all_reduce)
+
+    def _finalize_modules(self, modules, scale: torch.Tensor, force_all_reduce: bool):
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+
+        for name, module in modules:
             finalize_model_grads([module], num_tokens=None, pg_collection=self.topology.pg_collections[name],
                                  force_all_reduce=force_all_reduce)
             # one multi-tensor kernel: `grad_data *= scale` with a device scalar broadcasts it element by element,

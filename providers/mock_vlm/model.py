@@ -27,9 +27,14 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
 from mimo import LANGUAGE, Encoder, SDPAttention
+from mimo.plugins.kit.in_place_loss import InPlaceCrossEntropy
 from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from .settings import IMAGES
+
+
+class MockLanguageModel(InPlaceCrossEntropy, GPTModel):
+    """megatron-core's GPTModel whose fused loss reuses the logits' buffer for their gradient (kit)."""
 
 
 def _ffn(settings, hidden: int) -> int:
@@ -57,7 +62,8 @@ def _kernels(backend: str, ctx) -> dict:
 
 
 def _fused_loss(settings, backend: str) -> dict:
-    """te: transformer-engine's fused cross-entropy, which never materializes the fp32 logits."""
+    """te: transformer-engine's fused cross-entropy, which never materializes the fp32 logits (and, through
+    MockLanguageModel, writes their gradient into them)."""
     if backend == "te" and settings.fused_cross_entropy and te_extras_enabled():
         return {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"}
     return {}
@@ -136,7 +142,7 @@ def language_spec(settings, ctx) -> ModuleSpec:
                          "sequence): --set backend=te, or leave sequence parallelism off")
     te_spec = get_gpt_layer_with_transformer_engine_spec() if backend == "te" else None
     return ModuleSpec(
-        module=GPTModel,
+        module=MockLanguageModel,
         params=dict(
             config=config, transformer_layer_spec=_layer_spec(get_gpt_layer_local_spec(), settings, te_spec),
             vocab_size=settings.vocab_size, max_sequence_length=settings.seq_length, position_embedding_type="rope",

@@ -15,6 +15,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mimo import LANGUAGE, Encoder
+from mimo.plugins.kit.in_place_loss import InPlaceCrossEntropy
 from mimo.plugins.kit.recompute_graphs import RecomputeGraphs
 from mimo.plugins.kit.te_extras import te_extras_enabled
 
@@ -27,6 +28,10 @@ MAX_SEQLEN_STEP = 256  # RADIO's THD max_seqlen is rounded up to a multiple of t
 
 # `vision_activation`: C-RADIO's exact GELU, or the tanh approximation of Megatron-LM's RADIO recipe.
 VISION_ACTIVATIONS = {"gelu": F.gelu, "gelu_tanh": fast_gelu}
+
+
+class NemotronLanguageModel(InPlaceCrossEntropy, HybridModel):
+    """megatron-core's HybridModel whose fused loss reuses the logits' buffer for their gradient (kit)."""
 
 
 def pixel_shuffle(tokens: torch.Tensor, rows: int, cols: int, side: int) -> torch.Tensor:
@@ -199,7 +204,7 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         **(_moe_config(s, backend, fp8=ctx.fp8 != "none") if num_experts else {}),
         **_fused_kernels(backend), **_fused_loss(s, backend), **graphs,
     )
-    return ModuleSpec(module=HybridModel, params=dict(
+    return ModuleSpec(module=NemotronLanguageModel, params=dict(
         config=config,
         hybrid_stack_spec=hybrid_stack_spec(backend, s.mamba_conv_kernel, s.num_experts, s.mamba_dt_clamp_min,
                                             s.expert_gemm),
@@ -229,7 +234,8 @@ def _fused_kernels(backend: str) -> dict:
 
 
 def _fused_loss(s: NemotronVLMSettings, backend: str) -> dict:
-    """te: transformer-engine's fused cross-entropy, which never materializes the fp32 logits."""
+    """te: transformer-engine's fused cross-entropy, which never materializes the fp32 logits (and, through
+    NemotronLanguageModel, writes their gradient into them)."""
     if backend == "te" and s.fused_cross_entropy and te_extras_enabled():
         return {"cross_entropy_loss_fusion": True, "cross_entropy_fusion_impl": "te"}
     return {}
