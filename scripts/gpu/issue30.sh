@@ -10,7 +10,7 @@
 # no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
 # round39 4f26129, round40 and round41 (after round40, same machine) eede709,
 # round43, round44 (after round43, same machine) and round45 550576f, round46 1f7ac12, round47 to round50
-# e1396d0; the install call's Mamba probe takes its chunk lengths from ISSUE30_PROBE_CHUNKS, default "128 256")
+# e1396d0, round51 and round52 (after round51, same machine) 52eb563; the install call's Mamba probe takes its chunk lengths from ISSUE30_PROBE_CHUNKS, default "128 256")
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -633,7 +633,23 @@ case "$phase" in
     start_round /tmp/ccK 100
     slice sn 225; slice sb rest base
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round50"; exit 2 ;;
+  round51)
+    # The fused loss without the logits' copy and the LLM's gradients finalized before the encoders' backward,
+    # against main at 52eb563, alternating (main first, on the empty cache); 45 iterations each.
+    start_round /tmp/ccK 45
+    slice sb 150 base; slice sn 120; slice sc 120 base; slice sn2 rest
+    ;;
+  round52)
+    # After round51 on the same machine (its kernel cache): this code profiled at iteration 13, every kernel of
+    # that iteration with its whole name and launch sites (kernels.txt), then main at 52eb563 and this code again.
+    test -d /tmp/ccK || { echo "round51's cache is missing: the machine is new"; exit 3; }
+    start_round /tmp/ccK 45
+    slice sp 100 --iterations 14 --profile slice-te-graphs
+    python3 scripts/gpu/trace_kernels.py "$R"/sp/profile_*/trace_rank0.json --top 80 > "$R/kernels.txt" 2>&1
+    pack
+    slice sb 130 base; slice sn rest
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round52"; exit 2 ;;
 esac
 # a round ends with one table of every run it made
 case "$phase" in round*) python3 bench/te_path.py --summarize "$R" ;; esac
