@@ -169,7 +169,9 @@ def output(vocab: int, h: int, *, final_norm_bias: bool = False, kernels: Kernel
     fp32 (backward turns them into the gradient in place); while it runs, the logits in the activations' dtype
     (in backward, their gradient) exist besides. The H100 peaks in docs/verification.md check this term: it
     dominates a 131k-vocabulary run under full recomputation. `fused_loss` (transformer-engine's fused
-    cross-entropy): the loss writes the gradient into the logits themselves, in their dtype, and keeps only them."""
+    cross-entropy): the loss writes the gradient into the logits themselves, in their dtype, and keeps only them
+    (kit/in_place_loss.py); the logits are still counted as working memory too, which holds where an older
+    transformer-engine copies them and over-counts by one logits tensor where it does not."""
     weights = Weights(tp=vocab * h, replicated=h * (2 if final_norm_bias else 1))
 
     def kept(mode: str, v: int) -> TokenBytes:
