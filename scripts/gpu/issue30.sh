@@ -10,7 +10,7 @@
 # no main; the later rounds name the commit they need in bench_baseline: round37 5c2c3c7, round38 c88aa2f,
 # round39 4f26129, round40 and round41 (after round40, same machine) eede709,
 # round43, round44 (after round43, same machine) and round45 550576f, round46 1f7ac12, round47 to round50
-# e1396d0, round51 and round52 (after round51, same machine) and round53 52eb563; the install call's Mamba probe takes its chunk lengths from ISSUE30_PROBE_CHUNKS, default "128 256")
+# e1396d0, round51 and round52 (after round51, same machine), round53 and round54 52eb563; the install call's Mamba probe takes its chunk lengths from ISSUE30_PROBE_CHUNKS, default "128 256")
 # Before them, here: bash ../shared/gpu/carry-te.sh; bash ../shared/gpu/carry.sh; and main's code, untracked and
 # not ignored so that it travels (do not commit it):
 #   mkdir -p bench_baseline && git archive 08bb8c9 --prefix=mimo/ | tar -x -C bench_baseline
@@ -655,7 +655,13 @@ case "$phase" in
     start_round /tmp/ccK 100
     slice sn 235; slice sb rest base
     ;;
-  *) echo "phase: install, slice, rest, round2 .. round53"; exit 2 ;;
+  round54)
+    # A third fresh machine, 60 iterations: this code first (its first iteration on the empty cache), then main at
+    # 52eb563 for what is left. Ran with ISSUE30_LIMIT=300 (the session's device time left).
+    start_round /tmp/ccK 60
+    slice sn 170; slice sb rest base
+    ;;
+  *) echo "phase: install, slice, rest, round2 .. round54"; exit 2 ;;
 esac
 # a round ends with one table of every run it made
 case "$phase" in round*) python3 bench/te_path.py --summarize "$R" ;; esac
