@@ -2,10 +2,10 @@
 
 megatron-core's language models call transformer-engine's `parallel_cross_entropy` with its default, which keeps
 the input intact: the forward kernel writes a whole copy of the logits for the backward (on a 131k vocabulary at
-8192 tokens, 2 GiB written and held per micro-batch, about half the kernel's time on an H100). Nothing reads the
-logits after the loss: the output layer's backward needs its input and weight, not its output. So the copy only
-costs, and transformer-engine's `overwrite_input=True` (the kernel's behaviour before 2.x) computes the same loss
-and gradient from the logits' own buffer. Autograd still guards it: the backward bumps the buffer's version, so
+8192 tokens, 2 GiB written and held per micro-batch; on an H100 the slice's forward kernels took 11.7 ms an
+iteration with it, 7.0 without). Nothing reads the logits after the loss: the output layer's backward needs its
+input and weight, not its output. So the copy only costs, and transformer-engine's `overwrite_input=True` computes
+the same loss and gradient from the logits' own buffer. Autograd still guards it: the backward bumps the buffer's version, so
 anything that did keep the logits for its backward fails loudly instead of reading gradients.
 
 `InPlaceCrossEntropy` goes first in a megatron-core language model's bases (GPTModel, HybridModel); it changes
