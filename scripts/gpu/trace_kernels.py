@@ -35,8 +35,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=60)
     args = parser.parse_args()
     events = json.load(open(args.trace))["traceEvents"]
+    # runtime and driver API calls both launch kernels (cuBLAS's and transformer-engine's through the driver)
     launches = {e["args"]["correlation"]: e for e in events
-                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops_by_thread = defaultdict(list)
     for e in events:
         if e.get("cat") in ("cpu_op", "user_annotation") and "dur" in e and not e["name"].startswith("mimo/"):
