@@ -65,6 +65,13 @@ start_round() {
   W="--iterations $2 --warmup 12"
 }
 
+# this_code_then_main ITERATIONS CAP: on a fresh machine, this code first (its first iteration on the empty cache,
+# at most CAP seconds), then main for what the phase has left
+this_code_then_main() {
+  start_round /tmp/ccK "$1"
+  slice sn "$2"; slice sb rest base
+}
+
 # slice RUN CAP|rest [base] [te_path options...]: one slice-te-graphs run of the round (W from start_round) with
 # this checkout's code, or main's with "base"; "rest": what the phase has left
 slice() {
@@ -630,8 +637,7 @@ case "$phase" in
     # 100 iterations each on a fresh machine: this code first (its first iteration on the empty cache), then main
     # at e1396d0; the long run dilutes the capture iterations of the first forty. Ran with ISSUE30_LIMIT=440 (the
     # session's device time left).
-    start_round /tmp/ccK 100
-    slice sn 225; slice sb rest base
+    this_code_then_main 100 225
     ;;
   round51)
     # The fused loss without the logits' copy and the LLM's gradients finalized before the encoders' backward,
@@ -652,14 +658,12 @@ case "$phase" in
   round53)
     # 100 iterations each on another fresh machine, as round50: this code first (its first iteration on the empty
     # cache), then main at 52eb563. Ran with ISSUE30_LIMIT=500 (the session's device time left).
-    start_round /tmp/ccK 100
-    slice sn 235; slice sb rest base
+    this_code_then_main 100 235
     ;;
   round54)
     # A third fresh machine, 60 iterations: this code first (its first iteration on the empty cache), then main at
     # 52eb563 for what is left. Ran with ISSUE30_LIMIT=300 (the session's device time left).
-    start_round /tmp/ccK 60
-    slice sn 170; slice sb rest base
+    this_code_then_main 60 170
     ;;
   *) echo "phase: install, slice, rest, round2 .. round54"; exit 2 ;;
 esac
