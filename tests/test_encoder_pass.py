@@ -2,7 +2,8 @@
 and their backward once after the last micro-batch, and training is that of running them per micro-batch (losses,
 gradient norms, every gradient), for mock-vlm's fixed tiles (some micro-batches without an image) and Nemotron's
 dynamic-resolution RADIO; the image modes' `concat` equals collating everything at once; a layout or value it
-cannot take is one clear error; auto chooses per device; the memory estimate counts a step's encoder activations."""
+cannot take is one clear error; auto chooses per device; the memory estimate counts a step's encoder activations;
+the LLM's gradients are finished before the encoders' backward."""
 
 from __future__ import annotations
 
@@ -280,3 +281,28 @@ def test_memory_estimate_counts_a_steps_encoder_activations():
     assert step["images"].activations == pytest.approx(4 * micro["images"].activations, rel=0.05)
     assert step["language"].activations == micro["language"].activations
     assert step["images"].parameters == micro["images"].parameters
+
+
+def test_the_language_models_gradients_are_finished_before_the_encoders_backward(world, monkeypatch):
+    """With the step pass the LLM's reduction and scaling are queued before the encoders' backward (GPU work while
+    the host launches it), the encoders' own after it; without the pass the order is the held modules'."""
+    from types import SimpleNamespace
+
+    from mimo.core.run.step import TrainStep
+    from mimo.core.telemetry.timers import StepTimers
+
+    order = []
+    model = SimpleNamespace(modality_submodules={"images": "vision"}, language_model="llm")
+    step = TrainStep.__new__(TrainStep)
+    step.model, step._data_counts, step._token_source = model, lambda: None, True
+    step._totals = torch.tensor([6.0, 3.0, 0.0], dtype=torch.float64)
+    step.timers = StepTimers(False, modules=[], held=[], device=CPU)
+    monkeypatch.setattr(step, "_finalize_modules", lambda modules, scale, force: order.extend(
+        (name, round(float(scale), 6)) for name, _ in modules), raising=False)
+    step.encoder_pass = SimpleNamespace(backward=lambda: order.append(("encoders-backward", None)))
+    step._finalize_grads([model], None)
+    assert order == [("language", 0.333333), ("encoders-backward", None), ("images", 0.333333)]
+    order.clear()
+    step.encoder_pass = None
+    step._finalize_grads([model], None)
+    assert order == [("images", 0.333333), ("language", 0.333333)]
