@@ -80,7 +80,8 @@ def import_hf(paths: list[Path] = typer.Argument(..., metavar="[HF_DIR] OUT", sh
     Face model folder, or of a VLM assembled from an LLM (--llm) and a vision encoder (--vision), the rest starting
     from the provider's initialization: train from it with `mimo run --provider-config OUT/provider.yaml
     --pretrained OUT`. One process, streaming: it holds the model and one read buffer."""
-    from mimo.core.checkpoint import hf, hf_import
+    from mimo.core.checkpoint import hf
+    from mimo.core.run import import_hf as importer
     from mimo.core.run.lifeline import install as die_with_parent
 
     from .common import fail
@@ -90,7 +91,7 @@ def import_hf(paths: list[Path] = typer.Argument(..., metavar="[HF_DIR] OUT", sh
         if len(paths) > 2 or (len(paths) == 2) == bool(llm or vision):
             raise UsageError("import-hf takes HF_DIR OUT, or OUT with --llm DIR and/or --vision DIR")
         hf_dir, out = (paths[0], paths[1]) if len(paths) == 2 else (None, paths[0])
-        name = hf_import.import_hf(out, hf_dir, llm, vision, provider, assignments or [])
+        name = importer.import_hf(out, hf_dir, llm, vision, provider, assignments or [])
     except UsageError as err:
         raise fail(str(err)) from None
     sources = " and ".join(str(p) for p in (hf_dir, llm, vision) if p)

@@ -34,10 +34,9 @@ def _generate(ctx: typer.Context, prompt=None, image=None, system=None, split="v
     """Answer a prompt (with --image for each image) or the answer turns of a dataset (--data), from a mimo
     checkpoint (--load) or a Hugging Face folder (--pretrained). Greedy unless --temperature > 0; an answer ends
     at the chat template's end of turn or after --max-new-tokens."""
-    from mimo.core.checkpoint.saved_run import speaks
-    from mimo.core.generation.command import GenerateRequest, checked_plan, generate
     from mimo.core.generation.sampling import SamplingOptions
     from mimo.core.run import launch
+    from mimo.core.run.generate import GenerateRequest, checked_plan, generate
 
     from .checkpoint_config import config_from_checkpoint
 
@@ -51,7 +50,7 @@ def _generate(ctx: typer.Context, prompt=None, image=None, system=None, split="v
         request.validate(kwargs.get("data"))  # before anything is read or built
         config, report = config_from_checkpoint(kwargs, ctx, "generate")
         with checked_plan(config, request) as plan:
-            if report is not None and speaks():
+            if report is not None and not launch.is_launched_worker():
                 for line in report(plan):
                     print(line, file=sys.stderr, flush=True)
             if launch.needs_launcher(plan.config.launch):

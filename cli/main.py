@@ -93,9 +93,8 @@ app.command("run", cls=WholeNamesCommand)(with_options(_run, [CONTEXT] + provide
 def _eval(ctx: typer.Context, split: str = "val", json_path=None, **kwargs):
     """Evaluate a checkpoint without training: its held-out loss on --data's val (or test) split, or the
     provider's synthetic eval data, over --eval-iters global batches (default 10), in any layout that fits."""
-    from mimo.core.checkpoint.saved_run import speaks
-    from mimo.core.evaluation.standalone import evaluate_checkpoint
     from mimo.core.run import launch, preflight
+    from mimo.core.run.evaluate import evaluate_checkpoint
     from mimo.core.run.lifeline import install as die_with_parent
 
     from .checkpoint_config import config_from_checkpoint
@@ -105,7 +104,7 @@ def _eval(ctx: typer.Context, split: str = "val", json_path=None, **kwargs):
     try:
         config, report = config_from_checkpoint(kwargs, ctx, "eval")  # the checkpoint's provider and settings
         with preflight.for_eval(config, split) as plan:
-            if report is not None and speaks():
+            if report is not None and not launch.is_launched_worker():
                 print("\n".join(report(plan)), flush=True)
             if launch.needs_launcher(plan.config.launch):
                 raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))

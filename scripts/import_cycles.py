@@ -5,9 +5,10 @@
 Reads every `import` statement of the package with `ast`, at module level and inside functions alike (a cycle
 behind a function-local import is still a cycle: the two modules cannot be understood, nor split, apart). Relative
 imports are resolved; `from pkg import name` is an edge to `pkg.name` when that is a module, else to `pkg` (its
-`__init__`). A cycle is a strongly connected set of modules (or of top-level rooms: mimo.core, mimo.plugins,
-mimo.data, ...). Prints each cycle, each module over the limit and
-each import that breaks a room rule (ROOM_RULES); exits 1 when there is one. tests/test_architecture.py runs it.
+`__init__`). A cycle is a strongly connected set of modules, or of packages taken whole at any depth (the
+top-level rooms mimo.core, mimo.plugins, ...; core's sub-packages mimo.core.run, mimo.core.checkpoint, ...).
+Prints each cycle, each module over the limit and each import that breaks a room rule (ROOM_RULES); exits 1 when
+there is one. tests/test_architecture.py runs it.
 """
 
 from __future__ import annotations
@@ -150,22 +151,35 @@ def room_violations(root: Path = ROOT) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def room_cycles(root: Path = ROOT) -> list[list[str]]:
-    """Cycles among the top-level rooms (mimo.core, mimo.plugins, mimo.data, ...), each taken as one node."""
-    def room(module: str) -> str:
-        return ".".join(module.split(".")[:2])
+def package_of(module: str, depth: int, known: dict[str, Path]) -> str:
+    """The package `depth` names deep that holds `module` (mimo.core at 2, mimo.core.run at 3), or the module itself
+    where no package that deep holds it (mimo.errors at 2, mimo.core.config at 3)."""
+    parts = module.split(".")
+    prefix = ".".join(parts[:depth])
+    return prefix if len(parts) >= depth and known.get(prefix, Path()).name == "__init__.py" else module
 
-    edges: dict[str, set[str]] = {}
-    for module, targets in graph(root).items():
-        edges.setdefault(room(module), set()).update(room(t) for t in targets if room(t) != room(module))
-    return cycles(edges)
+
+def package_cycles(root: Path = ROOT) -> list[list[str]]:
+    """Cycles among packages taken whole, at every depth: the top-level rooms (mimo.core, mimo.plugins, mimo.data,
+    ...), then their sub-packages (mimo.core.run, mimo.core.checkpoint, ...), and so on. Two packages that import
+    each other are one room in fact, whichever modules the imports go between."""
+    known, edges = modules(root), graph(root)
+    found = []
+    for depth in range(2, max(len(name.split(".")) for name in known) + 1):
+        collapsed: dict[str, set[str]] = {}
+        for module, targets in edges.items():
+            node = package_of(module, depth, known)
+            collapsed.setdefault(node, set()).update(
+                package_of(t, depth, known) for t in targets if package_of(t, depth, known) != node)
+        found += [c for c in cycles(collapsed) if c not in found]
+    return found
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--max-lines", type=int, default=MAX_LINES)
     args = parser.parse_args()
-    found, long, broken = cycles(graph()) + room_cycles(), long_modules(limit=args.max_lines), room_violations()
+    found, long, broken = cycles(graph()) + package_cycles(), long_modules(limit=args.max_lines), room_violations()
     for component in found:
         print("cycle: " + " <-> ".join(component))
     for path, n in long:
@@ -173,7 +187,8 @@ def main() -> int:
     for line in broken:
         print(f"room rule: {line}")
     if not (found or long or broken):
-        print(f"no import cycle among {len(modules())} modules; none over {args.max_lines} lines; rooms kept")
+        print(f"no import cycle among {len(modules())} modules or their packages; none over {args.max_lines} lines; "
+              "rooms kept")
     return 1 if found or long or broken else 0
 
 

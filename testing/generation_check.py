@@ -18,7 +18,7 @@ def recompute_greedy(decoder, prompt, max_new_tokens: int) -> tuple[list[int], l
     every step, without a cache. Returns (tokens, each step's last-position logits). A generated token is text
     (an image placeholder the model emits is embedded as a token), as in incremental decoding."""
     from mimo.core.generation.decoder import eval_mode
-    from mimo.core.run.batch_transfer import to_device
+    from mimo.core.forward.batch_transfer import to_device
 
     input_ids = prompt.input_ids.to(decoder.device)
     length = input_ids.shape[1]

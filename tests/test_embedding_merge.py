@@ -12,7 +12,7 @@ from helpers import world_of_one
 from mimo.core.config import RunConfig, TrainingOptions
 from mimo.core.parallel.embedding_merge import merge, placeholder_rows
 from mimo.core.run.plan import prepare
-from mimo.core.run.batch_transfer import to_device
+from mimo.core.forward.batch_transfer import to_device
 from mimo.core.run.world import join
 
 

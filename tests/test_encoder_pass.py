@@ -1,4 +1,4 @@
-"""`--encoder-pass step` (core/run/encoder_pass.py): the encoders run once per step on every micro-batch's inputs
+"""`--encoder-pass step` (core/forward/encoder_pass.py): the encoders run once per step on every micro-batch's inputs
 and their backward once after the last micro-batch, and training is that of running them per micro-batch (losses,
 gradient norms, every gradient), for mock-vlm's fixed tiles (some micro-batches without an image) and Nemotron's
 dynamic-resolution RADIO; the image modes' `concat` equals collating everything at once; a layout or value it
@@ -13,8 +13,8 @@ import torch
 from helpers import read_metrics, run_mimo, world_of_one
 from mimo.core.config import LayoutOptions, PerformanceOptions, RunConfig, TrainingOptions
 from mimo.core.parallel.embedding_merge import placeholder_rows
-from mimo.core.run.batch_transfer import to_device
-from mimo.core.run.encoder_pass import StepEncoderPass
+from mimo.core.forward.batch_transfer import to_device
+from mimo.core.forward.encoder_pass import StepEncoderPass
 from mimo.core.run.plan import prepare
 from mimo.core.run.world import join
 from mimo.errors import UsageError
@@ -246,7 +246,7 @@ def test_auto_is_step_on_a_gpu_where_it_can_run_and_a_provider_without_the_hook_
     provider's concat_encoder_inputs hook is one UsageError naming the hook."""
     import pluggy
 
-    from mimo.core.run.encoder_pass import step_encoders
+    from mimo.core.forward.encoder_pass import step_encoders
     from mimo.plugins import defaults, hookspecs
     from mimo.plugins.manager import ProviderHooks
 

@@ -159,7 +159,7 @@ def test_options_that_cannot_go_together_are_one_line():
     from pathlib import Path
 
     from mimo.core.config import EvalOptions
-    from mimo.core.generation.command import GenerateRequest
+    from mimo.core.run.generate import GenerateRequest
     from mimo.errors import UsageError
 
     with pytest.raises(UsageError, match="--eval-samples needs --eval-iters K"):

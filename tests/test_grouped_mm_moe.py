@@ -233,7 +233,7 @@ def test_nemotron_grouped_mm_model_uses_grouped_experts_and_keeps_megatrons_chec
     assert _keys(nemotron_sharded_state_dict(grouped)) == _keys(nemotron_sharded_state_dict(megatron))
 
     # the same weights give the same per-token losses and gradients (a batch's forward and backward)
-    from mimo.core.run.batch_transfer import to_device
+    from mimo.core.forward.batch_transfer import to_device
 
     batch = next(iter(plan.hooks.data_provider(settings=plan.settings, ctx=run.data_context())))
     from mimo.plugins.kit import grouped_mm_moe

@@ -138,7 +138,7 @@ def test_saved_activations_on_cpu():
     """mock-vlm's estimate against the tensors autograd keeps in one bf16 forward (unique storages, weights left
     out): megatron-core's local layers on the CPU keep what they keep on a GPU, minus nothing."""
     from helpers import world_of_one
-    from mimo.core.run.batch_transfer import to_device
+    from mimo.core.forward.batch_transfer import to_device
     from mimo.core.run.world import join
     from mimo.plugins import DataContext
 

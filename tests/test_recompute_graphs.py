@@ -62,7 +62,7 @@ def _radio(model):
 
 
 def _forward_backward(plan, run, model, batch):
-    from mimo.core.run.batch_transfer import to_device
+    from mimo.core.forward.batch_transfer import to_device
 
     model.zero_grad_buffer()
     inputs = to_device({k: v for k, v in batch.items() if k != "modality_inputs"}, CPU, torch.float32)
@@ -110,7 +110,7 @@ def test_graphed_recompute_gives_megatrons_recompute(world, backward):
 
 
 def _forward_backward_free(model, batch):
-    from mimo.core.run.batch_transfer import to_device
+    from mimo.core.forward.batch_transfer import to_device
 
     inputs = to_device({k: v for k, v in batch.items() if k != "modality_inputs"}, CPU, torch.float32)
     model(**inputs, modality_inputs=to_device(batch["modality_inputs"], CPU, torch.float32))

@@ -12,7 +12,7 @@ every worker (cheap: config.json and the safetensors headers only):
     hf_sources_of(plan)     (what, folder, map) for the per-rank loader (hf_load.py), which each rank runs on its
                             own slices: no conversion step, under mimo's launcher, torchrun or srun alike
 
-`mimo ckpt import-hf` (hf_import.py) and `export-hf` (hf_export.py) build on the same pieces.
+`mimo ckpt import-hf` (core/run/import_hf.py) and `export-hf` (hf_export.py) build on the same pieces.
 """
 
 from __future__ import annotations

@@ -165,9 +165,3 @@ def _settings_files(config: RunConfig) -> list[tuple[str, Path, dict]]:
         found.append(("--config", Path(config.config_file), dict(config.provider_values)))
     return found
 
-
-def speaks() -> bool:
-    """Whether this process prints the command's start-up lines (not a worker mimo's launcher started)."""
-    from ..run.launch import LAUNCHED_BY_MIMO
-
-    return not os.environ.get(LAUNCHED_BY_MIMO)

@@ -19,7 +19,6 @@ import json
 import math
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -28,13 +27,11 @@ from mimo.data.counts import DataCounts
 from mimo.errors import UsageError
 from mimo.plugins import DataContext
 
+from ..forward.forward_loss import ForwardLoss
+from ..forward.schedule import schedule_for
 from ..parallel.model import parameters_gathered
 from ..parallel.topology import is_token_source
-from ..run.step import ForwardLoss, schedule_for
 from .predictions import Predictions, Predictor
-
-if TYPE_CHECKING:
-    from ..run.world import World
 
 # Synthetic eval data is drawn from this seed, whatever the training seed: evaluations of runs with different
 # seeds read the same samples, and none of them trains on those (unless a run is seeded with it).
@@ -82,8 +79,9 @@ def eval_data_path(config) -> str | None:
 class Evaluator:
     """Runs evaluations on every rank (each is collective over the world); the logging rank reports them."""
 
-    def __init__(self, options, *, world: World, model, data_ctx: DataContext):
-        """`options`: the run's EvalOptions (--eval-iters); `world`: this rank's joined world; `data_ctx`: the eval
+    def __init__(self, options, *, world, model, data_ctx: DataContext):
+        """`options`: the run's EvalOptions (--eval-iters); `world`: this rank's joined world (the commands' World:
+        its plan, topology, device and params_dtype are read); `data_ctx`: the eval
         split's DataContext (`eval_context`)."""
         plan = world.plan
         hooks, settings, topology, device = plan.hooks, plan.settings, world.topology, world.device

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE
 
-from ..run.batch_transfer import to_device
+from ..forward.batch_transfer import to_device
 from .graphed_step import capture
 from .one_token_attention import OneTokenAttention
 from .one_token_moe import OneTokenMoE

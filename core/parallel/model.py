@@ -39,7 +39,7 @@ def _seeded_mimo_model_class():
 
         def forward(self, *args, placeholder_rows=None, modality_embeddings=None, **kwargs):
             """`modality_embeddings` {modality: [placeholders, hidden]}: encoder outputs computed already (the
-            encoders ran once for the step, core/run/encoder_pass.py), merged in place of running the encoders;
+            encoders ran once for the step, core/forward/encoder_pass.py), merged in place of running the encoders;
             they need `placeholder_rows`."""
             if modality_embeddings is not None and placeholder_rows is None:
                 raise ValueError("modality_embeddings need placeholder_rows")

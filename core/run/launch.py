@@ -21,6 +21,11 @@ from . import cpu_redirect
 LAUNCHED_BY_MIMO = "MIMO_LAUNCHED_WORKER"
 
 
+def is_launched_worker() -> bool:
+    """Whether this process is a worker mimo's own launcher started (its launcher prints the start-up lines)."""
+    return bool(os.environ.get(LAUNCHED_BY_MIMO))
+
+
 def die_with_launcher() -> None:
     """In a worker of mimo's launcher: get SIGTERM when the launcher dies, even by SIGKILL (torch starts workers in
     sessions of their own, so nothing else would stop them): they then stop at the next boundary and save, or end

@@ -14,9 +14,10 @@ from mimo.plugins.settings import build_settings, given_settings
 from .. import run_file
 from ..checkpoint import hf
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
+from ..forward import encoder_pass
 from ..memory import fit
 from ..parallel import topology
-from . import encoder_pass, launch
+from . import launch
 
 
 @dataclass

@@ -28,9 +28,9 @@ from ..checkpoint.resume import check_resume
 from ..checkpoint.save_lock import lock_save_directory
 from ..config import RunConfig
 from ..evaluation.predictions import check_predictions
-from ..evaluation.standalone import eval_config
 from ..memory import fit
 from . import launch
+from .evaluate import eval_config
 from .output_paths import check_output_paths
 from .plan import Plan, prepare
 

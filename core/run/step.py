@@ -1,17 +1,13 @@
 """One training iteration: megatron-core's forward/backward schedule over the micro-batches, per-module gradient
 finalization with one per-token normalization for every grid, then the optimizer and scheduler step.
 
-`ForwardLoss` (one micro-batch's forward and the provider's loss, summed for the global normalization) and
-`schedule_for` (megatron-core's schedule for the layout) serve evaluation too, which runs the same forward and
-loss with `forward_only=True`.
+The forward and loss of a micro-batch and the schedule for the layout are core/forward's, which evaluation shares.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field
-from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,12 +17,12 @@ from torch.profiler import record_function
 from mimo.data.counts import DataCounts
 from mimo.plugins import LANGUAGE
 
-from ..parallel.embedding_merge import placeholder_rows
+from ..forward.encoder_pass import StepEncoderPass
+from ..forward.forward_loss import ForwardLoss
+from ..forward.schedule import schedule_for
 from ..parallel.model import held_modules
-from ..parallel.topology import Topology, is_token_source
+from ..parallel.topology import is_token_source
 from ..telemetry.timers import StepTimers
-from .batch_transfer import to_device
-from .encoder_pass import EncodedBatch, StepEncoderPass
 
 if TYPE_CHECKING:
     from ..config import TrainingOptions
@@ -48,51 +44,6 @@ class StepResult:
     data: DataCounts | None = None  # what --data's loaders consumed so far, all lanes (None: synthetic data)
 
 
-class ForwardLoss:
-    """megatron-core's `forward_step_func` for MimoModel: one micro-batch to the device, the forward, and the
-    provider's loss hook over the training loss mask. Each micro-batch's loss sum and token count are added to
-    `totals` ([loss sum, tokens], float64), which the caller reduces over the lanes and divides once.
-
-    `timers` (training's StepTimers) time and label the data and forward phases; evaluation passes none."""
-
-    def __init__(self, hooks, settings, device: torch.device, params_dtype: torch.dtype, totals: torch.Tensor,
-                 timers: StepTimers | None = None):
-        self.hooks, self.settings, self.device, self.params_dtype = hooks, settings, device, params_dtype
-        self.totals, self.timers = totals, timers
-
-    def _phase(self, name: str):
-        return self.timers.phase(name) if self.timers is not None else contextlib.nullcontext()
-
-    def _label(self, name: str):
-        return record_function(name) if self.timers is not None else contextlib.nullcontext()
-
-    def __call__(self, data_iterator, model):
-        with self._phase("data"):
-            batch = next(data_iterator)
-        embeddings = None
-        if isinstance(batch, EncodedBatch):  # --encoder-pass step: the encoders ran for the whole step
-            batch, embeddings = batch.batch, batch.embeddings
-        with self._label("mimo/to-device"):
-            model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
-            # where each encoder's placeholders are, found on the host: the merge then never waits for the GPU
-            rows = placeholder_rows(batch["input_ids"], model.special_token_ids, self.device)
-            model_inputs = to_device(model_inputs, self.device, torch.float32)
-            modality_inputs = {}
-            if embeddings is None:
-                modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
-        with self._phase("forward"):
-            output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None,
-                                      placeholder_rows=rows, modality_embeddings=embeddings)
-        return output, partial(self.loss, loss_mask=loss_mask)
-
-    def loss(self, output_tensor, loss_mask):
-        # the provider's loss hook; summed here, divided once by all lanes' tokens
-        loss_sum, num_tokens = self.hooks.loss(settings=self.settings, output_tensor=output_tensor,
-                                               loss_mask=loss_mask)
-        self.totals += torch.stack([loss_sum.detach().double(), num_tokens.double()])
-        return loss_sum, num_tokens, {}
-
-
 class TrainStep:
     """One training iteration, callable as `step(data_iterator)`: holds what an iteration needs; the loop owns
     everything around it (when to step, log, evaluate and save)."""
@@ -103,7 +54,7 @@ class TrainStep:
         """`world`: this rank's joined world (its plan, device, grids); `seq_length`: the tokens of a row;
         `data_counts()`: what the data consumed so far (a DataCounts, None for data that counts nothing);
         `layer_graphs`: --cuda-graphs' LayerGraphs; `step_encoders`: the encoders run once per step
-        (--encoder-pass, encoder_pass.py)."""
+        (--encoder-pass, core/forward/encoder_pass.py)."""
         plan = world.plan
         hooks, settings, topology, device = plan.hooks, plan.settings, world.topology, world.device
         params_dtype, micro_batch_size = world.params_dtype, options.micro_batch_size
@@ -217,31 +168,6 @@ class TrainStep:
                           skipped_samples=data.skipped if data is not None else 0,
                           loss_scale=self.optimizer.loss_scale, num_zeros=num_zeros, moe_losses=moe_losses,
                           data=data)
-
-
-def schedule_for(topology: Topology, config):
-    """megatron-core's schedule for the layout: no pipelining when colocated; the multimodule 1F1B schedule with
-    the bridge communicator when the encoders and the LLM have ranks of their own."""
-    from megatron.core.pipeline_parallel import schedules
-
-    if topology.colocated:
-        return partial(schedules.forward_backward_no_pipelining,
-                       pg_collection=topology.pg_collections[LANGUAGE]), None
-    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
-    from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
-
-    encoders = [name for name in topology.parallelism if name != LANGUAGE]
-    communicator = MultiModulePipelineCommunicator(
-        topology.grids, {**{name: [LANGUAGE] for name in encoders}, LANGUAGE: []}, config,
-        dim_mapping={"s": 0, "b": 1, "h": 2},  # MimoModel's LLM activations are [s, b, h]
-        module_output_ndim={name: 2 for name in encoders},  # encoder outputs are [tokens, h]
-    )
-    pgs = MultiModuleProcessGroupCollection(
-        module_pgs=dict(topology.pg_collections),
-        language_model_module_name=LANGUAGE if topology.holds(LANGUAGE) else None,
-    )
-    return partial(schedules.forward_backward_pipelining_without_interleaving, p2p_communicator=communicator,
-                   pg_collection=pgs), communicator
 
 
 def _moe_losses() -> dict[str, float]:

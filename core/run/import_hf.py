@@ -13,15 +13,15 @@ from mimo.plugins import Registry
 from mimo.plugins.kit.safetensors_io import is_hf_folder, read_config
 from mimo.plugins.settings import given_settings
 
+from ..checkpoint import atomic_dir
+from ..checkpoint.checkpointer import Checkpointer
+from ..checkpoint.hf import (SETTINGS_FILE, check_sources, find_provider, hf_sources, hf_sources_of, precision_of,
+                             write_settings)
+from ..checkpoint.hf_load import load_hf
+from ..checkpoint.layout import TRACKER, run_info
 from ..config import CheckpointOptions, RunConfig, TrainingOptions
-from ..run.plan import prepare
-from ..run.world import join
-from . import atomic_dir
-from .checkpointer import Checkpointer
-from .hf import (SETTINGS_FILE, check_sources, find_provider, hf_sources, hf_sources_of, precision_of,
-                 write_settings)
-from .hf_load import load_hf
-from .layout import TRACKER, run_info
+from .plan import prepare
+from .world import join
 
 
 def import_hf(out: Path, hf_dir: Path | None = None, llm: Path | None = None, vision: Path | None = None,

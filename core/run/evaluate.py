@@ -1,7 +1,7 @@
 """`mimo eval`: the held-out loss of a checkpoint, without training, in any layout that fits.
 
-The world, grids and model are built as for a run (core/run/world.py); the checkpoint's weights load through the
-resharding path (`--pretrained`, weights only, strict); then one evaluation (evaluator.py) reads `--eval-iters` global
+The world, grids and model are built as for a run (world.py); the checkpoint's weights load through the
+resharding path (`--pretrained`, weights only, strict); then one evaluation (core/evaluation/evaluator.py) reads `--eval-iters` global
 batches of the chosen split. The same samples as a training run's evaluations: the same eval seed, lanes and
 loader workers give the same batches.
 """
@@ -21,8 +21,8 @@ from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.hf_load import hf_loader
 from ..checkpoint.layout import read_tracker, run_info
 from ..config import RunConfig
-from ..run.world import join
-from .evaluator import EvalResult, Evaluator, eval_context, eval_data_path, report
+from ..evaluation.evaluator import EvalResult, Evaluator, eval_context, eval_data_path, report
+from .world import join
 
 DEFAULT_EVAL_ITERS = 10
 

@@ -1,9 +1,9 @@
 """`mimo generate`: answers from a checkpoint (any layout it was saved in) or a Hugging Face folder, for one typed
 prompt with its images or for the answer turns of a dataset's split.
 
-The world and model are built as for a run (core/run/world.py) in the layout asked for (one process, or TP/EP
+The world and model are built as for a run (world.py) in the layout asked for (one process, or TP/EP
 within a node), the weights load through the resharding path (weights only), and every rank decodes each prompt
-together (decoder.py); world rank 0 writes: the answer on stdout (or one JSON object with `--json`), or with
+together (core/generation/decoder.py); world rank 0 writes: the answer on stdout (or one JSON object with `--json`), or with
 `--data` one JSON line per answer and a summary line on stderr.
 """
 
@@ -25,13 +25,13 @@ from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.hf_load import hf_loader
 from ..checkpoint.layout import read_tracker, run_info
 from ..config import RunConfig
-from ..run.plan import Plan, prepare
-from ..run.preflight import check_pretrained
-from ..run.world import join
-from .answers import answer_all, prompt_format_of
-from .decoder import Decoder, check_plan
-from .sampling import Sampler, SamplingOptions
-from .text_metrics import mean
+from ..generation.answers import answer_all, prompt_format_of
+from ..generation.decoder import Decoder, check_plan
+from ..generation.sampling import Sampler, SamplingOptions
+from ..generation.text_metrics import mean
+from .plan import Plan, prepare
+from .preflight import check_pretrained
+from .world import join
 
 WAY_OUT = "run mimo generate with --nproc-per-node, --llm-tp, --encoder-tp and --llm-ep only"
 
