@@ -22,6 +22,12 @@ LAYOUTS = {
     "encoder1-llm3dp": ("--nproc-per-node", "4", "--encoder-ranks", "1"),
     "encoder2tp-llm2dp": ("--nproc-per-node", "4", "--encoder-ranks", "2", "--encoder-tp", "2"),
     "encoder2dp-llm2dp": ("--nproc-per-node", "4", "--encoder-ranks", "2"),  # encoder DP ranks without images
+    # fan-in (more encoder than LLM data-parallel ranks): the encoder ranks send different numbers of rows, and
+    # each gets its own rows' gradient back (core/forward/fan_in.py)
+    "encoder2dp-llm1": ("--nproc-per-node", "3", "--encoder-ranks", "2"),
+    # fan-in to an LLM with TP 2, two samples per encoder rank with different image counts
+    "encoder2dp-llm1tp2": ("--nproc-per-node", "4", "--encoder-ranks", "2", "--llm-tp", "2",
+                           "--micro-batch-size", "4"),
 }
 
 

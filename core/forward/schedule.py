@@ -7,6 +7,7 @@ from functools import partial
 from mimo.plugins import LANGUAGE
 
 from ..parallel.topology import Topology
+from .fan_in import split_gradients_by_received_rows
 
 
 def schedule_for(topology: Topology, config):
@@ -27,6 +28,7 @@ def schedule_for(topology: Topology, config):
         dim_mapping={"s": 0, "b": 1, "h": 2},  # MimoModel's LLM activations are [s, b, h]
         module_output_ndim={name: 2 for name in encoders},  # encoder outputs are [tokens, h]
     )
+    split_gradients_by_received_rows(communicator)  # fan-in: each encoder rank's rows back to it
     pgs = MultiModuleProcessGroupCollection(
         module_pgs=dict(topology.pg_collections),
         language_model_module_name=LANGUAGE if topology.holds(LANGUAGE) else None,

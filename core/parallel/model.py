@@ -49,6 +49,15 @@ def _seeded_mimo_model_class():
             finally:
                 self._rows = self._embeddings = None
 
+        def _attach_modality_split_sizes(self, output, input_ids, encoder_name):
+            # Fan-in (more encoder than LLM data-parallel ranks): an encoder rank sends its whole output to one
+            # LLM rank, so no split is made of it, and megatron-core refuses per-sample sizes there. The
+            # gradient coming back is split by the rows each rank sent (core/forward/fan_in.py).
+            grids = self.mimo_config.module_to_grid_map
+            if grids and encoder_name in grids and _dp(grids[encoder_name]) > _dp(grids[LANGUAGE]):
+                return
+            super()._attach_modality_split_sizes(output, input_ids, encoder_name)
+
         def get_text_embeddings(self, input_ids, position_ids, special_token_ids):
             if self._rows is None:
                 return super().get_text_embeddings(input_ids, position_ids, special_token_ids)
@@ -65,6 +74,10 @@ def _seeded_mimo_model_class():
             return embedding_merge.merge(dense, modality_embeddings, self._rows)
 
     return SeededMimoModel
+
+
+def _dp(grid) -> int:
+    return grid.shape[grid.dim_names.index("dp")]
 
 
 def build_model(performance, *, hooks, settings, provider: str, topology: Topology, context: BuildContext,
