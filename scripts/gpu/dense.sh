@@ -16,6 +16,6 @@ case "${1:-}" in
   prepare) prepare "${2:-}" ;;
   install) install_te ;;
   run) use_wheels te
-       measure dense dense-te-graphs-fp8-mbs4 "${DENSE_ITERATIONS:-11}" 3 150 --extra "--encoder-pass micro-batch" ;;
+       measure dense dense-te-graphs-fp8-mbs4 "${DENSE_ITERATIONS:-11}" 3 150 "--extra=--encoder-pass micro-batch" ;;
   *) echo "usage: dense.sh prepare [COMMIT] | install | run"; exit 2 ;;
 esac
