@@ -116,12 +116,8 @@ def test_encoder_bucket_counts_predict_the_captures_the_gpu_runs_logged(tmp_path
     from mimo.plugins.kit.recompute_graphs import TOKEN_BUCKET
 
     provider, assignments, images_per_step = encoder_buckets.SLICE
-    records = [json.loads((REPO / "docs" / "benchmarks" / name).read_text())
-               for name in ("te_path_issue30_captures.json", "te_path_issue30_three_machines.json",
-                            "te_path_issue30_kernels.json", "te_path_issue30_expert_storage.json",
-                            "te_path_issue30_in_place_loss.json")]
-    rows = [row for record in records for row in record["rows"]]
-    longest = max(len(row["ms_per_iter_by_iteration"]) for row in rows)  # 100 (round41)
+    rows = json.loads((REPO / "docs" / "benchmarks" / "slice_h100.json").read_text())["rows"]
+    longest = max(len(row["ms_per_iter_by_iteration"]) for row in rows)  # 100 (call B)
     steps = encoder_buckets.step_lengths(provider, assignments, images_per_step, steps=longest, seed=1234)
     default = encoder_buckets.bucket_figures(steps, TOKEN_BUCKET, warmup=12, window_end=40)
     predicted = default["capture_steps"]

@@ -2,7 +2,7 @@
 configs for the transformer-engine additions (fused cross-entropy, shared-expert overlap, partial CUDA graphs) and
 their switches, Nemotron's refusals, RADIO's rounded max_seqlen, the compile caches' places, and the Triton
 autotune tables (pinned, recorded, merged) on real Triton autotuners. The kernels themselves run on the GPU
-(scripts/gpu/issue30.sh)."""
+(scripts/gpu/slice.sh)."""
 
 from __future__ import annotations
 

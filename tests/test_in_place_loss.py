@@ -5,7 +5,7 @@ forward keeps the input itself (no copy), the backward writes the gradient into 
 Both built-in language models (megatron-core's GPTModel and HybridModel, as the providers build them) must give the
 loss and gradients of megatron-core's own cross-entropy that way: if anything in them kept the logits for its
 backward, autograd would refuse the overwritten buffer. The kernel itself is checked on the GPU
-(scripts/gpu/issue30.sh: first losses and gradient norms equal to main's)."""
+(scripts/gpu/slice.sh: first losses and gradient norms equal to main's)."""
 
 from __future__ import annotations
 

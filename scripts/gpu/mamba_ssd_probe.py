@@ -1,6 +1,6 @@
-"""GPU probe (device call 1, needs only torch + mamba-ssm + triton): the Mamba-2 training kernel megatron-core's
-MambaMixer calls (mamba_split_conv1d_scan_combined, z-gated, no fused norm/out-proj) at the Nemotron slice's and
-mid's shapes, chunk 128 (megatron's default) and 256.
+"""GPU probe (torch, mamba-ssm and triton only: after `bash scripts/gpu/slice.sh install`, PYTHONPATH=/tmp/te-site):
+the Mamba-2 training kernel megatron-core's MambaMixer calls (mamba_split_conv1d_scan_combined, z-gated, no fused
+norm/out-proj) at the Nemotron slice's and mid's shapes, chunk 128 (megatron's default) and 256.
 
 Per shape and chunk: first fwd+bwd call (Triton compile + autotune: the share of mimo's first iteration that is
 mamba-ssm's), the number of configs benchmarked, then fwd and fwd+bwd time (median of do_bench), and the autotune
