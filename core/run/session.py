@@ -81,7 +81,8 @@ def start(plan: Plan) -> Session:
         info = run_info(plan, plan.settings, lane_data_state=False)  # known once the data is open, below
         checkpointer = Checkpointer(
             c, model=model, topology=topo, run_info=info, optimizer=optimizer, scheduler=scheduler,
-            data_state=lambda: {"loader": source.state_dict()},
+            # also called by load(), as the template of what it reads, before the data is open (source None)
+            data_state=lambda: {"loader": source.state_dict() if source is not None else None},
             load_foreign=lambda path, directory: load_foreign(plan.hooks, plan.settings, model, path, directory),
             load_hf=hf_loader(plan, model))
         start_iteration, consumed, data_state = checkpointer.load()
