@@ -37,6 +37,7 @@ def build_runs(settings: dict, device: str, precision: str, mbs: int, microbatch
     from mimo.core.run.plan import prepare
     from mimo.core.run.session import start
     from mimo.plugins import BuildContext
+    from mimo.plugins.data_source import as_data_source
     from minimal_loop import MinimalLoop
 
     config = RunConfig(provider="mock-vlm", provider_settings=[f"{k}={v}" for k, v in settings.items()])
@@ -61,7 +62,8 @@ def build_runs(settings: dict, device: str, precision: str, mbs: int, microbatch
         {name: e.spec for name, e in encoders.items()}, {name: e.placeholder_token_id for name, e in encoders.items()},
         topo.grids, topo.pg_collections, session.device, dtype, optimizer_config, o.lr, plan.num_microbatches,
         mbs, plan.global_batch_size,
-        read_ahead(iter(plan.hooks.data_provider(settings=plan.settings, ctx=session.world.data_context(0))),
+        read_ahead(as_data_source(plan.hooks.data_provider(settings=plan.settings,
+                                                           ctx=session.world.data_context(0))),
                    config.data.prefetch_microbatches, session.device),  # the same data path as mimo's loop
         weights_from=session.model)
     minimal.model.train()

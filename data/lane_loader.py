@@ -61,7 +61,8 @@ def _sample_key(sample) -> str:
 
 
 class LaneLoader:
-    """An iterator of micro-batches for the lanes a rank reads (see the module docstring).
+    """An iterator of micro-batches for the lanes a rank reads (see the module docstring). It defines every member
+    of `mimo.plugins.DataSource`, so it is one without importing it (mimo.data may not import mimo.plugins).
 
     Args:
         path: an energon dataset directory or a metadataset file.
@@ -78,6 +79,11 @@ class LaneLoader:
         shuffle_buffer_size, max_samples_per_sequence, packing_buffer_size, dataset_kwargs: for energon's
             `get_train_dataset`.
     """
+
+    # DataSource's members kept as plain attributes (the class must define them to count as one)
+    resumable = True  # state_dict continues the exact stream
+    hold_data_errors = False  # the training loop's: keep a DataError, hand out empty micro-batches
+    data_error: str | None = None  # the DataError kept
 
     def __init__(self, path: str | Path, task_encoder, *, micro_batch_size: int, num_lanes: int,
                  lanes: range | None = None, lane_part: tuple[int, int] = (0, 1), num_workers: int = 0,
@@ -110,8 +116,8 @@ class LaneLoader:
         self._state: dict | None = None
         self._started = self._closed = False
         self._loose = 0
-        self.hold_data_errors = False  # the training loop's: keep a DataError, hand out empty micro-batches
-        self.data_error: str | None = None
+        self.hold_data_errors = False
+        self.data_error = None
         self._boundary_state: dict | None = None
         self.micro_batches = 0  # micro-batches yielded per lane, over the whole run
         self.last_rows: list[tuple[int, int, int, str]] = []  # (lane, global worker, index, key) per row

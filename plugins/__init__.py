@@ -1,12 +1,14 @@
 """mimo's public plugin API: everything a provider package imports from mimo.
 
-The contract (hookspecs, the registry, the records passed to hooks, typed settings, module names) lives here;
-`mimo.plugins.kit` holds what providers may reuse (SDPA attention, per-layer memory formulas, dist-checkpoint
-loading, safetensors folders) and `mimo.plugins.data` the pieces for reading `--data`.
+The contract (hookspecs, the registry, the records passed to hooks, the `DataSource` that `data_provider`
+returns, typed settings, module names) lives here; `mimo.plugins.kit` holds what providers may reuse (SDPA
+attention, per-layer memory formulas, dist-checkpoint loading, safetensors folders) and `mimo.plugins.data` the
+pieces for reading `--data`.
 """
 
 from .constraints import setting
 from .context import BuildContext, DataContext, ModuleParallelism
+from .data_source import DataSource
 from .hookspecs import hookimpl
 from .manager import ENTRY_POINT_GROUP, Registry
 from .kit import memory_layers  # per-layer formulas for module_memory hooks
@@ -15,7 +17,7 @@ from .modules import LANGUAGE, module_prefix
 from .types import Encoder, ModuleShape, PromptFormat, Provider
 
 __all__ = [
-    "BuildContext", "DataContext", "ENTRY_POINT_GROUP", "Encoder", "LANGUAGE", "LayerMemory", "ModuleMemory",
+    "BuildContext", "DataContext", "DataSource", "ENTRY_POINT_GROUP", "Encoder", "LANGUAGE", "LayerMemory", "ModuleMemory",
     "ModuleParallelism", "ModuleShape", "PromptFormat", "Provider", "Registry", "SDPAttention", "TokenBytes",
     "Weights", "hookimpl", "memory_layers", "module_prefix", "setting",
 ]

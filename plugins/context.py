@@ -143,9 +143,9 @@ class BuildContext:
 class DataContext:
     """Passed to `data_provider`: which samples this rank reads.
 
-    The iterator a provider returns may also offer `state_dict()` / `load_state_dict(state)` (saved per lane in
-    checkpoints) and `data_counts()` (a `mimo.data.DataCounts`: samples trained, skipped by reason, cut by
-    seq_length, over the run; shown in the log, and the skip guard's input).
+    `data_provider` returns a `mimo.plugins.DataSource` (or a plain iterator, which the loop wraps as one): its
+    optional capabilities (resumable state saved per lane in checkpoints, data counts, skip records, ...) are
+    declared and documented there.
 
     With `--data`, `data_path` is set and the provider reads that dataset, or refuses it with a
     `mimo.errors.UsageError`; it never falls back to other data. `energon_loader(task_encoder)` reads it through

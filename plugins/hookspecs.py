@@ -41,7 +41,9 @@ def build_language_model(settings, ctx):
 
 @hookspec(firstresult=True)
 def data_provider(settings, ctx):
-    """Return an iterator of micro-batches for this rank's data lane (`ctx` is a `DataContext`).
+    """Return the micro-batches for this rank's data lane (`ctx` is a `DataContext`): a `mimo.plugins.DataSource`
+    (an iterator with the optional capabilities the loop uses: resumable state, data counts, ...), or a plain
+    iterator or generator, which the loop wraps as a DataSource with no capability.
 
     A micro-batch is a dict: input_ids, labels, loss_mask, position_ids as [micro_batch_size, seq] tensors, and
     modality_inputs {modality: {encoder: {argument: tensor}}} for the samples' images.

@@ -11,6 +11,7 @@ import torch
 
 from mimo.plugins import DataContext, Encoder
 
+from .data_source_check import check_capabilities, check_data_source
 from .model_check import encoder_arguments
 from .report import ContractError
 from .subject import Subject
@@ -21,18 +22,20 @@ SEED = 1234
 
 
 def read(subject: Subject, count: int, **ctx_fields) -> list[dict]:
-    """The first `count` micro-batches of `data_provider` for a DataContext with `ctx_fields` (small defaults)."""
+    """The first `count` micro-batches of `data_provider` for a DataContext with `ctx_fields` (small defaults),
+    its DataSource checked before and after reading, then closed."""
     fields = dict(micro_batch_size=2, num_microbatches=2, num_lanes=1, seed=SEED) | ctx_fields
-    source = subject.call("data_provider", settings=subject.settings, ctx=DataContext(**fields))
+    source = check_data_source(subject.call("data_provider", settings=subject.settings, ctx=DataContext(**fields)),
+                               subject.name)
     try:
-        iterator = iter(source)
-    except TypeError:
-        raise ContractError("data_provider", f"must return an iterator of micro-batches, got "
-                                             f"{type(source).__name__}") from None
-    try:
-        batches = list(itertools.islice(iterator, count))
+        batches = list(itertools.islice(source, count))
+        check_capabilities(source)
+    except ContractError:
+        raise
     except Exception as err:  # noqa: BLE001 - raised by the provider's iterator
         raise ContractError("data_provider", f"its iterator raised {type(err).__name__}: {err}") from err
+    finally:
+        source.close()
     if len(batches) < count:
         raise ContractError("data_provider", f"stopped after {len(batches)} micro-batches; the loop reads as many "
                                              f"as it trains (yield forever, or as long as the data lasts)")

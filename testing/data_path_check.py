@@ -20,6 +20,7 @@ from mimo.errors import UsageError
 from mimo.plugins import DataContext, Encoder
 
 from .data_check import SEED, check_micro_batch
+from .data_source_check import check_capabilities, check_data_source
 from .report import ContractError
 from .subject import Subject
 
@@ -42,13 +43,13 @@ def _probe_dir() -> Path:
 def _read(subject: Subject, data_path: str | None, count: int) -> list[dict]:
     """`count` micro-batches of the hook for a one-lane DataContext; UsageError passes through."""
     ctx = DataContext(micro_batch_size=2, num_microbatches=1, num_lanes=1, seed=SEED, data_path=data_path)
-    source = subject.hook("data_provider")(settings=subject.settings, ctx=ctx)
+    source = check_data_source(subject.hook("data_provider")(settings=subject.settings, ctx=ctx), subject.name)
     try:
-        return list(itertools.islice(iter(source), count))
+        batches = list(itertools.islice(source, count))
+        check_capabilities(source)
+        return batches
     finally:
-        close = getattr(source, "close", None)
-        if callable(close):
-            close()
+        source.close()
 
 
 def _refusal(subject: Subject, path: Path, what: str) -> str | None:
@@ -61,6 +62,8 @@ def _refusal(subject: Subject, path: Path, what: str) -> str | None:
             raise ContractError("data_provider", f"given {what} it refused in several lines; a UsageError is one "
                                                  f"line: {message.splitlines()[0]!r}...") from None
         return message
+    except ContractError:
+        raise
     except Exception as err:  # noqa: BLE001 - whatever the provider raised, the hook is what broke
         raise ContractError("data_provider", f"given {what} (ctx.data_path) it raised {type(err).__name__}: {err}; "
                                              f"refuse data it cannot read with mimo.errors.UsageError (one line)"

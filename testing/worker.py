@@ -42,6 +42,7 @@ def run(name: str, assignments: list[str], workdir: Path) -> dict:
     from mimo.core.run.world import join
     from mimo.errors import UsageError
     from mimo.plugins import LANGUAGE, DataContext, Registry
+    from mimo.plugins.data_source import as_data_source
 
     from .memory_check import built_parameter_mismatch
     from .report import ContractError
@@ -81,10 +82,11 @@ def run(name: str, assignments: list[str], workdir: Path) -> dict:
 
     Stage.current = "data_provider"
     first, count = topology.data_positions(plan.parallelism, 0, MICRO_BATCH_SIZE)
-    source = iter(plan.hooks.data_provider(settings=plan.settings, ctx=DataContext(
+    source = as_data_source(plan.hooks.data_provider(settings=plan.settings, ctx=DataContext(
         micro_batch_size=MICRO_BATCH_SIZE, num_microbatches=NUM_MICROBATCHES, num_lanes=plan.num_lanes, seed=SEED,
-        first_position=first, num_positions=count)))
+        first_position=first, num_positions=count)), name)
     batches = [next(source) for _ in range(ITERATIONS * NUM_MICROBATCHES)]
+    source.close()
     encoders_fed, notes = set(), set()
     for m, batch in enumerate(batches):
         encoders_fed |= check_encoder_outputs(model, batch, plan.shapes[LANGUAGE].hidden_size, m, notes)

@@ -21,6 +21,7 @@ from helpers import read_metrics, run_mimo
 from mimo.data import ByteTokenizer, FixedTiles, LaneLoader, MultimodalTaskEncoder
 from mimo.core.telemetry.skip_report import SkipReporter
 from mimo.data.skips import SkipRecord
+from mimo.plugins import DataSource
 
 NUM_SAMPLES, SHARD_SIZE = 24, 8
 BAD = (2, 5, 11, 19)  # sample indices whose JPEG is cut short
@@ -158,7 +159,10 @@ def test_skip_lines_are_rate_limited():
     records = [SkipRecord(key=f"k{i}", reason="unreadable", error="file 'jpg' cannot be decoded", dataset="/d",
                           shard="s.tar") for i in range(12)]
 
-    class Source:
+    class Source(DataSource):
+        def __next__(self):
+            return {}
+
         def take_skip_records(self):
             taken, records[:] = list(records), []
             return taken

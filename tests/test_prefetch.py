@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from mimo.core.run.prefetch import Prefetcher, read_ahead
+from mimo.plugins import DataSource
+from mimo.plugins.data_source import as_data_source
 
 
 def test_items_come_in_order_and_the_end_is_final():
@@ -26,10 +28,9 @@ def test_an_error_surfaces_after_the_items_before_it():
         next(reader)
 
 
-def test_stateful_iterators_and_depth_zero_are_not_read_ahead():
-    class Resumable:
-        def __iter__(self):
-            return self
+def test_resumable_sources_and_depth_zero_are_not_read_ahead():
+    class Resumable(DataSource):
+        resumable = True
 
         def __next__(self):
             return 0
@@ -37,11 +38,15 @@ def test_stateful_iterators_and_depth_zero_are_not_read_ahead():
         def state_dict(self):
             return {}
 
+        def load_state_dict(self, state):
+            pass
+
     loader = Resumable()
     assert read_ahead(loader, 2, torch.device("cpu")) is loader
-    plain = iter([1, 2])
+    plain = as_data_source(iter([1, 2]))
     assert read_ahead(plain, 0, torch.device("cpu")) is plain
-    assert isinstance(read_ahead(iter([1]), 2, torch.device("cpu")), Prefetcher)
+    reader = read_ahead(as_data_source(iter([1])), 2, torch.device("cpu"))
+    assert isinstance(reader, Prefetcher) and isinstance(reader, DataSource) and list(reader) == [1]
 
 
 def test_close_stops_the_thread_and_closes_the_source():

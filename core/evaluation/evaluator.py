@@ -26,6 +26,7 @@ import torch.distributed as dist
 from mimo.data.counts import DataCounts
 from mimo.errors import UsageError
 from mimo.plugins import DataContext
+from mimo.plugins.data_source import as_data_source
 
 from ..forward.forward_loss import ForwardLoss
 from ..forward.schedule import schedule_for
@@ -99,15 +100,14 @@ class Evaluator:
         self._forward_step = ForwardLoss(hooks, settings, device, params_dtype, self._totals[:2])
         # A missing split fails now, not after training: opening the data reads the dataset's index, no sample.
         opened = self.hooks.data_provider(settings=settings, ctx=dataclasses.replace(data_ctx, opened_loaders=[]))
-        if hasattr(opened, "close"):
-            opened.close()
+        as_data_source(opened, self.provider_name).close()
         self.predictor = (Predictor(options, world=world, model=model, data_path=data_ctx.data_path,
                                     split=data_ctx.split) if options.eval_samples else None)
 
     def evaluate(self, iteration: int) -> EvalResult:
         started = time.perf_counter()
         ctx = dataclasses.replace(self.data_ctx, opened_loaders=[])
-        source = iter(self.hooks.data_provider(settings=self.settings, ctx=ctx))
+        source = as_data_source(self.hooks.data_provider(settings=self.settings, ctx=ctx), self.provider_name)
         try:
             first = next(source)
             if ctx.data_path and not ctx.opened_loaders:
@@ -127,11 +127,11 @@ class Evaluator:
                     predictions = self.predictor.predict() if self.predictor else None
                 finally:
                     self.model.train(was_training)
-            if hasattr(source, "data_counts"):
-                self._totals[2:] = torch.tensor(source.data_counts().vector(), dtype=torch.float64)
+            counts = source.data_counts()
+            if counts is not None:  # None: a source that counts nothing
+                self._totals[2:] = torch.tensor(counts.vector(), dtype=torch.float64)
         finally:
-            if hasattr(source, "close"):  # a loader's worker processes
-                source.close()
+            source.close()  # a loader's worker processes
         _clear_moe_tracker()
         # One rank per LLM lane counts, so the all-reduce gives every rank the totals over all lanes.
         totals = self._totals if self._token_source else torch.zeros_like(self._totals)

@@ -30,7 +30,7 @@ def advance(session: Session, iterations: int, first_iteration: int | None = Non
     plan, s = session.plan, session
     c, flop_check = plan.config.checkpoint, plan.config.logging.flop_check_iteration
     first_iteration = s.iteration if first_iteration is None else first_iteration
-    boundary = getattr(s.source, "mark_boundary", None) if c.save else None
+    boundary = s.source.mark_boundary if c.save else None
     for iteration in range(s.iteration + 1, min(s.iteration + iterations, plan.train_iters) + 1):
         s.profiler.before(iteration)
         if s.compiles:
@@ -70,8 +70,7 @@ def finish(session: Session) -> list[dict]:
         session.compiles.close()
     if session.checkpointer:
         session.checkpointer.wait(blocking=True)
-    if hasattr(session.source, "close"):  # a read-ahead thread, or a loader's worker processes
-        session.source.close()
+    session.source.close()  # a read-ahead thread, or a loader's worker processes
     dist.barrier()
     # Tear the groups down while every rank is still here: gloo's threads abort a process that exits with them.
     dist.destroy_process_group()

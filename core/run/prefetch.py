@@ -5,8 +5,10 @@ On an H100, mock-vlm's synthetic data left the GPU idle for about 85 ms of a 1.2
 docs/benchmarks.md). torch's CPU kernels release the GIL, so the thread works alongside the loop's kernel launches.
 On CUDA the thread also pins the batch's tensors, which makes the loop's host-to-device copies asynchronous.
 
-Only iterators without a state of their own are read ahead: a loader that saves its position in checkpoints
-(energon's, with its own worker processes) would be saved ahead of what training consumed.
+Only sources without a state of their own are read ahead: a resumable one (`DataSource.resumable`: energon's lane
+loader, with its own worker processes) would be saved ahead of what training consumed. The read-ahead is itself a
+DataSource with the defaults (no state, no counts: the loop takes those from the source), whose `close` stops the
+thread; the thread closes the source.
 """
 
 from __future__ import annotations
@@ -16,6 +18,9 @@ import threading
 
 import torch
 
+from mimo.plugins import DataSource
+from mimo.plugins.data_source import as_data_source
+
 _END = object()
 
 
@@ -24,19 +29,21 @@ class _Failure:
         self.error = error
 
 
-class Prefetcher:
-    """Iterates `iterator` up to `depth` items ahead in a daemon thread; errors surface at the matching `next`."""
+class Prefetcher(DataSource):
+    """Iterates `source` (a DataSource, or a plain iterator) up to `depth` items ahead in a daemon thread; errors
+    surface at the matching `next`."""
 
-    def __init__(self, iterator, depth: int, pin_memory: bool = False):
+    def __init__(self, source, depth: int, pin_memory: bool = False):
         self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
         self._pin = pin_memory
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._fill, args=(iterator,), name="mimo-prefetch", daemon=True)
+        self._thread = threading.Thread(target=self._fill, args=(as_data_source(source),), name="mimo-prefetch",
+                                        daemon=True)
         self._thread.start()
 
-    def _fill(self, iterator) -> None:
+    def _fill(self, source: DataSource) -> None:
         try:
-            for item in iterator:
+            for item in source:
                 self._queue.put(_pinned(item) if self._pin else item)
                 if self._stop.is_set():
                     return
@@ -44,8 +51,7 @@ class Prefetcher:
         except BaseException as err:  # noqa: BLE001 - handed to the consumer, which raises it
             self._queue.put(_Failure(err))
         finally:
-            if hasattr(iterator, "close"):  # the thread that runs a generator is the one that may close it
-                iterator.close()
+            source.close()  # the thread that runs a generator is the one that may close it
 
     def close(self) -> None:
         """Stop reading: the thread ends after the item it is making (emptying the queue frees a blocked put)."""
@@ -55,9 +61,6 @@ class Prefetcher:
                 self._queue.get_nowait()
             except queue.Empty:
                 return
-
-    def __iter__(self):
-        return self
 
     def __next__(self):
         item = self._queue.get()
@@ -79,9 +82,8 @@ def _pinned(value):
     return value
 
 
-def read_ahead(iterator, depth: int, device: torch.device):
-    """`iterator` read ahead by `depth` items (pinned on CUDA), or itself when it keeps a resumable state or
-    `depth` is 0."""
-    if depth <= 0 or hasattr(iterator, "state_dict"):
-        return iterator
-    return Prefetcher(iterator, depth, pin_memory=device.type == "cuda")
+def read_ahead(source: DataSource, depth: int, device: torch.device) -> DataSource:
+    """`source` read ahead by `depth` items (pinned on CUDA), or itself when it is resumable or `depth` is 0."""
+    if depth <= 0 or source.resumable:
+        return source
+    return Prefetcher(source, depth, pin_memory=device.type == "cuda")

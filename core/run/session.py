@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 
 from mimo.errors import UsageError
+from mimo.plugins import DataSource
+from mimo.plugins.data_source import as_data_source
 
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.foreign import load_foreign
@@ -46,7 +48,7 @@ class Session:
     profiler: StepProfiler
     checkpointer: Checkpointer | None
     data: object  # what the step reads: the first batch, then `source`
-    source: object  # the data iterator (read ahead, or the provider's own); closed at the end
+    source: DataSource  # the data (read ahead, or the provider's own source); closed at the end
     skips: SkipReporter  # one line per skipped --data sample, on the rank that counts it
     iteration: int = 0
     consumed: int = 0
@@ -79,19 +81,19 @@ def start(plan: Plan) -> Session:
         info = run_info(plan, plan.settings, lane_data_state=False)  # known once the data is open, below
         checkpointer = Checkpointer(
             c, model=model, topology=topo, run_info=info, optimizer=optimizer, scheduler=scheduler,
-            data_state=lambda: {"loader": source.state_dict() if hasattr(source, "state_dict") else None},
+            # also called by load(), as the template of what it reads, before the data is open (source None)
+            data_state=lambda: {"loader": source.state_dict() if source is not None else None},
             load_foreign=lambda path, directory: load_foreign(plan.hooks, plan.settings, model, path, directory),
             load_hf=hf_loader(plan, model))
         start_iteration, consumed, data_state = checkpointer.load()
     # Index-addressed data continues from the samples already seen; a loader with its own state restores it.
     data_ctx = world.data_context(consumed)
-    source = iter(plan.hooks.data_provider(settings=plan.settings, ctx=data_ctx))
-    if hasattr(source, "hold_data_errors"):  # a data error mid-run: the loop stops at the boundary, saving first
-        source.hold_data_errors = True
+    source = as_data_source(plan.hooks.data_provider(settings=plan.settings, ctx=data_ctx), config.provider)
+    source.hold_data_errors = True  # a data error mid-run: the loop stops at the boundary, saving first
     if checkpointer:
-        checkpointer.run_info["lane_data_state"] = hasattr(source, "state_dict")  # then tied to its lane
+        checkpointer.run_info["lane_data_state"] = source.resumable  # then tied to its lane
     if data_state and data_state.get("loader") is not None:
-        if not hasattr(source, "load_state_dict"):
+        if not source.resumable:
             raise UsageError(f"the checkpoint in {c.load} holds a data loader's position (it was saved with "
                              f"--data): resume with the same --data, or pass --finetune")
         source.load_state_dict(data_state["loader"])
@@ -106,7 +108,7 @@ def start(plan: Plan) -> Session:
                           micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches)
               if config.performance.cuda_graphs else None)
     step = TrainStep(t, world=world, model=model, optimizer=optimizer, scheduler=scheduler, seq_length=seq_length,
-                     data_counts=getattr(source, "data_counts", lambda: None), timers=timers,
+                     data_counts=source.data_counts, timers=timers,
                      layer_graphs=graphs, step_encoders=plan.step_encoders)
 
     logging_rank = world.logging_rank  # lane 0 logs
@@ -118,12 +120,12 @@ def start(plan: Plan) -> Session:
                                                 if flops else None),
                            world_size=plan.world_size, device=device, timers=timers,
                            data_report=DataReport(share=config.data.truncation_warning, seq_length=seq_length,
-                                                  longest_needed=lambda: getattr(source, "longest_needed", 0)))
+                                                  longest_needed=lambda: source.longest_needed))
     if logging_rank:
         print(describe_run(plan, count_parameters(model), device, t.precision), flush=True)
         if start_iteration:
             print(f"resumed from {c.load} at iteration {start_iteration} ({consumed} samples consumed)", flush=True)
-        note = source.size_note() if hasattr(source, "size_note") else None
+        note = source.size_note()
         if note:  # a dataset smaller than a micro-batch: say that samples repeat
             print(note, flush=True)
     profiler = StepProfiler(config.logging, rank=dist.get_rank(), device=device, report=logging_rank)

@@ -69,7 +69,7 @@ def decide(session, result, signal_number: int | None) -> Stop | None:
 
 def _data_error_message(s) -> str:
     """The data error's own line, from the lowest rank that met it (all ranks agree on which)."""
-    error = getattr(s.source, "data_error", None)
+    error = s.source.data_error
     world = dist.get_world_size()
     first = torch.tensor([dist.get_rank() if error else world], dtype=torch.int64, device=s.device)
     dist.all_reduce(first, op=dist.ReduceOp.MIN)
@@ -92,8 +92,7 @@ def stop_run(session, stop: Stop, first_iteration: int) -> None:
         s.checkpointer.wait(blocking=True)
     s.logger.close()
     s.skips.close()
-    if hasattr(s.source, "close"):
-        s.source.close()
+    s.source.close()
     rank = dist.get_rank()
     dist.barrier()
     dist.destroy_process_group()

@@ -22,11 +22,11 @@ MIN_SAMPLES_READ = 100  # a few bad samples early on do not stop a run
 
 
 class SkipReporter:
-    """Prints the skip records of `source` (its `take_skip_records()`, when it has one) as they are counted."""
+    """Prints the skip records of `source` (a DataSource's `take_skip_records()`) as they are counted."""
 
     def __init__(self, source, *, enabled: bool, rank: int | None = None, limit: int = 5, window: float = 60.0,
                  clock=time.monotonic, out=None):
-        self._take = getattr(source, "take_skip_records", None)
+        self._take = source.take_skip_records
         self.enabled, self.limit, self.window = enabled, limit, window
         self._prefix = f"[rank {rank}] " if rank is not None else ""
         self._clock = clock
@@ -36,8 +36,6 @@ class SkipReporter:
 
     def report(self) -> None:
         """Print the lines for the skips counted since the last call (call once per iteration)."""
-        if self._take is None:
-            return
         records = self._take()  # taken on every rank, so that none piles them up
         if not self.enabled:
             return
