@@ -2,8 +2,8 @@
 
 __version__ = "0.1.0"
 __all__ = [
-    "BuildContext", "DataContext", "DataSource", "Encoder", "LANGUAGE", "ModuleParallelism", "ModuleShape",
-    "PromptFormat", "Provider", "SDPAttention", "hookimpl", "module_prefix", "setting",
+    "BuildContext", "DataContext", "DataSource", "Encoder", "KernelConfigs", "LANGUAGE", "ModuleParallelism",
+    "ModuleShape", "PromptFormat", "Provider", "SDPAttention", "hookimpl", "module_prefix", "setting",
 ]
 
 

@@ -18,9 +18,7 @@ this form (every option and every setting), and each checkpoint keeps it as `run
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import enum
-import tomllib
 import types
 import typing
 from pathlib import Path
@@ -28,6 +26,9 @@ from pathlib import Path
 import yaml
 
 from mimo.errors import UsageError
+from mimo.plugins import settings_file
+from mimo.plugins.hints import suggest
+from mimo.plugins.settings import SETTINGS_FILE_OPTION, read_settings_file
 
 from .config import COMPONENTS, RunConfig
 
@@ -40,25 +41,11 @@ def sections() -> dict[str, type]:
     return {component.name: component.options for component in COMPONENTS}
 
 
-def _closest(word: str, choices) -> str:
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.5)
-    return f"; did you mean '{close[0]}'?" if close else ""
-
-
 def read(path: Path) -> dict:
     """The file's values as {"provider": str|None, "settings": dict, section: {option: value}}, every name
     checked (unknown names are one line with the closest valid one)."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"--config {path}: no such file")
-    text = path.read_text()
-    try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as err:
-        raise UsageError(f"--config {path} cannot be parsed: {str(err).splitlines()[0]}") from None
-    data = data or {}
-    if not isinstance(data, dict):
-        raise UsageError(f"--config {path} must hold a mapping: provider, settings and option sections")
+    data = settings_file.read(path, "--config", "sections (provider, settings and the option sections) to values")
     known = sections()
     owner = {f.name: name for name, cls in known.items() for f in dataclasses.fields(cls)}
     result = {PROVIDER: data.get(PROVIDER), SETTINGS: data.get(SETTINGS) or {}}
@@ -71,7 +58,7 @@ def read(path: Path) -> dict:
             continue
         if key not in known:
             where = (f"; '{key}' is an option of section '{owner[key]}'" if key in owner
-                     else _closest(key, [PROVIDER, SETTINGS, *known]))
+                     else suggest(key, [PROVIDER, SETTINGS, *known]))
             raise UsageError(f"--config {path}: unknown section '{key}'{where}")
         if not isinstance(values, dict):
             raise UsageError(f"--config {path}: section '{key}' must map option names to values")
@@ -79,7 +66,7 @@ def read(path: Path) -> dict:
         for option in values:
             if option not in names:
                 where = (f"; '{option}' belongs in section '{owner[option]}'" if option in owner
-                         else _closest(option, names))
+                         else suggest(option, names))
                 raise UsageError(f"--config {path}: unknown option '{option}' in section '{key}'{where}")
         result[key] = values
     return result
@@ -141,23 +128,17 @@ def dump(config: RunConfig, settings) -> str:
     return yaml.safe_dump(effective(config, settings), sort_keys=False)
 
 
-def refuse_loop_options(settings_file: Path, settings_cls: type) -> None:
+def refuse_loop_options(path: Path, settings_cls: type) -> None:
     """A --provider-config file holds provider settings only: a loop option there gets one line saying where it
     goes (a closest-setting guess would mislead)."""
-    try:
-        data = yaml.safe_load(Path(settings_file).read_text()) if Path(settings_file).suffix != ".toml" else \
-            tomllib.loads(Path(settings_file).read_text())
-    except (OSError, tomllib.TOMLDecodeError, yaml.YAMLError):
-        return  # the settings reader names what is wrong with the file
-    if not isinstance(data, dict):
-        return
+    data = read_settings_file(path)
     settings = {f.name for f in dataclasses.fields(settings_cls)}
     owner = {f.name: name for name, cls in sections().items() for f in dataclasses.fields(cls)}
     for key in data:
         if key in owner and key not in settings:
-            raise UsageError(f"--provider-config {settings_file}: '{key}' is a loop option, not a provider setting: "
+            raise UsageError(f"{SETTINGS_FILE_OPTION} {path}: '{key}' is a loop option, not a provider setting: "
                              f"pass --{key.replace('_', '-')}, or write the whole run in a --config file (its "
                              f"'{owner[key]}' section)")
         if key in sections() and key not in settings:
-            raise UsageError(f"--provider-config {settings_file} has a '{key}' section: a file of provider and loop "
+            raise UsageError(f"{SETTINGS_FILE_OPTION} {path} has a '{key}' section: a file of provider and loop "
                              f"options is a run file, pass it with --config")

@@ -14,12 +14,12 @@ from .manager import ENTRY_POINT_GROUP, Registry
 from .kit import memory_layers  # per-layer formulas for module_memory hooks
 from .memory import LayerMemory, ModuleMemory, TokenBytes, Weights
 from .modules import LANGUAGE, module_prefix
-from .types import Encoder, ModuleShape, PromptFormat, Provider
+from .types import Encoder, KernelConfigs, ModuleShape, PromptFormat, Provider
 
 __all__ = [
-    "BuildContext", "DataContext", "DataSource", "ENTRY_POINT_GROUP", "Encoder", "LANGUAGE", "LayerMemory", "ModuleMemory",
-    "ModuleParallelism", "ModuleShape", "PromptFormat", "Provider", "Registry", "SDPAttention", "TokenBytes",
-    "Weights", "hookimpl", "memory_layers", "module_prefix", "setting",
+    "BuildContext", "DataContext", "DataSource", "ENTRY_POINT_GROUP", "Encoder", "KernelConfigs", "LANGUAGE",
+    "LayerMemory", "ModuleMemory", "ModuleParallelism", "ModuleShape", "PromptFormat", "Provider", "Registry",
+    "SDPAttention", "TokenBytes", "Weights", "hookimpl", "memory_layers", "module_prefix", "setting",
 ]
 
 

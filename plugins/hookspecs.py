@@ -104,11 +104,14 @@ def module_memory(settings):
 
 @hookspec(firstresult=True)
 def kernel_configs(settings):
-    """Return a list of Triton autotune tables (JSON objects as mimo records them in its compile cache's
-    `kernel_configs.json`: gpu, capability, triton and, per kernel, key and config) whose choices a GPU run pins
-    before its first iteration instead of autotuning. A table applies to its GPU model and compute capability, a
-    choice only where the installed kernel still offers that config. Optional: without it kernels autotune at first
-    use (and later runs reuse what the cache recorded).
+    """Return a `mimo.plugins.KernelConfigs`: the Python modules whose Triton autotuned kernels a GPU run pins and
+    records (`modules`, e.g. "mamba_ssm.ops.triton.ssd_bmm"; one not installed is skipped) and Triton autotune
+    tables for them (`tables`: JSON objects as mimo records them in its compile cache's `kernel_configs.json`: gpu,
+    capability, triton and, per kernel `module.attribute`, key and config), whose choices the run pins before its
+    first iteration instead of autotuning. A table applies to its GPU model and compute capability, a choice only
+    where the installed kernel still offers that config. A plain list of tables (the hook's first form) tunes the
+    modules its kernels are named after. Optional: without it mimo pins and records nothing, and kernels autotune at
+    first use.
     """
 
 

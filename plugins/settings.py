@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import types
 import typing
 from pathlib import Path
@@ -13,9 +12,11 @@ import yaml
 
 from mimo.errors import UsageError
 
-from . import constraints
+from . import constraints, settings_file
 from .hints import suggest
 from .types import Provider
+
+SETTINGS_FILE_OPTION = "--provider-config"  # how messages name a settings file
 
 
 def describe_fields(settings_cls: type, defaults: dict | None = None) -> list[dict]:
@@ -64,9 +65,8 @@ def _given(provider, assignments, config_file, run_file_values, run_file) -> lis
     if run_file_values:
         layers.append((f"--config {run_file}", _check_all(provider, run_file_values, source=f"--config {run_file}")))
     if config_file is not None:
-        layers.append((str(config_file), _check_all(
-            provider, _without_provider(provider, _read_config_file(config_file), config_file),
-            source=str(config_file))))
+        layers.append((str(config_file), _check_all(provider, settings_file_values(provider, config_file),
+                                                    source=str(config_file))))
     for assignment in assignments:
         key, sep, raw = assignment.partition("=")
         if not sep or not key.strip():
@@ -81,31 +81,21 @@ def _field_defaults(settings_cls: type) -> dict:
             if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 
 
-def _without_provider(provider: Provider, data: dict, path: Path) -> dict:
-    """A file may name the provider it holds settings for (`provider: NAME`, as `mimo ckpt import-hf` writes
-    it); then it must be the run's."""
+def read_settings_file(path: Path) -> dict:
+    """A --provider-config file's mapping as written (one wording of its errors: plugins/settings_file.py)."""
+    return settings_file.read(path, SETTINGS_FILE_OPTION, "setting names to values")
+
+
+def settings_file_values(provider: Provider, path: Path) -> dict:
+    """The settings a --provider-config file gives, unchecked. The file may name the provider it holds settings
+    for (`provider: NAME`, as `mimo ckpt import-hf` writes it); then it must be the run's."""
+    data = read_settings_file(path)
     if "provider" not in data or "provider" in typing.get_type_hints(provider.settings):
         return data
     named = data.pop("provider")
     if named != provider.name:
-        raise UsageError(f"provider config file {path} holds settings for provider '{named}', this run uses "
-                         f"'{provider.name}'")
-    return data
-
-
-def _read_config_file(path: Path) -> dict:
-    if not path.is_file():
-        raise UsageError(f"provider config file not found: {path}")
-    text = path.read_text()
-    try:
-        data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    except (tomllib.TOMLDecodeError, yaml.YAMLError) as err:
-        first_line = str(err).splitlines()[0]
-        raise UsageError(f"cannot parse provider config file {path}: {first_line}") from None
-    if data is None:
-        return {}
-    if not isinstance(data, dict):
-        raise UsageError(f"provider config file {path} must hold a mapping of setting names to values")
+        raise UsageError(f"{SETTINGS_FILE_OPTION} {path} holds settings for provider '{named}', this run uses "
+                         f"'{provider.name}': drop the file or choose --provider {named}")
     return data
 
 

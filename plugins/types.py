@@ -57,3 +57,25 @@ class PromptFormat:
     image_mode: Any = None
     modality: str | None = None
     encoder: str | None = None
+
+
+@dataclass(frozen=True)
+class KernelConfigs:
+    """What hook `kernel_configs` returns: the Python modules whose Triton autotuned kernels a GPU run pins and
+    records (e.g. "mamba_ssm.ops.triton.ssd_bmm"; one not installed is skipped) and the provider's recorded tables
+    of their choices (as the compile cache's `kernel_configs.json`: gpu, capability, triton, kernels)."""
+
+    modules: tuple[str, ...]
+    tables: tuple[dict, ...] = ()
+
+    @classmethod
+    def of(cls, returned) -> KernelConfigs:
+        """The hook's value as a record: None is nothing to tune; a plain list of tables (the hook's first form)
+        tunes the modules its kernels are named after ("module.attribute")."""
+        if returned is None:
+            return cls(())
+        if isinstance(returned, cls):
+            return returned
+        tables = tuple(returned)
+        named = dict.fromkeys(kernel.rsplit(".", 1)[0] for table in tables for kernel in table.get("kernels", {}))
+        return cls(tuple(named), tables)

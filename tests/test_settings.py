@@ -80,7 +80,7 @@ def test_config_file_errors(tmp_path):
     bad.write_text("widht: 2\n")
     with pytest.raises(UsageError, match=r"unknown setting 'widht'.*did you mean 'width'"):
         build_settings(PROVIDER, [], bad)
-    with pytest.raises(UsageError, match="not found"):
+    with pytest.raises(UsageError, match="--provider-config .*missing.yaml: no such file"):
         build_settings(PROVIDER, [], tmp_path / "missing.yaml")
     listing = tmp_path / "list.yaml"
     listing.write_text("- 1\n- 2\n")

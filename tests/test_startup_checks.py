@@ -1,10 +1,13 @@
 """What `mimo run` checks before any work: declared setting rules, every output path, the checkpoint against the
 model, and options that read as people expect. Each failure is one line, exit 2, and nothing trains."""
 
+import re
+
 import pytest
 
 from helpers import run_mimo
-from mimo.core.config import CheckpointOptions, LoggingOptions, RunConfig
+from mimo.core.config import (COMPONENTS, CheckpointOptions, LaunchOptions, LoggingOptions, OptimizerOptions,
+                              PerformanceOptions, RunConfig, SchedulerOptions, TrainingOptions)
 from mimo.core.run.output_paths import check_output_paths
 from mimo.errors import UsageError
 
@@ -95,3 +98,35 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_setting(tmp_path):
     # Settings that shape no tensor may change; a resume under another precision may not, with optimizer state.
     line = refused(run_mimo(*CPU, "--load", str(save), "--precision", "bf16", "--set", "dropout=0.1"))
     assert line.startswith(f"error: --precision bf16 differs from the checkpoint's fp32 ({checkpoint})")
+
+
+@pytest.mark.parametrize("options, message", [
+    (TrainingOptions(micro_batch_size=0), "--micro-batch-size must be at least 1, got 0"),
+    (OptimizerOptions(lr=float("nan")), "--lr must be a finite number, got nan"),
+    (OptimizerOptions(lr=1e-5, min_lr=1e-4), "--min-lr 0.0001 is above --lr 1e-05"),
+    (LaunchOptions(nnodes=2), "--nnodes > 1 needs --rdzv-endpoint host:port"),
+    (CheckpointOptions(save_interval=5), "--save-interval needs --save DIR"),
+    (SchedulerOptions(lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
+    (LoggingOptions(profile_with_stack=True), "--profile-with-stack records stacks in a profile"),
+])
+def test_each_component_checks_its_own_options_alone_and_within_the_run(options, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        options.validate()
+    name = next(c.name for c in COMPONENTS if isinstance(options, c.options))
+    with pytest.raises(UsageError, match=re.escape(message)):
+        RunConfig(provider="mock-vlm", **{name: options}).validate()
+
+
+def test_what_crosses_components_is_the_run_configs_to_check():
+    fp8, graphs = PerformanceOptions(fp8="tensorwise"), PerformanceOptions(cuda_graphs=True)
+    overlap = PerformanceOptions(overlap_param_gather=True, overlap_grad_reduce=True)
+    for alone in (fp8, graphs, overlap):
+        alone.validate()  # fine on their own: what they need is another component's
+    with pytest.raises(UsageError, match="--fp8 tensorwise needs --precision bf16"):
+        RunConfig(provider="mock-vlm", performance=fp8).validate()
+    with pytest.raises(UsageError, match="--cuda-graphs needs --precision bf16"):
+        RunConfig(provider="mock-vlm", performance=graphs).validate()
+    with pytest.raises(UsageError, match="--overlap-param-gather needs --use-distributed-optimizer"):
+        RunConfig(provider="mock-vlm", performance=overlap).validate()
+    RunConfig(provider="mock-vlm", performance=overlap, training=TrainingOptions(precision="bf16"),
+              optimizer=OptimizerOptions(use_distributed_optimizer=True)).validate()

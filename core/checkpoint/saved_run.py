@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-import yaml
-
 from mimo.errors import UsageError
 from mimo.plugins import Registry
-from mimo.plugins.settings import build_settings
+from mimo.plugins.settings import SETTINGS_FILE_OPTION, build_settings, settings_file_values
 
 from ..config import RunConfig
 from .hf import find_provider, is_hf_folder, plain_value, precision_of
@@ -87,7 +84,7 @@ def honour(config: RunConfig, saved: SavedRun, given: set[str], command: str) ->
                          f"'{saved.provider}': drop --provider")
     provider, _ = Registry().get(saved.provider)
     reference = build_settings(provider, run_file_values=saved.settings, run_file=Path(saved.source))
-    for option, source, values in _settings_files(config):
+    for option, source, values in _settings_files(config, provider):
         wanted = build_settings(provider, run_file_values=values, run_file=source)
         for key in values:
             value, had = plain_value(getattr(wanted, key)), plain_value(getattr(reference, key))
@@ -147,20 +144,12 @@ def _typed(options, name: str, value):
     return value
 
 
-def _settings_files(config: RunConfig) -> list[tuple[str, Path, dict]]:
+def _settings_files(config: RunConfig, provider) -> list[tuple[str, Path, dict]]:
     """(option, file, the settings it sets) of the --provider-config file and of a --config file's settings."""
     found = []
     if config.provider_config is not None:
         path = Path(config.provider_config)
-        if not path.is_file():
-            raise UsageError(f"provider config file not found: {path}")
-        text = path.read_text()
-        try:
-            data = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-        except (tomllib.TOMLDecodeError, yaml.YAMLError) as err:
-            raise UsageError(f"--provider-config {path} cannot be parsed: {str(err).splitlines()[0]}") from None
-        data = {k: v for k, v in (data or {}).items() if k != "provider"} if isinstance(data, dict) else {}
-        found.append(("--provider-config", path, data))
+        found.append((SETTINGS_FILE_OPTION, path, settings_file_values(provider, path)))
     if config.config_file is not None and config.provider_values:
         found.append(("--config", Path(config.config_file), dict(config.provider_values)))
     return found

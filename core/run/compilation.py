@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from mimo.plugins import KernelConfigs
+
 from . import kernel_tuning
 
 CACHE_ENV = "MIMO_COMPILE_CACHE"
@@ -58,6 +60,7 @@ class FirstIterations:
         self.hooks, self.settings = hooks, settings
         self.writes = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0))) == 0
         self.report: kernel_tuning.CompileReport | None = None
+        self.tuners: dict = {}  # the provider's autotuned kernels, found before the first iteration
         self.pinned, self.notes, self.first = 0, [], None
         self._dumping = False
 
@@ -77,12 +80,13 @@ class FirstIterations:
         if self.device.type != "cuda":
             return
         try:
-            tuners = kernel_tuning.autotuners()
+            provided = KernelConfigs.of(self.hooks.kernel_configs(settings=self.settings))
+            self.tuners = tuners = kernel_tuning.autotuners(provided.modules)
             if os.environ.get("TRITON_CACHE_AUTOTUNING") == "1":  # kernels made before configure() read it at import
                 for tuner in tuners.values():
                     tuner.cache_results = True
             gpu, capability = _gpu(self.device)
-            self.pinned, self.notes = kernel_tuning.pin(self._tables(), gpu, capability, tuners)
+            self.pinned, self.notes = kernel_tuning.pin(self._tables(provided), gpu, capability, tuners)
             self.report = kernel_tuning.CompileReport().start()
         except Exception as err:  # noqa: BLE001 - an unexpected Triton or table costs the pins, not the run
             if self.speaks:
@@ -94,12 +98,12 @@ class FirstIterations:
             print(f"iteration {iteration} compiles GPU kernels into an empty cache ({triton_dir}); later runs load "
                   f"them from there (--compile-cache)", flush=True)
 
-    def _tables(self) -> list[dict]:
+    def _tables(self, provided: KernelConfigs) -> list[dict]:
         """The provider's tables, the cache's and --kernel-configs' (none: no pins)."""
         given = self.options.kernel_configs
         if given == "none":
             return []
-        tables = list(self.hooks.kernel_configs(settings=self.settings) or [])
+        tables = list(provided.tables)
         for path in (self.table, Path(given) if given else None):
             table = kernel_tuning.read_table(path) if path is not None and path.is_file() else None
             if table is not None:
@@ -128,7 +132,7 @@ class FirstIterations:
         if self.report is None or not self.writes:
             return
         try:
-            kernel_tuning.write_table(self.table, kernel_tuning.record(*_gpu(self.device)))
+            kernel_tuning.write_table(self.table, kernel_tuning.record(*_gpu(self.device), self.tuners))
         except (OSError, TypeError, ValueError) as err:  # a read-only cache: the run goes on, the next autotunes
             if self.speaks:
                 print(f"kernel choices not recorded in {self.table}: {getattr(err, 'strerror', None) or err}",

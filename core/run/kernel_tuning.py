@@ -1,13 +1,15 @@
 """Triton's autotuning at the first iterations: pin recorded choices, record the new ones, report what compiled.
 
-mamba-ssm autotunes its Mamba-2 (SSD) kernels at first use, 15 of them over about 114 configs for the training
-call megatron-core makes, and transformer-engine its token-permutation kernels; each config is compiled (ptxas) and
-timed. That is most of a Nemotron run's first iteration on a fresh machine. Their autotune keys hold the model's
-widths and the tensors' dtypes, never batch or sequence length, so one recorded choice per kernel and width serves
-every micro-batch and every packed length. Pinning fills `Autotuner.cache[key]`, which `Autotuner.run` consults
-before benchmarking: a pinned key compiles one config; a key without a pin (another width or dtype) autotunes as
-before and is recorded. A config is pinned only when it is one of the kernel's own configs (another version's list
-just autotunes), and a table recorded on another GPU model is used only for the same compute capability.
+Which kernels are the provider's to say (hook `kernel_configs`, a `mimo.plugins.KernelConfigs`: the modules whose
+autotuned kernels to pin and record, and its recorded tables). Nemotron's, for example: mamba-ssm autotunes its
+Mamba-2 (SSD) kernels at first use, 15 of them over about 114 configs for the training call megatron-core makes,
+and transformer-engine its token-permutation kernels; each config is compiled (ptxas) and timed. That is most of a
+Nemotron run's first iteration on a fresh machine. Their autotune keys hold the model's widths and the tensors'
+dtypes, never batch or sequence length, so one recorded choice per kernel and width serves every micro-batch and
+every packed length. Pinning fills `Autotuner.cache[key]`, which `Autotuner.run` consults before benchmarking: a
+pinned key compiles one config; a key without a pin (another width or dtype) autotunes as before and is recorded.
+A config is pinned only when it is one of the kernel's own configs (another version's list just autotunes), and a
+table recorded on another GPU model is used only for the same compute capability.
 
 Triton's own disk cache of autotune results (TRITON_CACHE_AUTOTUNING) skips kernels whose configs carry a
 `pre_hook`, 4 of mamba-ssm's; the tables here cover those too.
@@ -24,17 +26,12 @@ import threading
 import time
 from pathlib import Path
 
-# Modules whose autotuned kernels are pinned and recorded (each optional: skipped where the package is absent).
-MODULES = (
-    "mamba_ssm.ops.triton.ssd_bmm", "mamba_ssm.ops.triton.ssd_chunk_scan", "mamba_ssm.ops.triton.ssd_chunk_state",
-    "mamba_ssm.ops.triton.ssd_combined", "mamba_ssm.ops.triton.ssd_state_passing",
-    "transformer_engine.common.triton.permutation", "transformer_engine.common.triton.pad",
-)
 FIELDS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
-def autotuners(modules=MODULES) -> dict:
-    """{module.attribute: triton Autotuner} of the kernels in `modules` that import here."""
+def autotuners(modules) -> dict:
+    """{module.attribute: triton Autotuner} of the kernels in `modules` (the provider's, hook `kernel_configs`)
+    that import here; a module whose package is absent or broken is skipped."""
     try:
         from triton.runtime.autotuner import Autotuner
     except ImportError:
@@ -63,12 +60,12 @@ def _json_key(key) -> list | None:
     return list(key)
 
 
-def record(gpu: str, capability: str, tuners: dict | None = None) -> dict:
-    """The autotune choices this process made or was given, as a table `pin` reads."""
+def record(gpu: str, capability: str, tuners: dict) -> dict:
+    """The autotune choices this process made or was given in `tuners` (`autotuners`), as a table `pin` reads."""
     import triton
 
     kernels = {}
-    for name, tuner in (autotuners() if tuners is None else tuners).items():
+    for name, tuner in tuners.items():
         rows = [{"key": k, "config": config_dict(c)}
                 for k, c in ((_json_key(key), config) for key, config in tuner.cache.items()) if k is not None]
         if rows:
@@ -76,10 +73,10 @@ def record(gpu: str, capability: str, tuners: dict | None = None) -> dict:
     return {"gpu": gpu, "capability": capability, "triton": triton.__version__, "kernels": kernels}
 
 
-def pin(tables: list[dict], gpu: str, capability: str, tuners: dict | None = None) -> tuple[int, list[str]]:
-    """Fill the autotuners' caches from `tables` (a table recorded on this GPU model first, then on others of the
-    same compute capability; an earlier table wins a key). Returns (keys pinned, notes on what was left out)."""
-    tuners = autotuners() if tuners is None else tuners
+def pin(tables: list[dict], gpu: str, capability: str, tuners: dict) -> tuple[int, list[str]]:
+    """Fill the caches of `tuners` (`autotuners`) from `tables` (a table recorded on this GPU model first, then on
+    others of the same compute capability; an earlier table wins a key). Returns (keys pinned, notes on what was
+    left out)."""
     pinned, notes = 0, []
     ordered = sorted(tables, key=lambda t: t.get("gpu") != gpu)
     for table in ordered:

@@ -7,7 +7,7 @@ the backends, parameter names and Nemotron checkpoints.
 
 from __future__ import annotations
 
-from mimo import LANGUAGE, ModuleShape, Provider, hookimpl, module_prefix
+from mimo import LANGUAGE, KernelConfigs, ModuleShape, Provider, hookimpl, module_prefix
 
 from .settings import ENCODER, IMAGES, PATTERN_20L, PATTERN_52L, PATTERN_54L, NemotronVLMSettings
 
@@ -134,10 +134,11 @@ def model_flops(settings: NemotronVLMSettings):
 
 @hookimpl
 def kernel_configs(settings: NemotronVLMSettings):
-    """The Triton autotune choices recorded for this family on the GPUs in kernel_configs/ (one JSON per GPU)."""
-    from .kernel_tables import recorded_tables
+    """The family's autotuned Triton kernels and the choices recorded for them on the GPUs in kernel_configs/ (one
+    JSON per GPU)."""
+    from .kernel_tables import MODULES, recorded_tables
 
-    return recorded_tables()
+    return KernelConfigs(MODULES, tuple(recorded_tables()))
 
 
 @hookimpl
