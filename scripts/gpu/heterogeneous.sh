@@ -20,13 +20,16 @@ versions "$out/versions.txt"
 mimo() { timeout -k 10 240 python3 -m mimo.cli "$@"; }
 fan=(run --provider mock-vlm --device cuda --train-iters 10 --log-interval 1 --seed 5 --micro-batch-size 4
      --global-batch-size 24 --set image_probability=0.5)
-mimo "${fan[@]}" --nproc-per-node 4 --metrics-file "$out/fan_colocated4.jsonl" > "$out/fan_colocated4.log" 2>&1
-for layout in "3 2" "4 2 --llm-tp 2" "4 3"; do
-  set -- $layout; n=$1; e=$2; shift 2; name="fan_${n}gpu_enc${e}${1:+_tp2}"
-  mimo "${fan[@]}" --nproc-per-node "$n" --encoder-ranks "$e" "$@" --metrics-file "$out/$name.jsonl" \
+# the reference: one GPU; then colocated DP2 and the fan-in layouts (3 encoder ranks need a micro-batch of 3)
+mimo "${fan[@]}" --metrics-file "$out/fan_1gpu.jsonl" > "$out/fan_1gpu.log" 2>&1
+for layout in "2 0" "3 2" "4 2 --llm-tp 2" "4 3 --micro-batch-size 3"; do
+  set -- $layout; n=$1; e=$2; shift 2; name="fan_${n}gpu_enc${e}${1:+_${1#--}}"
+  e_args=(); [ "$e" = 0 ] || e_args=(--encoder-ranks "$e")  # 0: colocated
+  mimo "${fan[@]}" --nproc-per-node "$n" "${e_args[@]}" "$@" --metrics-file "$out/$name.jsonl" \
     > "$out/$name.log" 2>&1; echo "$name exit $?"; tail -2 "$out/$name.log"
 done
-python3 scripts/compare_losses.py "$out"/fan_colocated4.jsonl "$out"/fan_*gpu*.jsonl | tail -4
+python3 scripts/compare_losses.py "$out"/fan_1gpu.jsonl "$out"/fan_[234]gpu*.jsonl | tail -6
+[ -n "${FAN_IN_ONLY:-}" ] && exit 0
 # 2. stage overlap
 big=(run --provider mock-vlm --device cuda --precision bf16 --train-iters 30 --log-interval 5 --log-timers
      --micro-batch-size 1 --global-batch-size 16 --nproc-per-node 2
