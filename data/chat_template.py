@@ -98,9 +98,12 @@ class ChatTemplate:
 
     def generation_prompt(self, turns: Sequence[Turn], image_tokens: Sequence[int], tokenizer: Tokenizer
                           ) -> list[int]:
-        """The token ids that ask for the next answer: `turns` rendered, then the assistant's header."""
-        return self.render(turns, image_tokens, tokenizer).tokens + (
-            tokenizer.encode(self.headers["assistant"]) if self.headers.get("assistant") else [])
+        """The token ids that ask for the next answer: `turns` rendered, then the assistant's header. When the last
+        turn is a document, the model continues it: its end-of-sequence is left off and no header follows."""
+        tokens = self.render(turns, image_tokens, tokenizer).tokens
+        if turns and turns[-1].role == "document":
+            return tokens[:-1]
+        return tokens + (tokenizer.encode(self.headers["assistant"]) if self.headers.get("assistant") else [])
 
     def stop_ids(self, tokenizer: Tokenizer) -> frozenset[int]:
         """The ids that end an answer: the template's end of an assistant turn, and end-of-sequence."""

@@ -4,7 +4,8 @@ A dataset's `.nv-meta/dataset.yaml` names the Python class its samples are (`__m
 `sample_type:` with them); energon imports it when the dataset is opened. A class from a package this environment
 lacks (e.g. Megatron-Bridge's `ChatMLWebdataset`) would fail there, deep in the loader, after the model was built.
 `check_dataset` walks `--data` (a dataset directory, or a metadataset YAML and every `path:` it names, recursively)
-and says in one line which file names which class, why it cannot be imported, and what mimo reads instead.
+and says in one line which file names which class, why it cannot be imported, and what mimo reads instead. A JSON
+file given as `--data` (LLaVA records, not yet a dataset) is one line naming the converter.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import yaml
 
 from mimo.errors import UsageError
 
+from .foreign_samples import foreign_note
 from .sample_formats import readable_type_names
 
-__all__ = ["check_dataset", "unreadable_dataset"]
+__all__ = ["check_dataset", "foreign_notes", "unreadable_dataset"]
 
 _MAX_DEPTH = 8  # metadatasets naming metadatasets
 
@@ -36,6 +38,10 @@ def unreadable_dataset(path, flag: str = "--data") -> str | None:
     path = Path(path)
     if not path.exists():
         return None  # the loader says so in its own words
+    if _raw_json(path):
+        return (f"{flag} {path}: a JSON file, not an energon dataset; LLaVA-style records (conversations or messages, "
+                f"with their images) become one with `mimo data convert llava {path} IMAGE_DIR OUT`, then "
+                f"{flag} OUT")
     try:
         for dataset_yaml in _dataset_yamls(path, 0):
             problem = _check_yaml(dataset_yaml)
@@ -45,6 +51,32 @@ def unreadable_dataset(path, flag: str = "--data") -> str | None:
     except (OSError, yaml.YAMLError) as err:
         return f"{flag} {path}: not an energon dataset or metadataset ({type(err).__name__}: {err})"
     return None
+
+
+def foreign_notes(path, flag: str = "--data") -> list[str]:
+    """A line for each dataset under `path` whose declared class is another framework's that mimo reads as its own
+    format (foreign_samples.py), for the console before the run."""
+    path = Path(path)
+    notes = []
+    try:
+        for dataset_yaml in _dataset_yamls(path, 0) if path.exists() else ():
+            config = yaml.safe_load(dataset_yaml.read_text()) or {}
+            declared = config.get("sample_type", config) if isinstance(config, dict) else None
+            if isinstance(declared, dict) and (note := foreign_note(str(declared.get("__module__")),
+                                                                     str(declared.get("__class__")))):
+                where = dataset_yaml.relative_to(path) if dataset_yaml.is_relative_to(path) else dataset_yaml
+                notes.append(f"{flag} {path}: {where} {note}")
+    except (OSError, yaml.YAMLError):
+        return []  # check_dataset names the problem
+    return notes
+
+
+def _raw_json(path: Path) -> bool:
+    """A JSON or JSON-lines file energon cannot read as it is (a prepared JSON-lines dataset has its index)."""
+    if not path.is_file():
+        return False
+    suffix = path.suffix.lower()
+    return suffix == ".json" or (suffix == ".jsonl" and not path.with_name(path.name + ".idx").exists())
 
 
 def _dataset_yamls(path: Path, depth: int):
@@ -81,6 +113,8 @@ def _check_yaml(dataset_yaml: Path) -> str | None:
         try:
             getattr(importlib.import_module(declared["__module__"]), declared["__class__"])
         except Exception as err:  # noqa: BLE001 - whatever the import raises, the user gets the one line
+            if foreign_note(declared["__module__"], declared["__class__"]):
+                return None  # read as mimo's own format (foreign_samples.py)
             why = str(err).splitlines()[0] if str(err) else type(err).__name__
             return (f"names the sample class {name}, which cannot be imported here ({why}); mimo reads "
                     f"{', '.join(readable_type_names())}: prepare the shards again with `energon prepare DIR "

@@ -1,10 +1,13 @@
 """Prompts to answer: a question typed with its images, or the answer turns of an energon dataset, and how a prompt
 becomes a model's input through its prompt format (tokenizer, chat template, image mode).
 
-A dataset's samples become conversations exactly as training reads them (`sample_formats.conversation_of`); each
-assistant turn is one prompt: the turns before it (earlier answers as the dataset gives them) and its images, with
-the turn's text as the reference answer. Samples without an answer turn (documents, plain text) give none and are
-counted. The split is read in its stored order, without shuffling or repetition, so the same prompts come every time.
+A dataset's samples become conversations exactly as training reads them (`sample_formats.conversation_of`, crude
+chat datasets cooked by the same cooker, blends as the metadataset names them); each assistant turn is one prompt:
+the turns before it (earlier answers as the dataset gives them) and its images, with the turn's text as the
+reference answer. A document (interleaved text and images, plain text) has no answer turn: it is one continuation
+prompt instead, the document up to its last text (or, a single text, up to the middle of its words) with the images
+there, and the rest of its text as the reference. Samples with neither are counted. The split is read in its stored
+order, without shuffling or repetition, so the same prompts come every time.
 """
 
 from __future__ import annotations
@@ -82,25 +85,61 @@ def _answer_prompts(key: str, conversation) -> Iterator[Prompt]:
         used += turn.num_images
 
 
+def _continuation_prompt(key: str, conversation) -> Prompt | None:
+    """A document's beginning to continue, with the rest of its text as the reference; None when too short."""
+    turns = conversation.turns
+    if not turns or turns[-1].role != "document":
+        return None
+    parts = list(turns[-1].parts)
+    texts = [i for i, p in enumerate(parts) if isinstance(p, str) and p.strip()]
+    if len(texts) >= 2:  # the document up to its last text, that text the reference
+        head, reference = parts[:texts[-1]], parts[texts[-1]]
+    elif texts:  # one text: cut between words, half each side
+        words = parts[texts[0]].split(" ")
+        if len(words) < 2:
+            return None
+        half = len(words) // 2
+        head = parts[:texts[0]] + [" ".join(words[:half]) + " "]
+        reference = " ".join(words[half:])
+    else:
+        return None
+    used = sum(t.num_images for t in turns[:-1]) + sum(not isinstance(p, str) for p in head)
+    return Prompt(list(turns[:-1]) + [Turn("document", tuple(head))], conversation.images[:used],
+                  reference.strip(), f"{key}#continue")
+
+
+def _prompts_of(key: str, conversation) -> list[Prompt]:
+    answers = list(_answer_prompts(key, conversation))
+    if answers:
+        return answers
+    continuation = _continuation_prompt(key, conversation)
+    return [continuation] if continuation else []
+
+
 def from_dataset(path: Path, split: str = "val", limit: int | None = None) -> tuple[list[Prompt], int]:
     """The first `limit` answer prompts of `path`'s `split` (all when None), and how many samples had none."""
     from megatron.energon import DefaultTaskEncoder, WorkerConfig, get_loader, get_val_dataset, stateless
 
+    from .chat_cooker import CHAT_COOKER
+    from .check import check_dataset
     from .sample_formats import check_readable, conversation_of
 
     class Conversations(DefaultTaskEncoder):
+        cookers = [CHAT_COOKER]  # crude chat datasets (as `mimo data convert` writes them) read as in training
+
         @stateless
         def encode_sample(self, sample):
             return getattr(sample, "__key__", "?"), conversation_of(sample)
 
-        def build_train_datasets(self, *, datasets, **kwargs):
+        def build_val_datasets(self, *, datasets, **kwargs):  # get_val_dataset's way in, blends included
             for loaded in datasets:
-                check_readable(loaded.dataset.__sample_type__, path, "mimo generate")
-            return super().build_train_datasets(datasets=datasets, **kwargs)
+                check_readable(loaded.dataset.__sample_type__, getattr(loaded.dataset, "path", path), "mimo generate")
+            return super().build_val_datasets(datasets=datasets, **kwargs)
 
         def batch(self, samples):
             return samples
 
+    check_dataset(path)  # a JSON file or a class that cannot be imported: one line naming the way out
     try:
         dataset = get_val_dataset(str(path), split_part=split, batch_size=1, task_encoder=Conversations(),
                                   worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0))
@@ -112,13 +151,14 @@ def from_dataset(path: Path, split: str = "val", limit: int | None = None) -> tu
     prompts, without_answer = [], 0
     for batch in get_loader(dataset):
         for key, conversation in batch:
-            found = list(_answer_prompts(key, conversation))
+            found = _prompts_of(key, conversation)
             without_answer += not found
             prompts += found
             if limit is not None and len(prompts) >= limit:
                 return prompts[:limit], without_answer
     if not prompts:
-        raise UsageError(f"--data {path}: its {split} split has no sample with an answer turn to generate")
+        raise UsageError(f"--data {path}: its {split} split has no sample with an answer turn or a document to "
+                         f"continue")
     return prompts, without_answer
 
 

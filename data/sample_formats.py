@@ -9,6 +9,7 @@
 | `InterleavedSample` | a document: its sequence of texts and images, in order |
 | `TextSample` | a document: the text |
 | crude chat (`CrudeWebdataset`, cooked by `chat_cooker.py`) | the conversation's turns |
+| Megatron-Bridge's `ChatMLWebdataset` (`foreign_samples.py`) | the conversation's turns and `imgs` |
 
 `<image>` placeholders in a question or text place the image there (else it comes first). A sample type not in
 the table is refused before training starts (`check_readable`), in one line naming it and the types read here.
@@ -25,8 +26,10 @@ from megatron.energon import (
 
 from mimo.errors import UsageError
 
+from . import foreign_samples
 from .chat_cooker import ChatSample
 from .conversation import IMAGE, Conversation, Turn, place_images, split_placeholders
+from .foreign_samples import ChatMLRecord, chatml_conversation
 
 __all__ = ["READERS", "check_readable", "conversation_of", "readable_type_names"]
 
@@ -108,9 +111,11 @@ def chat(sample: ChatSample) -> Conversation:
 READERS: dict[type, Callable] = {
     CaptioningSample: captioning, VQASample: vqa, MultiChoiceVQASample: multi_choice_vqa,
     SimilarityInterleavedSample: similarity_interleaved, InterleavedSample: interleaved, TextSample: text,
-    ChatSample: chat,
+    ChatSample: chat, ChatMLRecord: chatml_conversation,
 }
-_DECLARED = {**{t: t.__name__ for t in READERS if t is not ChatSample}, CrudeSample: "CrudeWebdataset (chat)"}
+_DECLARED = {**{t: t.__name__ for t in READERS if t not in (ChatSample, ChatMLRecord)},
+             CrudeSample: "CrudeWebdataset (chat)", ChatMLRecord: "ChatMLWebdataset (Megatron-Bridge chat)"}
+foreign_samples.register()  # before any dataset is opened: energon then builds mimo's class for Bridge's name
 
 
 def readable_type_names() -> list[str]:
@@ -121,13 +126,15 @@ def conversation_of(sample) -> Conversation:
     for sample_type, read in READERS.items():
         if isinstance(sample, sample_type):
             return read(sample)
+    if read := foreign_samples.reader_for(type(sample)):
+        return read(sample)
     raise ValueError(f"sample {_key(sample)} is a {type(sample).__name__}, which mimo does not read "
                      f"(it reads {', '.join(readable_type_names())})")
 
 
 def check_readable(sample_type: type, path, reader: str = "this provider") -> None:
     """UsageError unless samples a dataset declares as `sample_type` can be read."""
-    if sample_type in _DECLARED:
+    if sample_type in _DECLARED or foreign_samples.reader_for(sample_type):
         return
     raise UsageError(f"--data {path}: {reader} cannot read {sample_type.__name__} samples; it reads "
                      f"{', '.join(readable_type_names())} (see docs/data.md)")

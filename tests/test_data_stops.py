@@ -52,10 +52,11 @@ def data(tmp_path_factory):
     (root / "blend.yaml").write_text("__module__: megatron.energon\n__class__: MetadatasetV2\nsplits:\n  train:\n"
                                      "    blend:\n      - weight: 1\n        path: captions\n"
                                      "      - weight: 1\n        path: vqa\n")
-    # Megatron-Bridge's chat class, which this environment cannot import
+    # a class of a Megatron-Bridge module that this environment cannot import and mimo does not know (its
+    # ChatMLWebdataset mimo reads: tests/test_foreign_samples.py)
     write_dataset(root / "bridge", num_samples=8)
     (root / "bridge" / ".nv-meta" / "dataset.yaml").write_text(
-        "__module__: megatron.bridge.recipes.qwen_vl.data.energon.task_encoder\n__class__: ChatMLWebdataset\n"
+        "__module__: megatron.bridge.recipes.qwen_vl.data.energon.task_encoder\n__class__: UnknownWebdataset\n"
         "field_map:\n  imgs: jpg\n  conversation: json\n")
     # 16 good samples, then 120 unreadable ones: the data turns all-bad mid-run
     write_dataset(root / "turns_bad", bad=tuple(range(16, 136)), num_samples=136, shard_size=136)
@@ -153,7 +154,7 @@ def test_a_bridge_class_dataset_is_one_line(tmp_path, data):
     assert result.returncode == 2 and result.stdout == ""
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith(f"error: --data {root / 'bridge'}: .nv-meta/dataset.yaml names the sample class "
-                           f"megatron.bridge.recipes.qwen_vl.data.energon.task_encoder.ChatMLWebdataset, which "
+                           f"megatron.bridge.recipes.qwen_vl.data.energon.task_encoder.UnknownWebdataset, which "
                            f"cannot be imported here (No module named 'megatron.bridge'); mimo reads ")
     assert "mimo data convert llava" in line
 

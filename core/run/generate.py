@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from mimo.data.check import foreign_notes
 from mimo.data.prompts import from_dataset, from_text
 from mimo.errors import UsageError
 
@@ -98,6 +99,8 @@ def checked_plan(config: RunConfig, request: GenerateRequest):
     check_plan(plan, WAY_OUT)
     prompt_format_of(plan.hooks, plan.settings, plan.config.provider)
     request.prompts(config.data.data)  # an unreadable image or dataset is one line now, not in every worker
+    for note in foreign_notes(config.data.data) if config.data.data else ():
+        print(note, file=sys.stderr, flush=True)  # stdout carries the answers alone
     check_pretrained(plan)  # a checkpoint, or Hugging Face folders that fit the provider's maps
     yield plan
 

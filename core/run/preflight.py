@@ -18,7 +18,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 
-from mimo.data.check import check_dataset
+from mimo.data.check import check_dataset, foreign_notes
 
 from ..checkpoint import hf
 from ..checkpoint.foreign import foreign_directory
@@ -43,8 +43,8 @@ def for_run(config: RunConfig) -> Iterator[Plan]:
     if not os.environ.get(launch.LAUNCHED_BY_MIMO):  # mimo's launcher checked this plan for its workers
         fit.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
     check_output_paths(config)  # likewise every path the run writes: created and test-written now
-    _check_datasets(config)
     speaks = launch.speaks_for_run(config.launch)
+    _check_datasets(config, speak=speaks)
     if speaks and config.checkpoint.save is not None:
         lock_save_directory(config.checkpoint.save)  # held until this process exits
         removed = remove_unfinished(config.checkpoint.save)  # what killed saves left: never loaded, never kept
@@ -75,8 +75,11 @@ def check_pretrained(plan: Plan) -> None:
     hf.check_sources(plan)
 
 
-def _check_datasets(config: RunConfig) -> None:
-    """A dataset whose declared sample class cannot be imported is one line now, not a traceback from the loader."""
+def _check_datasets(config: RunConfig, speak: bool = True) -> None:
+    """A dataset whose declared sample class cannot be imported is one line now, not a traceback from the loader;
+    one of another framework's classes that mimo reads as its own format is said once."""
     for flag, path in (("--data", config.data.data), ("--eval-data", config.evaluation.eval_data)):
         if path is not None:
             check_dataset(path, flag)
+            for note in foreign_notes(path, flag) if speak else ():
+                print(note, flush=True)
