@@ -28,7 +28,10 @@ RUN = ("run", "--provider", PROVIDER, "--device", "cpu", "--train-iters", "1", "
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrained")
     result = subprocess.run([sys.executable, str(SCRIPT), str(root)], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **ENV})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **ENV,
+                                 # the script imports helpers, which live in tests/, above its folder
+                                 "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1]),
+                                                                os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     # Megatron-LM's save layout: a tracker naming an iteration directory (its common.pt is not mimo's).
     megatron = root / "megatron"
