@@ -7,7 +7,7 @@ behind a function-local import is still a cycle: the two modules cannot be under
 imports are resolved; `from pkg import name` is an edge to `pkg.name` when that is a module, else to `pkg` (its
 `__init__`). A cycle is a strongly connected set of modules (or of top-level rooms: mimo.core, mimo.plugins,
 mimo.data, ...). Prints each cycle, each module over the limit and
-each import that breaks a room rule (ROOM_RULES); exits 1 when there is one. tests/test_architecture.py runs it.
+each import that breaks a room rule (ROOM_RULES); exits 1 when there is one. tests/unit/test_architecture.py runs it.
 """
 
 from __future__ import annotations

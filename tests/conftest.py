@@ -1,6 +1,26 @@
-"""Shared fixtures."""
+"""Shared fixtures, artifacts built once per test run, and the order tests start in.
+
+Folders by kind: unit/ (in-process, a world of one at most), multiprocess/ (`mimo` subprocesses, gloo worlds of
+several processes), commands/ (whole commands as a newcomer or a doc runs them), records/ (benchmark code and the
+GPU records kept in docs/benchmarks/). Helpers shared by all of them live here in tests/."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+from filelock import FileLock
+
+# The slowest files first (seconds on two shared cores, `--durations=0`), so that the last tests to start are
+# short ones and the two workers end together; files not listed follow in collection order.
+SLOW_FILES = {}
+
+# Files whose tests share module-scoped set-up (a training run, a world of one, a built dataset) or import each
+# other's state: their tests stay on one worker under `--dist loadgroup`. Every other test is scheduled on its own.
+TOGETHER: set[str] = set()
 
 
 @pytest.fixture
@@ -8,3 +28,61 @@ def tmp_target(tmp_path):
     target = tmp_path / "site"
     target.mkdir()
     return target
+
+
+def shared_artifact(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """The folder `name`, built by `build(folder)` once per test run, whichever xdist worker asks first.
+
+    Each xdist worker is a session of its own with its own basetemp under the run's; the artifact goes into the run's
+    folder, and a file lock makes the other workers wait for it and reuse it. Tests must only read it."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    root = base / "shared"
+    root.mkdir(exist_ok=True)
+    done = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            partial = root / f"{name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+            build(partial)
+            partial.rename(done)  # complete or absent: a failed build is retried by the next test that asks
+    return done
+
+
+@pytest.fixture(scope="session")
+def omni_folder(tmp_path_factory) -> Path:
+    """hf_models.save_omni(TEXT): a tiny random transformers omni VLM, saved (read-only; seeded, so every test that
+    saved its own got these bytes)."""
+    from hf_models import TEXT, save_omni
+
+    return shared_artifact(tmp_path_factory, "omni", lambda folder: save_omni(folder, TEXT))
+
+
+@pytest.fixture(scope="session")
+def omni_imported(tmp_path_factory, omni_folder) -> tuple[Path, str]:
+    """(checkpoint, stdout) of `mimo ckpt import-hf` of omni_folder (read-only)."""
+    from helpers import run_mimo
+
+    def build(folder: Path) -> None:
+        result = run_mimo("ckpt", "import-hf", str(omni_folder), str(folder / "ckpt"),
+                          env={"TORCH_COMPILE_DISABLE": "1"})
+        assert result.returncode == 0, result.stderr[-3000:]
+        (folder / "stdout.txt").write_text(result.stdout)
+
+    folder = shared_artifact(tmp_path_factory, "omni-imported", build)
+    return folder / "ckpt", (folder / "stdout.txt").read_text()
+
+
+def _file_of(item) -> str:
+    return Path(str(item.fspath)).name
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _file_of(item) in TOGETHER:
+            item.add_marker(pytest.mark.xdist_group(_file_of(item)))
+    # Slowest files first; within a file, collection order (a stable sort).
+    items.sort(key=lambda item: -SLOW_FILES.get(_file_of(item), 0))

@@ -4,7 +4,7 @@ process and heterogeneous, whether DIR is the dist checkpoint itself or a Megatr
 tracker; a checkpoint of another model shape is one line.
 
 dist_checkpointing's saver starts a helper process, so the checkpoints are written by this file run as a script
-(`python tests/test_nemotron_pretrained.py DIR`)."""
+(`python tests/multiprocess/test_nemotron_pretrained.py DIR`)."""
 
 from __future__ import annotations
 
