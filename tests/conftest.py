@@ -14,6 +14,12 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+# megatron-core's fused functions (jit_fuser) go through torch.compile, and on a CPU inductor spends seconds per graph
+# in the tests that build models in-process (11 s for one HybridModel test, 2 s without). mimo runs them eagerly
+# unless --torch-compile on (core/run/compilation.py), so the in-process tests run them as mimo does. Set before
+# torch is imported (torch._dynamo.config reads it once); subprocesses inherit it, and mimo's own setting wins there.
+os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+
 # The slowest files first (seconds on two shared cores, `--durations=0`), so that the last tests to start are
 # short ones and the two workers end together; files not listed follow in collection order.
 SLOW_FILES = {}
