@@ -81,6 +81,20 @@ def omni_imported(tmp_path_factory, omni_folder) -> tuple[Path, str]:
     return folder / "ckpt", (folder / "stdout.txt").read_text()
 
 
+@pytest.fixture(scope="session")
+def sample_dataset(tmp_path_factory) -> Callable[[Path], Path]:
+    """copy(dest): `mimo data sample DIR --num-samples 48 --val-shards 1`, run once per test run, copied to dest.
+    The command writes the same samples whatever DIR is (a fixed seed); each test gets a copy it may change."""
+    from helpers import SAMPLE_ARGS, run_mimo
+
+    def build(folder: Path) -> None:
+        result = run_mimo("data", "sample", str(folder / "ds"), *SAMPLE_ARGS)
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    built = shared_artifact(tmp_path_factory, "sample-dataset", build) / "ds"
+    return lambda dest: Path(shutil.copytree(built, dest))
+
+
 def _file_of(item) -> str:
     return Path(str(item.fspath)).name
 
