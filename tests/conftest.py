@@ -20,13 +20,10 @@ from filelock import FileLock
 # torch is imported (torch._dynamo.config reads it once); subprocesses inherit it, and mimo's own setting wins there.
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 
-# The slowest files first (seconds on two shared cores, `--durations=0`), so that the last tests to start are
-# short ones and the two workers end together; files not listed follow in collection order.
-SLOW_FILES = {}
-
-# Files whose tests share module-scoped set-up (a training run, a world of one, a built dataset) or import each
-# other's state: their tests stay on one worker under `--dist loadgroup`. Every other test is scheduled on its own.
-TOGETHER: set[str] = set()
+# Seconds the slow tests took, from `--durations=0` on two shared cores: "file::test function" (each parameter
+# case), or "file" for the tests of a file that share module-scoped set-up (all of them together). The slowest start
+# first, so that the last to start are short and the two workers end together; the rest follow in collection order.
+SLOW: dict[str, float] = {}
 
 
 @pytest.fixture
@@ -99,10 +96,24 @@ def _file_of(item) -> str:
     return Path(str(item.fspath)).name
 
 
+def _shares_module_setup(item) -> bool:
+    """Whether the test uses a module-scoped fixture (a training run, a world of one, a built dataset)."""
+    return any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values())
+
+
+def _seconds(item) -> float:
+    name = _file_of(item)
+    if _shares_module_setup(item):
+        return SLOW.get(name, 0.0)
+    return SLOW.get(f"{name}::{item.originalname}", 0.0)
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
+    # Under --dist loadgroup, the tests of a file that share module-scoped set-up run on one worker (it is built once);
+    # every other test is scheduled on its own.
     for item in items:
-        if _file_of(item) in TOGETHER:
+        if _shares_module_setup(item):
             item.add_marker(pytest.mark.xdist_group(_file_of(item)))
-    # Slowest files first; within a file, collection order (a stable sort).
-    items.sort(key=lambda item: -SLOW_FILES.get(_file_of(item), 0))
+    # Slowest first; a stable sort, so a file's cases keep their order (and a group stays in one piece).
+    items.sort(key=lambda item: -_seconds(item))

@@ -31,12 +31,12 @@ def _mimo(*args: str):
     return result
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def hf_dir(omni_folder):
     return omni_folder  # save_omni(TEXT), built once per test run (conftest.py)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def imported(omni_imported):
     out, stdout = omni_imported  # its `mimo ckpt import-hf`, run once per test run (conftest.py)
     assert f"as provider {PROVIDER}" in stdout
