@@ -23,7 +23,29 @@ os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
 # Seconds the slow tests took, from `--durations=0` on two shared cores: "file::test function" (each parameter
 # case), or "file" for the tests of a file that share module-scoped set-up (all of them together). The slowest start
 # first, so that the last to start are short and the two workers end together; the rest follow in collection order.
-SLOW: dict[str, float] = {}
+SLOW: dict[str, float] = {
+    "test_readme.py::test_readme_block_runs_as_written": 400,
+    "test_fault_battery.py::test_the_fault_battery_passes": 200,
+    "test_generation_cli.py": 200,
+    "test_data_formats.py": 200,
+    "test_orphans.py::test_kills_of_the_main_process_leave_nothing_behind": 150,
+    "test_layouts.py": 150,
+    "test_data_stops.py": 150,
+    "test_hf_train_parity.py::test_the_first_training_loss_from_hugging_face_weights_is_transformers_loss": 120,
+    "test_hf_generate_parity.py": 120,
+    "test_hf_stages.py::test_the_documented_stage_recipe_runs_and_trains_what_each_stage_names": 120,
+    "test_hf_parts.py": 100,
+    "test_data_docs.py": 100,
+    "test_nemotron_training.py::test_stage1_trains_the_projection_only": 100,
+    "test_first_contact.py::test_plain_install_without_extras_trains_evaluates_plans_and_says_what_an_extra_adds": 90,
+    "test_first_contact.py::test_a_whole_run_in_one_file": 90,
+    "test_first_contact.py::test_summary_heterogeneous_save_and_a_resume_with_nothing_left": 90,
+    "test_nemotron_pretrained.py": 80,
+    "test_tokenizer.py": 80,
+    "test_data_loop.py": 80,
+    "test_data_skips.py": 80,
+    "test_evaluation.py": 60,
+}
 
 
 @pytest.fixture
