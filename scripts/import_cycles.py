@@ -8,7 +8,7 @@ imports are resolved; `from pkg import name` is an edge to `pkg.name` when that 
 `__init__`). A cycle is a strongly connected set of modules, or of packages taken whole at any depth (the
 top-level rooms mimo.core, mimo.plugins, ...; core's sub-packages mimo.core.run, mimo.core.checkpoint, ...).
 Prints each cycle, each module over the limit and each import that breaks a room rule (ROOM_RULES); exits 1 when
-there is one. tests/test_architecture.py runs it.
+there is one. tests/unit/test_architecture.py runs it.
 """
 
 from __future__ import annotations

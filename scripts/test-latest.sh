@@ -37,4 +37,4 @@ for name in $direct; do
   printf '   %-20s %s%s\n' "$name" "$have" "$note"
 done
 echo "== smoke set"
-exec "$venv/bin/python" -m pytest -m smoke -n 2 --dist loadfile -p no:cacheprovider "$@"
+exec "$venv/bin/python" -m pytest -m smoke -n 2 --dist loadgroup --no-loadscope-reorder --durations=10 -p no:cacheprovider "$@"

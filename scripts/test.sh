@@ -3,6 +3,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# Two test files at a time (the machine's two cores): most tests are single-threaded subprocess runs.
-# --dist loadfile keeps each file (and its module-scoped runs) in one worker.
-exec .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+# Two workers (the machine's two cores): most tests are single-threaded subprocess runs.
+# --dist loadgroup schedules each test on its own, except the files tests/conftest.py keeps together (module-scoped
+# runs and worlds); --no-loadscope-reorder keeps conftest's order (slowest first) instead of the largest groups first.
+# --durations=10 prints the ten slowest tests at the end of every run.
+exec .venv/bin/python -m pytest -n 2 --dist loadgroup --no-loadscope-reorder --durations=10 "$@"

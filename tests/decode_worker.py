@@ -1,6 +1,6 @@
-"""Run by tests/test_generation.py in a fresh interpreter (a world of one on the CPU): for a provider and settings,
-mimo's incremental decoding against recomputing the whole sequence at every step, on prompts with and without an
-image. Prints one JSON line per prompt. On a GPU (the te backend's kernels):
+"""Run by tests/multiprocess/test_generation.py in a fresh interpreter (a world of one on the CPU): for a provider and
+settings, mimo's incremental decoding against recomputing the whole sequence at every step, on prompts with and
+without an image. Prints one JSON line per prompt. On a GPU (the te backend's kernels):
 
     MIMO_DECODE_DEVICE=cuda MIMO_DECODE_STEPS=graph python tests/decode_worker.py nemotron-moe-vlm-tiny backend=te \
         seq_length=256

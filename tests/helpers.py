@@ -15,6 +15,9 @@ import textwrap
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# `mimo data sample DIR` with these: the dataset docs/evaluation.md and docs/generation.md start from, and
+# test_generation_cli trains on (conftest.py's sample_dataset runs it once per test run)
+SAMPLE_ARGS = ("--num-samples", "48", "--val-shards", "1")
 
 
 def run_mimo(*args: str, extra_path: list[Path] = (), timeout: int = 600, env: dict | None = None):

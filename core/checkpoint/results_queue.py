@@ -10,8 +10,8 @@ queue takes its place (installed through the module's `_results_queue`, which me
 * in a forked child (megatron-core's async writer), `put` goes through a fork-context pipe queue (no server, no
   resource tracker), which the child flushes before it exits and the parent reads when it finalizes the save.
 
-It relies on megatron-core's private global; `tests/test_orphans.py` fails loudly if a save starts a process
-again (e.g. after an upgrade).
+It relies on megatron-core's private global; `tests/multiprocess/test_orphans.py` fails loudly if a save starts a
+process again (e.g. after an upgrade).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ micro-batch's forward, each of which drains the GPU's queue while the host prepa
 knows the placeholders' positions before the batch leaves the host, so it hands them over (`placeholder_rows`),
 and the merge becomes: embed every position (placeholders as token 0), then copy each encoder's embeddings into
 its rows. The values are megatron-core's exactly, and so are the gradients: a replaced row passes no gradient to
-the embedding of token 0, and the encoder's rows get the gradient of theirs (tests/test_embedding_merge.py).
+the embedding of token 0, and the encoder's rows get the gradient of theirs (tests/unit/test_embedding_merge.py).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ of a full-width Nemotron slice, its profile in docs/benchmarks.md (g)). Here:
   sort by expert, which is the identity with one rank.
 
 `with_grouped_mm_experts(moe_spec)` turns a megatron-core MoE layer spec into this one. Values are those of the
-parent modules up to the order of floating-point sums inside the GEMMs (tests/test_grouped_mm_moe.py).
+parent modules up to the order of floating-point sums inside the GEMMs (tests/multiprocess/test_grouped_mm_moe.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the tensor maps of mimo.providers.nemotron.hf (the per-rank loader: te's keys ar
 TF32 off: by default transformer-engine's fp32 GEMMs (and mamba-ssm's kernels in the reference) use TF32, which
 alone moves the LLM's logits by about 8e-4 relative (docs/verification.md). Both backends are checked.
 
-The CPU tests (tests/test_hf_nemotron_h.py, tests/test_hf_radio.py) check the local backend the same way. The
+The CPU tests (tests/unit/test_hf_nemotron_h.py, tests/unit/test_hf_radio.py) check the local backend the same way. The
 NemotronH reference clamps the Mamba step size at time_step_min and megatron-core's MambaMixer does not: the step
 biases here keep every step above it, so that the comparison is of the kernels, not of that difference.
 """

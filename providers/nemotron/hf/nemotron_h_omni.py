@@ -3,7 +3,7 @@ the RADIO encoder (`vision_model.`, mapped by `radio`) and the projector `mlp1` 
 
 Between the two, both models pixel-shuffle each image's patch grid the same way: 2 x 2 blocks of patches, the
 blocks row-major, each block's channels ordered (row in block, column in block, channel) - transformers'
-`pixel_shuffle` with downsample_ratio 0.5 and the provider's `pixel_shuffle` (tests/test_hf_radio.py checks both).
+`pixel_shuffle` with downsample_ratio 0.5 and the provider's `pixel_shuffle` (tests/unit/test_hf_radio.py checks both).
 The projector is an RMSNorm, a linear layer, squared ReLU and a linear layer, no biases; on the megatron side it
 is the provider's `MultimodalProjector` (projection "mlp" with `projection_norm`):
 

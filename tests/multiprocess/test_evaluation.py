@@ -1,6 +1,6 @@
 """Held-out evaluation: it leaves training exactly as it was, reports in every channel, and gives one figure for a
 checkpoint whatever the layout (colocated, heterogeneous, LLM PP 2), equal to a plain forward over the samples;
-PP 2 trains as one stage does. `mimo eval` on an energon val split: tests/test_evaluation_docs.py."""
+PP 2 trains as one stage does. `mimo eval` on an energon val split: tests/commands/test_evaluation_docs.py."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ PP2 = ("--nproc-per-node", "3", "--encoder-ranks", "1", "--llm-pp", "2")
 
 
 def test_mimo_eval_of_a_checkpoint_matches_the_run_and_a_plain_forward(tmp_path, checkpoint):
-    """Heterogeneous here; colocated in tests/test_evaluation_docs.py, LLM PP 2 below (through mimo run)."""
+    """Heterogeneous here; colocated in tests/commands/test_evaluation_docs.py, LLM PP 2 below (through mimo run)."""
     save, in_run = checkpoint
     out = tmp_path / "eval.json"
     _, _, result = run(tmp_path, "eval", "--load", str(save), "--eval-iters", "2", "--json", str(out), *HETERO,

@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import run_mimo
-from hf_models import TEXT, save_omni
 
 PROVIDER = "nemotron-moe-vlm-tiny"
 ENV = {"TORCH_COMPILE_DISABLE": "1"}
@@ -71,14 +70,14 @@ def transformers_tokens(hf_dir: Path, image: Path) -> list[int]:
     return tokens[:-1] if tokens and tokens[-1] in stop else tokens  # mimo's answer leaves the stop token out
 
 
-def test_mimo_generate_gives_transformers_tokens_before_and_after_training(tmp_path, image):
-    hf_dir = save_omni(tmp_path / "hf", TEXT)
+def test_mimo_generate_gives_transformers_tokens_before_and_after_training(tmp_path, image, omni_folder,
+                                                                         omni_imported):
+    hf_dir = omni_folder  # save_omni(TEXT), built once per test run (conftest.py)
     want = transformers_tokens(hf_dir, image)
     assert len(want) >= 8, want  # a real answer to compare, not an immediate stop
     assert mimo_tokens(image, "--pretrained", str(hf_dir)) == want
 
-    imported, trained, exported = tmp_path / "imported", tmp_path / "trained", tmp_path / "exported"
-    _mimo("ckpt", "import-hf", str(hf_dir), str(imported))
+    (imported, _), trained, exported = omni_imported, tmp_path / "trained", tmp_path / "exported"  # import-hf of hf_dir
     _mimo("run", "--provider", PROVIDER, "--provider-config", str(imported / "provider.yaml"), "--pretrained",
           str(imported), "--device", "cpu", "--train-iters", "3", "--lr", "1e-3", "--save", str(trained))
     _mimo("ckpt", "export-hf", str(trained), str(exported))

@@ -53,7 +53,7 @@ def data(tmp_path_factory):
                                      "    blend:\n      - weight: 1\n        path: captions\n"
                                      "      - weight: 1\n        path: vqa\n")
     # a class of a Megatron-Bridge module that this environment cannot import and mimo does not know (its
-    # ChatMLWebdataset mimo reads: tests/test_foreign_samples.py)
+    # ChatMLWebdataset mimo reads: tests/multiprocess/test_foreign_samples.py)
     write_dataset(root / "bridge", num_samples=8)
     (root / "bridge" / ".nv-meta" / "dataset.yaml").write_text(
         "__module__: megatron.bridge.recipes.qwen_vl.data.energon.task_encoder\n__class__: UnknownWebdataset\n"

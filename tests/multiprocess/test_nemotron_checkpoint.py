@@ -3,7 +3,7 @@ strictly into another, in one process and into a heterogeneous two-process layou
 the model needs fails on every rank with an error naming it.
 
 dist_checkpointing's saver starts a helper process, so the work runs in subprocesses: this file is also the
-script (`python tests/test_nemotron_checkpoint.py single|split DIR`), which writes what it saw to DIR.
+script (`python tests/multiprocess/test_nemotron_checkpoint.py single|split DIR`), which writes what it saw to DIR.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The same samples go through each built-in provider's model twice, packed and unpacked (fp32, the provider's own
 task encoder settings); every sample's summed token loss must agree to 1e-5. Positions restart per sample,
 attention and the Mamba scan never cross a sample boundary, so the only differences are float reorderings.
-`mimo run` with packing (the default for --data) resumes mid-epoch exactly: tests/test_data_loop.py.
+`mimo run` with packing (the default for --data) resumes mid-epoch exactly: tests/multiprocess/test_data_loop.py.
 """
 
 from __future__ import annotations

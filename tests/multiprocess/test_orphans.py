@@ -44,10 +44,8 @@ def test_a_save_starts_no_process(tmp_path):
     assert result.stdout.strip().splitlines()[-1] == "ResultsQueue []"
 
 
-def test_kills_of_the_main_process_leave_nothing_behind(tmp_path):
-    from hf_models import save_omni
-
-    folder = save_omni(tmp_path / "omni")
+def test_kills_of_the_main_process_leave_nothing_behind(tmp_path, omni_folder):
+    folder = omni_folder  # save_omni(), built once per test run (conftest.py)
     code = fault_battery.main([str(tmp_path / "battery"), "--parts", "orphans", "--orphan-kills", "2",
                                "--orphan-kinds", "data,import", "--hf-folder", str(folder), "--seed", "1"])
     report = json.loads((tmp_path / "battery" / "battery.json").read_text())

@@ -31,16 +31,15 @@ def _mimo(*args: str):
     return result
 
 
-@pytest.fixture(scope="module")
-def hf_dir(tmp_path_factory):
-    return save_omni(tmp_path_factory.mktemp("omni"), TEXT)
+@pytest.fixture
+def hf_dir(omni_folder):
+    return omni_folder  # save_omni(TEXT), built once per test run (conftest.py)
 
 
-@pytest.fixture(scope="module")
-def imported(hf_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("imported") / "ckpt"
-    result = _mimo("ckpt", "import-hf", str(hf_dir), str(out))
-    assert f"as provider {PROVIDER}" in result.stdout
+@pytest.fixture
+def imported(omni_imported):
+    out, stdout = omni_imported  # its `mimo ckpt import-hf`, run once per test run (conftest.py)
+    assert f"as provider {PROVIDER}" in stdout
     return out
 
 

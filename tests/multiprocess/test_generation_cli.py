@@ -26,11 +26,10 @@ def _mimo(*args: str, ok: bool = True):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(tmp_path_factory, sample_dataset):
     """A dataset with a val split and two runs on it, with and without --eval-samples; the first saves."""
     tmp = tmp_path_factory.mktemp("generation")
-    data = tmp / "ds"
-    _mimo("data", "sample", str(data), "--num-samples", "48", "--val-shards", "1")
+    data = sample_dataset(tmp / "ds")  # `mimo data sample DIR --num-samples 48 --val-shards 1`, run once (conftest.py)
     plain = _mimo(*RUN, "--data", str(data), "--save", str(tmp / "ckpt"), "--metrics-file", str(tmp / "plain.jsonl"))
     sampled = _mimo(*RUN, "--data", str(data), "--eval-samples", "2", "--metrics-file", str(tmp / "sampled.jsonl"),
                     "--tensorboard-dir", str(tmp / "tb"))

@@ -4,7 +4,7 @@ process and heterogeneous, whether DIR is the dist checkpoint itself or a Megatr
 tracker; a checkpoint of another model shape is one line.
 
 dist_checkpointing's saver starts a helper process, so the checkpoints are written by this file run as a script
-(`python tests/test_nemotron_pretrained.py DIR`)."""
+(`python tests/multiprocess/test_nemotron_pretrained.py DIR`)."""
 
 from __future__ import annotations
 
@@ -28,7 +28,10 @@ RUN = ("run", "--provider", PROVIDER, "--device", "cpu", "--train-iters", "1", "
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrained")
     result = subprocess.run([sys.executable, str(SCRIPT), str(root)], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **ENV})
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **ENV,
+                                 # the script imports helpers, which live in tests/, above its folder
+                                 "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1]),
+                                                                os.environ.get("PYTHONPATH", "")])})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     # Megatron-LM's save layout: a tracker naming an iteration directory (its common.pt is not mimo's).
     megatron = root / "megatron"

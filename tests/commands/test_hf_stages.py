@@ -10,7 +10,6 @@ import shlex
 import torch
 from format_datasets import build_captions
 from helpers import REPO, run_mimo
-from hf_models import save_omni
 from safetensors.torch import load_file
 
 DOC = REPO / "docs" / "checkpoints.md"
@@ -30,8 +29,8 @@ def _changed(exported, original) -> set[str]:
     return {name.split(".")[0] for name, t in want.items() if not torch.equal(got[name], t)}
 
 
-def test_the_documented_stage_recipe_runs_and_trains_what_each_stage_names(tmp_path):
-    hf_dir, data = save_omni(tmp_path / "omni"), tmp_path / "captions"
+def test_the_documented_stage_recipe_runs_and_trains_what_each_stage_names(tmp_path, omni_folder):
+    hf_dir, data = omni_folder, tmp_path / "captions"  # save_omni(), built once per test run (conftest.py)
     build_captions(data, random.Random(0))
     runs = tmp_path / "runs"
     imported = None
