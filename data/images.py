@@ -5,7 +5,9 @@ into the vision encoder's input (see task_encoder.py for how a sample's placehol
   `tile_num_tokens(image_size, patch_size, pixel_shuffle_factor)` tokens. The encoder input is
   `{"x": FloatTensor[N_images, 3, H, W]}`.
 * `DynamicResolution`: the image keeps its aspect ratio and is resized so that its patch grid `(h_patches,
-  w_patches)` has between `min_patches` and `max_patches` patches (each side a multiple of the patch size), then cut
+  w_patches)` has between `min_patches` and `max_patches` patches (each side a multiple of the patch size; the grid
+  by `grid_rule`: the closest fit, `fit_patch_grid`, or the Nemotron omni processor's scaled grid,
+  `scaled_grid.scaled_patch_grid`), then cut
   into `[num_patches, C*P*P]` patch rows (patch-row-major, each row `(c, y, x)` flattened, as megatron-core's RADIO
   patchifies). The encoder input is one packed buffer: `{"x": [1, total_patches, C*P*P], "imgs_sizes":
   LongTensor[N, 2], "packed_seq_params": PackedSeqParams(thd, cumulative patch counts)}`.
@@ -21,6 +23,8 @@ from typing import Any, Literal, Sequence
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
+
+from .scaled_grid import scaled_patch_grid
 
 __all__ = [
     "DynamicResolution", "FixedTiles", "ImageMode", "ProcessedImage", "dynamic_num_tokens", "fit_patch_grid",
@@ -166,11 +170,10 @@ def to_float_image(image: Any) -> torch.Tensor:
     return image
 
 
-def _resize(image: torch.Tensor, height: int, width: int) -> torch.Tensor:
+def _resize(image: torch.Tensor, height: int, width: int, mode: str = "bilinear") -> torch.Tensor:
     if tuple(image.shape[-2:]) == (height, width):
         return image
-    return F.interpolate(image[None], size=(height, width), mode="bilinear", align_corners=False,
-                         antialias=True)[0]
+    return F.interpolate(image[None], size=(height, width), mode=mode, align_corners=False, antialias=True)[0]
 
 
 def _normalize(image: torch.Tensor, mean: Sequence[float], std: Sequence[float]) -> torch.Tensor:
@@ -234,6 +237,10 @@ class DynamicResolution:
     `imgs_sizes` in the encoder input is per image `(height, width)` in pixels (megatron-core's RADIO convention:
     it derives the patch counts as `imgs_sizes // patch_size`), or `(h_patches, w_patches)` with
     `imgs_sizes_unit="patches"`.
+
+    `grid_rule` "closest" picks the grid closest to the image's aspect ratio and patch count (`fit_patch_grid`);
+    "scaled" scales the image's own grid into the range as the Nemotron omni processor does
+    (`scaled_patch_grid`). `resample` is the resize's interpolation (antialiased; the omni processor's is bicubic).
     """
 
     patch_size: int = 8
@@ -243,6 +250,8 @@ class DynamicResolution:
     mean: tuple[float, ...] = SIGLIP_MEAN
     std: tuple[float, ...] = SIGLIP_STD
     imgs_sizes_unit: Literal["pixels", "patches"] = "pixels"
+    grid_rule: Literal["closest", "scaled"] = "closest"
+    resample: Literal["bilinear", "bicubic"] = "bilinear"
     kind: Literal["dynamic"] = field(default="dynamic", init=False)
 
     def __post_init__(self):
@@ -250,6 +259,9 @@ class DynamicResolution:
             raise ValueError(f"patch_size must be positive, got {self.patch_size}")
         if self.imgs_sizes_unit not in ("pixels", "patches"):
             raise ValueError(f"imgs_sizes_unit must be 'pixels' or 'patches', got {self.imgs_sizes_unit!r}")
+        if self.grid_rule not in ("closest", "scaled") or self.resample not in ("bilinear", "bicubic"):
+            raise ValueError(f"grid_rule must be 'closest' or 'scaled' and resample 'bilinear' or 'bicubic', got "
+                             f"{self.grid_rule!r}, {self.resample!r}")
         fit_patch_grid(1, 1, self.patch_size, self.min_patches, self.max_patches, self.step)  # validates
 
     @property
@@ -257,6 +269,9 @@ class DynamicResolution:
         return _shuffle_side(self.pixel_shuffle_factor)
 
     def grid(self, height: int, width: int) -> tuple[int, int]:
+        if self.grid_rule == "scaled":
+            return scaled_patch_grid(int(height), int(width), self.patch_size, self.min_patches, self.max_patches,
+                                     self.step)
         return fit_patch_grid(int(height), int(width), self.patch_size, self.min_patches, self.max_patches,
                               self.step)
 
@@ -266,7 +281,7 @@ class DynamicResolution:
     def process(self, image: torch.Tensor) -> ProcessedImage:
         hp, wp = self.grid(image.shape[-2], image.shape[-1])
         h, w = hp * self.patch_size, wp * self.patch_size
-        pixels = _normalize(_resize(image, h, w), self.mean, self.std)
+        pixels = _normalize(_resize(image, h, w, self.resample), self.mean, self.std)
         return ProcessedImage(pixels=patchify(pixels, self.patch_size), grid=(hp, wp),
                               num_tokens=dynamic_num_tokens(hp, wp, self.pixel_shuffle_factor), size=(h, w))
 

@@ -86,7 +86,7 @@ def projection(s: NemotronVLMSettings) -> int:
     token into the LLM; no biases."""
     if s.projection == "affine":
         return s.vision_output_size * s.hidden_size
-    norm = s.vision_output_size if s.projection_norm else 0
+    norm = s.vision_output_size if s.has_projection_norm else 0
     return norm + s.vision_output_size * s.projection_hidden_size + s.projection_hidden_size * s.hidden_size
 
 

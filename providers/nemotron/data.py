@@ -36,8 +36,10 @@ def image_mode(s: NemotronVLMSettings):
     # the pixel statistics the encoder was trained with (C-RADIO: OpenAI CLIP's), applied where images are tiled
     stats = dict(mean=tuple(s.image_mean), std=tuple(s.image_std))
     if s.dynamic_resolution:
+        # the omni processor's grids and bicubic resize: an exported model sees the images as mimo trained on them
         return DynamicResolution(patch_size=s.patch_size, min_patches=s.min_patches, max_patches=s.max_patches,
-                                 pixel_shuffle_factor=s.shuffle_factor, **stats)
+                                 pixel_shuffle_factor=s.shuffle_factor, grid_rule="scaled", resample="bicubic",
+                                 **stats)
     return FixedTiles(image_size=s.image_size, patch_size=s.patch_size, pixel_shuffle_factor=s.shuffle_factor,
                       **stats)
 

@@ -52,7 +52,7 @@ def _projection(s: NemotronVLMSettings) -> LayerMemory:
     if s.projection == "affine":
         return LayerMemory("projection", Weights(tp=out * h), lambda mode, v: TokenBytes(replicated=out * v / shuffle))
     ph = s.projection_hidden_size
-    norm = out if s.projection_norm else 0
+    norm = out if s.has_projection_norm else 0
     return LayerMemory("projection", Weights(tp=out * ph + ph * h, replicated=norm),
                        lambda mode, v: TokenBytes(replicated=(out + norm) * v / shuffle, tp=2 * ph * v / shuffle))
 

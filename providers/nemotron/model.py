@@ -172,7 +172,7 @@ def vision_spec(s: NemotronVLMSettings, ctx) -> Encoder:
         recompute_graphs=_recompute_graphs(s, ctx, backend), pg_collection=pgc,
     ))
     projection = ModuleSpec(module=MultimodalProjector, params=dict(
-        config=projection_config, submodules=projection_submodules(backend, norm=s.projection_norm),
+        config=projection_config, submodules=projection_submodules(backend, norm=s.has_projection_norm),
         projector_type=s.projection, input_size=s.vision_output_size, pg_collection=pgc,
     ))
     spec = ModuleSpec(module=VisionModalitySubmodules, params={"pg_collection": pgc},

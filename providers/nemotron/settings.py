@@ -90,11 +90,14 @@ class NemotronVLMSettings:
     min_patches: int = _setting(256, "dynamic resolution: fewest patches per image", **SIZE)
     max_patches: int = _setting(4096, "dynamic resolution: most patches per image", **SIZE)
     pixel_shuffle: bool = _setting(True, "merge each 2x2 block of patch features into one token (4x fewer)")
+    # The released omni model's projector (and the only form export-hf can write); Megatron-LM's recipe trains
+    # affine, without a norm: --set projection=affine.
     projection: Literal["mlp", "affine"] = _setting(
-        "affine", "vision-to-LLM projection: one linear layer, or an MLP (squared ReLU); no biases")
+        "mlp", "vision-to-LLM projection: an MLP (squared ReLU; the released omni model's), or one linear layer "
+               "(Megatron-LM's recipe; not exportable to Hugging Face); no biases")
     projection_hidden_size: int = _setting(20480, "hidden size of the mlp projection (4 x its input)", **SIZE)
-    projection_norm: bool = _setting(False, "RMSNorm (eps 1e-5) on the mlp projection's input, as in the "
-                                            "Nemotron Nano VL / omni projector")
+    projection_norm: bool = _setting(True, "RMSNorm (eps 1e-5) on the mlp projection's input, as in the "
+                                           "Nemotron Nano VL / omni projector; the affine projection has none")
 
     # -- language model (hybrid Mamba / MoE / attention)
     hybrid_pattern: str = _setting(PATTERN_20L, "one symbol per layer: M Mamba, E MoE, * attention, - dense MLP")
@@ -158,8 +161,6 @@ class NemotronVLMSettings:
         if self.video_temporal_patch_size > 1 and not self.dynamic_resolution:
             raise ValueError(f"video_temporal_patch_size {self.video_temporal_patch_size} must be 1, or more with "
                              f"dynamic_resolution (megatron-core's RADIO groups frames only there)")
-        if self.projection_norm and self.projection != "mlp":
-            raise ValueError("projection_norm needs projection 'mlp'")
         if self.dynamic_resolution and not 1 <= self.min_patches <= self.max_patches <= self.max_grid ** 2:
             raise ValueError(f"need 1 <= min_patches <= max_patches <= {self.max_grid ** 2} (the position grid of "
                              f"max_image_size), got {self.min_patches}, {self.max_patches}")
@@ -197,6 +198,11 @@ class NemotronVLMSettings:
     def vision_output_size(self) -> int:
         """Width of an encoder token after pixel shuffle: the projection's input size."""
         return self.vision_hidden_size * self.shuffle_factor
+
+    @property
+    def has_projection_norm(self) -> bool:
+        """Whether the projection has its input RMSNorm: projection_norm applies to the mlp projection only."""
+        return self.projection_norm and self.projection == "mlp"
 
     @property
     def trains_vision(self) -> bool:

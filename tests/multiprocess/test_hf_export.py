@@ -1,6 +1,6 @@
-"""Export from any recipe (docs/checkpoints.md, `mimo ckpt export-hf`): a tiny Nemotron run with default settings is
-told at start that its checkpoints cannot be exported and export names every setting at once; with the two
-settings it names, the export is a folder that transformers' AutoProcessor and AutoModelForImageTextToText load and
+"""Export from any recipe (docs/checkpoints.md, `mimo ckpt export-hf`): a tiny Nemotron run with Megatron-LM's affine
+projection is told at start that its checkpoints cannot be exported and export names every setting at once (as
+for a checkpoint saved when affine was the default); with the default settings, the export is a folder that transformers' AutoProcessor and AutoModelForImageTextToText load and
 generate from an image and a prompt with; the folder rules and `--set` at export are one line each."""
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ from helpers import run_mimo
 PROVIDER = "nemotron-moe-vlm-tiny"
 ENV = {"TORCH_COMPILE_DISABLE": "1"}
 RUN = ("run", "--provider", PROVIDER, "--device", "cpu", "--train-iters", "1")
-EXPORTABLE = ("--set", "projection=mlp", "--set", "projection_norm=true")
-REFUSED = ("projection='affine', projection_norm=False; to train an exportable model add --set projection=mlp "
-           "--set projection_norm=true")
+AFFINE = ("--set", "projection=affine")  # Megatron-LM's recipe, one setting away from the default
+REFUSED = "projection='affine'; to train an exportable model add --set projection=mlp"
 
 
 def _mimo(*args: str):
@@ -31,9 +30,9 @@ def _refused(*args: str) -> list[str]:
     return result.stderr.strip().splitlines()
 
 
-def test_default_settings_are_told_at_start_and_export_names_every_setting_at_once(tmp_path):
-    saved = tmp_path / "default"
-    lines = _mimo(*RUN, "--save", str(saved)).splitlines()
+def test_affine_settings_are_told_at_start_and_export_names_every_setting_at_once(tmp_path):
+    saved = tmp_path / "affine"
+    lines = _mimo(*RUN, *AFFINE, "--save", str(saved)).splitlines()
     note = f"note: checkpoints of these settings cannot be exported to Hugging Face: {REFUSED}"
     assert note in lines and lines.index(note) < next(i for i, l in enumerate(lines) if l.startswith("iteration"))
     assert _refused("ckpt", "export-hf", str(saved), str(tmp_path / "out")) == [
@@ -44,15 +43,16 @@ def test_default_settings_are_told_at_start_and_export_names_every_setting_at_on
     assert not (tmp_path / "out").exists()
 
     big = ("plan", "--provider", "nemotron-moe-vlm-20l", "--gpu-memory", "1000")  # one rank holds it all here
-    plan = _mimo(*big, "--json")
+    assert json.loads(_mimo(*big, "--json"))["hf_export"] == {"exportable": True, "settings": {}}
+    plan = _mimo(*big, *AFFINE, "--set", "projection_norm=false", "--json")
     assert json.loads(plan)["hf_export"] == {"exportable": False, "settings": {
         "projection": {"value": "affine", "needed": "mlp"}, "projection_norm": {"value": False, "needed": True}}}
-    assert note in _mimo(*big).splitlines()
+    assert note in _mimo(*big, *AFFINE).splitlines()
 
 
 def test_an_exportable_run_loads_and_generates_with_transformers_alone(tmp_path):
     saved, out = tmp_path / "run", tmp_path / "hf"
-    _mimo(*RUN, *EXPORTABLE, "--save", str(saved))
+    assert "cannot be exported" not in _mimo(*RUN, "--save", str(saved))  # the defaults are the omni model's form
     killed = tmp_path / ".hf.mimo-partial-4242"  # what an export killed halfway leaves (its lock free)
     killed.mkdir()
     (killed / ".mimo-lock").touch()

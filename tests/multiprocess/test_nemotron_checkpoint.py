@@ -75,7 +75,7 @@ def _build(seed: int, encoder_ranks: int):
     from mimo.plugins import BuildContext
     from mimo.providers import nemotron
 
-    settings = nemotron.NemotronVLMSettings(**nemotron.TINY)
+    settings = nemotron.NemotronVLMSettings(**{**nemotron.TINY, "projection": "affine"})  # Megatron-LM's recipe
     parallelism = topology.plan(LayoutOptions(encoder_ranks=encoder_ranks), torch.distributed.get_world_size(),
                                 nemotron.model_shape(settings), micro_batch_size=1)
     topo = topology.build(parallelism, backend="gloo")

@@ -194,7 +194,8 @@ def test_full_size_counts():
     moe_always = h + 128 * h + 2 * h * 3712
     expert = 2 * h * 1856
     vit_layer = 2 * 1280 + 1280 * 3840 + 3840 + 1280 * 1280 + 1280 + 2 * 1280 + 1280 * 5120 + 5120 + 5120 * 1280 + 1280
-    vision = 3 * 256 * 1280 + 128 ** 2 * 1280 + 8 * 1280 + 32 * vit_layer + 5120 * h  # affine projection
+    projection = 5120 + 5120 * 20480 + 20480 * h  # mlp: RMSNorm, fc1, fc2
+    vision = 3 * 256 * 1280 + 128 ** 2 * 1280 + 8 * 1280 + 32 * vit_layer + projection
     for variant, (m, e, a) in (("nemotron-moe-vlm-20l", (9, 8, 3)), ("nemotron-moe-vlm-54l", (23, 23, 8))):
         provider = next(v for v in VARIANTS if v.name == variant)
         shape = nemotron.model_shape(NemotronVLMSettings(**provider.defaults))
@@ -204,8 +205,8 @@ def test_full_size_counts():
         assert shape[IMAGES].num_parameters == shape[IMAGES].num_active_parameters == vision
         assert (shape["language"].num_layers, shape["language"].num_query_groups) == (m + e + a, 8)
         assert (shape["language"].num_experts, shape[IMAGES].num_layers) == (128, 32)
-    # 54 layers: 31.7B parameters, 3.7B of them active per token; RADIO-H and the projection 0.67B.
-    assert round(shape["language"].num_parameters / 1e9, 1) == 31.7 and round(vision / 1e9, 2) == 0.67
+    # 54 layers: 31.7B parameters, 3.7B of them active per token; RADIO-H and the mlp projection 0.81B.
+    assert round(shape["language"].num_parameters / 1e9, 1) == 31.7 and round(vision / 1e9, 2) == 0.81
     assert round(shape["language"].num_active_parameters / 1e9, 1) == 3.7
 
 

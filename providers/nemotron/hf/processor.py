@@ -51,7 +51,7 @@ def processor_files(s, frames: int | None = None) -> dict[str, str]:
                         "extra_special_tokens": {"image_token": IMAGE_TOKEN}}
     image = {"image_processor_type": "NemotronH_Omni_Reasoning_V3ImageProcessor", "patch_size": s.patch_size,
              "downsample_ratio": 0.5, "min_num_patches": s.min_patches, "max_num_patches": s.max_patches,
-             "max_model_len": s.seq_length, "image_mean": list(s.image_mean), "image_std": list(s.image_std)}
+             "max_model_len": _max_model_len(s), "image_mean": list(s.image_mean), "image_std": list(s.image_std)}
     video = {"video_processor_type": "NemotronH_Omni_Reasoning_V3VideoProcessor", "patch_size": s.patch_size,
              "image_mean": list(s.image_mean), "image_std": list(s.image_std)}
     processor = {"processor_class": "NemotronH_Omni_Reasoning_V3Processor", "video_temporal_patch_dim": frames,
@@ -62,6 +62,12 @@ def processor_files(s, frames: int | None = None) -> dict[str, str]:
     return {"tokenizer.json": backend.to_str(), "tokenizer_config.json": _json(tokenizer_config),
             "chat_template.jinja": NEMOTRON_JINJA if template.name == "nemotron" else PLAIN_JINJA,
             "processor_config.json": _json(processor), "generation_config.json": _json(generation)}
+
+
+def _max_model_len(s) -> int:
+    """The processor's context length: it caps every image's patches at (max_model_len - 4) x 4, which must not cut
+    below max_patches, the cap mimo trained with (a seq_length only just above max_patches / 4 would)."""
+    return max(s.seq_length, -(-s.max_patches // s.shuffle_factor) + 4)
 
 
 def _byte_tokenizer(s, markers):
