@@ -8,7 +8,7 @@ consumed the sample: once, whatever energon read ahead or replays after a restor
 
 Reasons are apart:
   unreadable   a file cannot be decoded, a part the dataset's field map names is missing, a crude sample cannot
-               be cooked because a file is broken
+               be cooked because a file is broken, its shard is damaged there (`damaged_shards.py`)
   unsupported  decoded, but mimo cannot train on the content (a chat form or role it does not know, placeholders
                that do not match the images, an image with an unusable channel count, nothing to train on)
   too_long     cut to seq_length, the sample leaves fewer than `min_text_tokens` tokens to train on
