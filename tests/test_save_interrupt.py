@@ -51,3 +51,31 @@ def test_two_ctrl_c_during_a_save_finish_the_save_and_stop_in_one_line(tmp_path)
     assert tracked(save) == 2
     assert sorted(p.name for p in save.glob("iter_*")) == ["iter_0000002"]
     assert (save / "iter_0000002" / "checksums.json").is_file()
+
+
+def test_a_second_ctrl_c_during_the_stop_save_finishes_it(tmp_path):
+    """The first Ctrl-C stops the run at the next boundary, which saves; the second lands in that save."""
+    save = tmp_path / "save"
+    run = Run(tmp_path / "run", *BASE, *LARGE, "--train-iters", "100000", "--save", str(save))
+    try:
+        run.wait_for("iteration      1/", timeout=240)
+        os.killpg(run.proc.pid, signal.SIGINT)
+        deadline = time.time() + 120
+        while not any(writing(save, i) for i in range(1, 6)):
+            assert run.proc.poll() is None and time.time() < deadline, run.err.read_text()[-3000:]
+            time.sleep(0.01)
+        [folder] = save.glob("iter_*")
+        time.sleep(0.2)
+        assert not (folder / "checksums.json").exists(), "the save ended before the second Ctrl-C"
+        os.killpg(run.proc.pid, signal.SIGINT)
+        code = run.proc.wait(timeout=120)
+    finally:
+        run.kill_session()
+    err = run.err.read_text()
+    assert code == 1 and "Traceback" not in err and "ERROR" not in err, err[-3000:]
+    iteration = int(folder.name.split("_")[1])
+    assert run.stderr_lines()[0].startswith(f"stopping once the checkpoint of iteration {iteration} in {save} is "
+                                            f"written")
+    assert run.stderr_lines()[1:] == [f"error: stopped by SIGINT after iteration {iteration}; saved iteration "
+                                      f"{iteration} in {save} (resume with --load {save})"]
+    assert tracked(save) == iteration and (folder / "checksums.json").is_file()
