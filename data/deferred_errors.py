@@ -32,15 +32,16 @@ from megatron.energon import SkipSample, TaskEncoder
 from megatron.energon.errors import SYSTEM_EXCEPTIONS
 from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
 
+from .damaged_shards import SHARD_UNREADABLE, UNCOOKED, guard_shard_reads
 from .skips import (
-    TOO_LONG, UNREADABLE, UNSUPPORTED, TooLong, UnreadableSample, UnsupportedSample, describe_error, record_of,
+    TOO_LONG, UNREADABLE, UNSUPPORTED, TooLong, UnreadableSample, UnreadableShard, UnsupportedSample,
+    describe_error, record_of,
 )
 from .task_encoder import tombstone
 
 __all__ = ["DeferringDecoder", "UNCOOKED", "UnreadablePart", "UnreadableSample", "defer_load_errors",
            "raise_if_unreadable"]
 
-UNCOOKED = "__mimo_uncooked__"  # in a sample that could not be loaded or cooked: (reason, why)
 _MARKS = ("__stateless__", "__failure_tolerance__")  # what energon reads off a task encoder's method
 
 
@@ -122,7 +123,7 @@ def raise_if_unreadable(sample: Any) -> None:
     shuffle buffer."""
     if isinstance(sample, dict) and UNCOOKED in sample:
         reason, why = sample[UNCOOKED]
-        raise (UnsupportedSample if reason == UNSUPPORTED else UnreadableSample)(why)
+        raise {UNSUPPORTED: UnsupportedSample, SHARD_UNREADABLE: UnreadableShard}.get(reason, UnreadableSample)(why)
     part = _unreadable_in(sample)
     if part is not None:
         raise UnreadableSample(f"file '{part.name}' cannot be decoded ({part.error})")
@@ -133,6 +134,8 @@ def _tombstone_for(sample, err: BaseException):
     readers raise for content they do not take), or else unreadable."""
     if isinstance(err, TooLong):
         return tombstone(sample, record_of(sample, TOO_LONG, err, needed_tokens=err.needed_tokens))
+    if isinstance(err, UnreadableShard):
+        return tombstone(sample, record_of(sample, UNREADABLE, err, whole_shard=True))
     if isinstance(err, UnreadableSample) or not isinstance(err, ValueError):
         return tombstone(sample, record_of(sample, UNREADABLE, err))
     return tombstone(sample, record_of(sample, UNSUPPORTED, err))
@@ -175,13 +178,15 @@ def _cook_or_defer(encoder, sample, **kwargs):
 
 def _load_or_defer(factory, load, raw_sample):
     """A dataset's raw-sample loader (its field map) that hands on a sample it cannot load, with why."""
+    data = getattr(raw_sample, "data", None)
+    raw = data[0] if isinstance(data, tuple) and data and isinstance(data[0], dict) else {}
+    if UNCOOKED in raw:  # its shard could not yield it (damaged_shards.py)
+        return {**raw, "__subflavors__": getattr(factory, "subflavors", None)}
     try:
         return load(raw_sample)
     except (SkipSample, *SYSTEM_EXCEPTIONS):
         raise
     except Exception as err:  # noqa: BLE001 - raised again after the shuffle buffer
-        data = getattr(raw_sample, "data", None)
-        raw = data[0] if isinstance(data, tuple) and data and isinstance(data[0], dict) else {}
         part = _unreadable_in(raw)
         why = (f"file '{part.name}' cannot be decoded ({part.error})" if part is not None else
                f"a part its dataset's field map names is missing or unreadable ({describe_error(err)}; parts: "
@@ -192,9 +197,11 @@ def _load_or_defer(factory, load, raw_sample):
 
 
 def _build_deferring(encoder, *, datasets, **kwargs):
-    """energon's build_train_datasets, each dataset's raw-sample loader deferring its failures first."""
+    """energon's build_train_datasets, each dataset's raw-sample loader deferring its failures first, and its
+    shards' damage too."""
     for loaded in datasets:
         factory = loaded.dataset
+        guard_shard_reads(factory)
         load = getattr(type(factory), "_load_sample_raw", None)
         if load is not None and "_load_sample_raw" not in vars(factory):
             factory._load_sample_raw = functools.partial(_load_or_defer, factory,

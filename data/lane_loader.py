@@ -27,10 +27,10 @@ alone, not on read-ahead, and a restore neither loses nor repeats one. energon's
 debug log (`energon_prints.py`).
 
 Errors. A missing or empty dataset, or fewer samples than workers, is one `UsageError` line at start. A data error
-while reading (`MAX_SKIPS_IN_A_ROW` skipped samples in a row, a dataset energon gives up on) is a `DataError`; with
-`hold_data_errors` set (the training loop) the loader keeps it (`data_error`) and hands out empty micro-batches for
-the rest of the iteration, so every rank finishes the iteration and the loop stops at its boundary, saving the
-state `mark_boundary()` kept.
+while reading (`MAX_SKIPS_IN_A_ROW` skipped samples in a row, a dataset energon gives up on, a shard that cannot
+be opened: `damaged_shards.py`) is a `DataError`; with `hold_data_errors` set (the training loop) the loader keeps
+it (`data_error`) and hands out empty micro-batches for the rest of the iteration, so every rank finishes the
+iteration and the loop stops at its boundary, saving the state `mark_boundary()` kept.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from mimo.errors import UsageError
 
 from .check import unreadable_dataset
 from .counts import DataCounts
+from .damaged_shards import shard_stop_line
 from .deferred_errors import defer_load_errors
 from .skips import REASONS, SkippedSampleCounter, SkipRecord
 
@@ -160,6 +161,9 @@ class LaneStream:
         counts.answer_tokens += getattr(sample, "answer_tokens", 0)
         self.needed = max(self.needed, getattr(sample, "needed_tokens", 0),
                           *(r.needed_tokens or 0 for r in dropped))
+        whole = next((r for r in dropped if r.whole_shard), None)
+        if whole is not None:  # every sample of that shard would be skipped: the user must mend or drop it
+            raise DataError(shard_stop_line(self.path, whole))
         if len(sample.tokens if hasattr(sample, "tokens") else sample["tokens"]):
             self.in_a_row[lane] = 0
             return True

@@ -8,7 +8,7 @@ consumed the sample: once, whatever energon read ahead or replays after a restor
 
 Reasons are apart:
   unreadable   a file cannot be decoded, a part the dataset's field map names is missing, a crude sample cannot
-               be cooked because a file is broken
+               be cooked because a file is broken, its shard is damaged there (`damaged_shards.py`)
   unsupported  decoded, but mimo cannot train on the content (a chat form or role it does not know, placeholders
                that do not match the images, an image with an unusable channel count, nothing to train on)
   too_long     cut to seq_length, the sample leaves fewer than `min_text_tokens` tokens to train on
@@ -27,7 +27,8 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["REASONS", "SkipRecord", "SkippedSampleCounter", "TOO_LONG", "TooLong", "UNREADABLE", "UNSUPPORTED",
-           "UnreadableSample", "UnsupportedSample", "describe_error", "record_of", "sample_key_of"]
+           "UnreadableSample", "UnreadableShard", "UnsupportedSample", "describe_error", "record_of",
+           "sample_key_of"]
 
 UNREADABLE, UNSUPPORTED, TOO_LONG = "unreadable", "unsupported", "too_long"
 REASONS = {UNREADABLE: "unreadable", UNSUPPORTED: "unsupported", TOO_LONG: "too long for seq_length"}
@@ -41,6 +42,7 @@ class SkipRecord:
     dataset: str | None = None  # the dataset's path (of a blend's datasets, the one the sample came from)
     shard: str | None = None  # the shard's file name within it
     needed_tokens: int | None = None  # too_long: the tokens the whole sample needs
+    whole_shard: bool = False  # unreadable: its shard cannot be opened at all (the run stops, naming it)
 
     def describe(self) -> str:
         """`(why): dataset D, shard S, key K: error` -- what a skip line says about the sample."""
@@ -50,6 +52,10 @@ class SkipRecord:
 
 class UnreadableSample(ValueError):
     """A sample a file of which could not be read (its message says which file and why)."""
+
+
+class UnreadableShard(UnreadableSample):
+    """A sample whose whole shard cannot be opened (its message says which and why)."""
 
 
 class UnsupportedSample(ValueError):
@@ -95,7 +101,7 @@ def _sources_of(sample: Any) -> list | None:
 
 
 def record_of(sample: Any, reason: str, error: Any, sources: list | None = None,
-              needed_tokens: int | None = None) -> SkipRecord:
+              needed_tokens: int | None = None, whole_shard: bool = False) -> SkipRecord:
     """The record of `sample` (a Sample, a raw sample, a dict): its key, dataset and shard, why it was skipped."""
     try:
         sources = sources or _sources_of(sample)
@@ -105,7 +111,8 @@ def record_of(sample: Any, reason: str, error: Any, sources: list | None = None,
     return SkipRecord(key=sample_key_of(sample), reason=reason,
                       error=error if isinstance(error, str) else describe_error(error),
                       dataset=str(source.dataset_path) if source is not None else None,
-                      shard=source.shard_name if source is not None else None, needed_tokens=needed_tokens)
+                      shard=source.shard_name if source is not None else None, needed_tokens=needed_tokens,
+                      whole_shard=whole_shard)
 
 
 class SkippedSampleCounter:

@@ -52,9 +52,12 @@ def advance(session: Session, iterations: int, first_iteration: int | None = Non
         received = s.signal_watch.agreed(s.device) if s.signal_watch is not None else None
         stop = decide(s, result, received)
         if s.checkpointer and c.save:
-            s.checkpointer.wait(blocking=False)
-            if is_scheduled_save(s, iteration) and not data_error:
-                s.checkpointer.save(iteration, s.consumed)
+            with signals.saving(s.signal_watch, f"iteration {iteration} in {c.save}"):
+                s.checkpointer.wait(blocking=False)
+                if is_scheduled_save(s, iteration) and not data_error:
+                    s.checkpointer.save(iteration, s.consumed)
+                    if stop is None and s.signal_watch is not None:  # a Ctrl-C during the save: stop here, saved
+                        stop = decide(s, result, s.signal_watch.agreed(s.device))
             if boundary is not None and not data_error:
                 boundary()  # the loader's state at this boundary: what a save after a data error writes
         if stop is not None:
@@ -69,7 +72,8 @@ def finish(session: Session) -> list[dict]:
     if session.compiles:
         session.compiles.close()
     if session.checkpointer:
-        session.checkpointer.wait(blocking=True)
+        with signals.saving(session.signal_watch, f"iteration {session.iteration}"):
+            session.checkpointer.wait(blocking=True)
     session.source.close()  # a read-ahead thread, or a loader's worker processes
     dist.barrier()
     # Tear the groups down while every rank is still here: gloo's threads abort a process that exits with them.

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from mimo.errors import TrainingStopped, UsageError
 
 from ..telemetry.skip_report import skip_stop_message
+from .signals import saving
 
 __all__ = ["DataStopped", "Interrupted", "Stop", "decide", "stop_run"]
 
@@ -82,14 +83,15 @@ def stop_run(session, stop: Stop, first_iteration: int) -> None:
     s, c = session, session.plan.config.checkpoint
     saved = "; nothing saved (no --save)"
     if s.checkpointer is not None and c.save:
-        if stop.saves <= first_iteration:
-            saved = f"; nothing saved (nothing trained since iteration {first_iteration})"
-        else:
-            if not is_scheduled_save(s, stop.saves):  # else the loop saved it (this iteration or the one before)
-                consumed = s.consumed - (s.iteration - stop.saves) * s.plan.global_batch_size
-                s.checkpointer.save(stop.saves, consumed)
-            saved = f"; saved iteration {stop.saves} in {c.save} (resume with --load {c.save})"
-        s.checkpointer.wait(blocking=True)
+        with saving(s.signal_watch, f"iteration {stop.saves} in {c.save}"):
+            if stop.saves <= first_iteration:
+                saved = f"; nothing saved (nothing trained since iteration {first_iteration})"
+            else:
+                if not is_scheduled_save(s, stop.saves):  # else the loop saved it (this iteration or the one before)
+                    consumed = s.consumed - (s.iteration - stop.saves) * s.plan.global_batch_size
+                    s.checkpointer.save(stop.saves, consumed)
+                saved = f"; saved iteration {stop.saves} in {c.save} (resume with --load {c.save})"
+            s.checkpointer.wait(blocking=True)
     s.logger.close()
     s.skips.close()
     s.source.close()
