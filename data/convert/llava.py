@@ -149,6 +149,10 @@ def _write(json_path, image_dir, folder, val_fraction, shard_size, result, say) 
     finally:
         for writer in writers.values():
             writer.close()
+    for split in writers:  # a split with no sample (no --val-fraction) leaves one empty shard, which energon refuses
+        if not getattr(result, split):
+            for shard in folder.glob(f"{split}-*.tar"):
+                shard.unlink()
     if len(result.bad) > SHOWN:
         say(f"skipped {len(result.bad) - SHOWN} more records (not shown)")
 

@@ -116,3 +116,21 @@ def test_convert_llava_then_train_and_evaluate(tmp_path):
     evaluated = run_mimo("eval", *common, "--load", str(tmp_path / "s"), "--eval-iters", "2")
     assert evaluated.returncode == 0 and evaluated.stderr == "", evaluated.stderr[-3000:]
     assert "validation (val) at iteration 4" in evaluated.stdout
+
+
+def test_convert_llava_without_a_val_split_prepares_the_train_split_alone(tmp_path):
+    """No --val-fraction: no val shard is left behind (an empty one stopped energon's preparation)."""
+    from PIL import Image
+
+    from mimo.data.convert.llava import convert_llava
+
+    (tmp_path / "images").mkdir()
+    records = []
+    for i in range(3):
+        Image.new("RGB", (32, 24), (10 * i, 0, 0)).save(tmp_path / "images" / f"{i}.png")
+        records.append({"id": str(i), "image": f"{i}.png", "conversations": [
+            {"from": "human", "value": "<image>\nWhat?"}, {"from": "gpt", "value": f"Red {i}."}]})
+    (tmp_path / "llava.json").write_text(json.dumps(records))
+    convert_llava(tmp_path / "llava.json", tmp_path / "images", tmp_path / "ds", shard_size=2)
+    assert sorted(p.name for p in (tmp_path / "ds").glob("*.tar")) == ["train-000000.tar", "train-000001.tar"]
+    assert (tmp_path / "ds" / ".nv-meta" / "dataset.yaml").exists()
