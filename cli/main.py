@@ -62,8 +62,10 @@ def _run(ctx: typer.Context, print_config: bool = False, **kwargs):
 
     die_with_parent()  # what this process forks dies with it, whatever kills it
     launch.die_with_launcher()
+    from .checkpoint_config import config_for_run
+
     try:
-        config = run_config(kwargs, ctx)
+        config = config_for_run(kwargs, ctx)  # resuming: the checkpoint's provider and settings
         if print_config:
             plan = prepare(config)
             typer.echo(run_file.dump(plan.config, plan.settings), nl=False)

@@ -42,16 +42,17 @@ def for_run(config: RunConfig) -> Iterator[Plan]:
     check_predictions(plan)  # --eval-samples: a dataset with answers, a provider and a layout that generate
     if not os.environ.get(launch.LAUNCHED_BY_MIMO):  # mimo's launcher checked this plan for its workers
         fit.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
-    check_output_paths(config)  # likewise every path the run writes: created and test-written now
     _check_datasets(config)
     speaks = launch.speaks_for_run(config.launch)
+    # What only reads comes before what writes: a refused run leaves no --save folder (nor its lock) behind.
+    check_pretrained(plan)
+    check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
+    check_output_paths(config)  # likewise every path the run writes: created and test-written now
     if speaks and config.checkpoint.save is not None:
         lock_save_directory(config.checkpoint.save)  # held until this process exits
         removed = remove_unfinished(config.checkpoint.save)  # what killed saves left: never loaded, never kept
         if removed:
             print(removed, flush=True)
-    check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
-    check_pretrained(plan)
     if speaks and config.checkpoint.save is not None and (note := export_note(plan.hooks, plan.settings)):
         print(note, flush=True)  # before training, not after it: these settings decide
     yield plan
