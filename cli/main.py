@@ -14,14 +14,14 @@ from mimo.errors import TrainingStopped, UsageError
 
 from . import console
 from .common import fail
-from .help import WholeNamesCommand
+from .help import PlainFlagsGroup, WholeNamesCommand
 from .options import CONTEXT, loop_parameters, provider_parameters, run_config, with_options
 from . import generate
 from .ckpt import ckpt_app
 from .data import data_app
 from .providers import providers_app
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(cls=PlainFlagsGroup, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Train multimodal models on megatron-core; model families come as provider plugins.")
 app.add_typer(providers_app, name="providers")
 app.add_typer(ckpt_app, name="ckpt")
