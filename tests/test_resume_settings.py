@@ -14,10 +14,12 @@ def test_resume_takes_the_saved_provider_and_settings(tmp_path):
     trained = run_mimo("run", "--provider", "mock-vlm", "--set", "projection=affine", "--train-iters", "2",
                        "--save", save, "--save-interval", "2", env=ENV)
     assert trained.returncode == 0, trained.stderr
-    resumed = run_mimo("run", "--load", save, "--save", save, "--train-iters", "3", env=ENV)  # no --provider, no --set
+    resumed = run_mimo("run", "--provider", "mock-vlm", "--load", save, "--save", save, "--train-iters", "3",
+                       env=ENV)  # without the --set it was trained with
     assert resumed.returncode == 0, resumed.stderr
     assert "projection: affine" in (tmp_path / "ckpt" / "iter_0000003" / "run.yaml").read_text()
 
+    # without --provider: the provider, too, comes from the checkpoint
     changed = run_mimo("run", "--load", save, "--save", save, "--train-iters", "4", "--set", "projection=mlp", env=ENV)
     assert changed.returncode == 2 and "Traceback" not in changed.stderr
     line = changed.stderr.strip()

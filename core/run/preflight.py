@@ -5,11 +5,12 @@ the process the user started, not a traceback from a worker.
         ...start the workers, or train in this process
     with preflight.for_eval(config, split) as plan:   # `mimo eval`
 
-For `mimo run`: the plan (options, provider, settings, layout), the memory estimate against the GPU, the paths
-the run writes, the save directory's lock, what `--load` means, and what `--pretrained` and the Hugging Face
-parts (`--pretrained-llm`, `--pretrained-vision`) point at: each folder's tensors against the provider's map, from
-the headers alone (every rank then loads its own slices; there is no conversion step, so torchrun and srun need
-none either). Workers repeat the plan and the cheap checks; the memory check was made for them.
+For `mimo run`: the plan (options, provider, settings, layout), the memory estimate against the GPU, what
+`--pretrained` and the Hugging Face parts (`--pretrained-llm`, `--pretrained-vision`) point at: each folder's
+tensors against the provider's map, from the headers alone (every rank then loads its own slices; there is no
+conversion step, so torchrun and srun need none either), what `--load` means, and then the paths the run writes
+and the save directory's lock: what only reads comes first, so a refused run leaves nothing behind. Workers
+repeat the plan and the cheap checks; the memory check was made for them.
 """
 
 from __future__ import annotations
