@@ -1,13 +1,19 @@
-"""The RunConfig of a command that reads a checkpoint (`mimo eval`, `mimo generate`): the command line over what
-the checkpoint says about its run (core/checkpoint/saved_run.py): its provider (so --provider may be left out),
-its settings and the loop options that decide the figures. What the user typed, or wrote in a --config file, wins."""
+"""The RunConfig of a command that reads a checkpoint: `mimo eval` and `mimo generate` (the command line over what
+the checkpoint says about its run, core/checkpoint/saved_run.py: its provider, so --provider may be left out, its
+settings and the loop options that decide the figures; what the user typed, or wrote in a --config file, wins) and
+`mimo run --load` resuming a mimo checkpoint (its provider and settings, which a --set may not change)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Callable
 
 from mimo.core import run_file
-from mimo.core.checkpoint.saved_run import honour, report_lines, saved_run
+from mimo.core.checkpoint.foreign import foreign_directory
+from mimo.core.checkpoint.hf import is_hf_folder
+from mimo.core.checkpoint.layout import read_tracker
+from mimo.core.checkpoint.resume import require_checkpoint
+from mimo.core.checkpoint.saved_run import honour, refuse_changed_settings, report_lines, saved_run
 from mimo.core.config import RunConfig
 
 from .options import _given_on_command_line, run_config
@@ -16,6 +22,12 @@ from .options import _given_on_command_line, run_config
 def config_from_checkpoint(kwargs: dict, ctx, command: str) -> tuple[RunConfig, Callable | None]:
     """(the command's RunConfig, `report(plan) -> lines` saying what came from the checkpoint; None when the
     checkpoint records no run)."""
+    if not kwargs.get("provider"):  # an empty folder is the problem to name, not the missing --provider
+        if kwargs.get("load"):
+            require_checkpoint(kwargs["load"])
+        elif kwargs.get("pretrained") and Path(kwargs["pretrained"]).is_dir() \
+                and not is_hf_folder(kwargs["pretrained"]):
+            foreign_directory(kwargs["pretrained"])
     saved = saved_run(kwargs.get("load") or kwargs.get("pretrained"), kwargs.get("provider"))
     if saved is not None and not kwargs.get("provider"):
         kwargs = {**kwargs, "provider": saved.provider}
@@ -28,3 +40,18 @@ def config_from_checkpoint(kwargs: dict, ctx, command: str) -> tuple[RunConfig, 
         given |= {name for section in run_file.sections() for name in file_values.get(section, {})}
     honoured = honour(config, saved, given, command)
     return honoured, lambda plan: report_lines(plan, saved, config, honoured, command)
+
+
+def config_for_run(kwargs: dict, ctx) -> RunConfig:
+    """`mimo run`'s RunConfig; resuming a mimo checkpoint (`--load` holding one), with its provider and settings:
+    the run goes on as it was trained. Loop options stay the command line's (a resume may change them)."""
+    load = kwargs.get("load")
+    saved = saved_run(load) if load and Path(load).is_dir() and read_tracker(load) is not None else None
+    if saved is not None and not kwargs.get("provider"):
+        kwargs = {**kwargs, "provider": saved.provider}
+    config = run_config(kwargs, ctx)
+    if saved is None:
+        return config
+    honoured = honour(config, saved, set(), "run")
+    refuse_changed_settings(honoured, saved)
+    return honoured

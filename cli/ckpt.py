@@ -11,10 +11,13 @@ from rich.table import Table
 
 from mimo.errors import UsageError
 
-ckpt_app = typer.Typer(no_args_is_help=True, help="Inspect checkpoints; import and export Hugging Face weights.")
+from .help import PlainFlagsCommand, PlainFlagsGroup
+
+ckpt_app = typer.Typer(cls=PlainFlagsGroup, no_args_is_help=True,
+                       help="Inspect checkpoints; import and export Hugging Face weights.")
 
 
-@ckpt_app.command("inspect")
+@ckpt_app.command("inspect", cls=PlainFlagsCommand)
 def inspect_checkpoint(directory: Path,
                        as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Iteration, the options and settings it was saved with, modules, parameter counts, layout and sizes.
@@ -63,7 +66,7 @@ def inspect_checkpoint(directory: Path,
     console.print("provider settings: " + ", ".join(f"{k}={v}" for k, v in summary["settings"].items()))
 
 
-@ckpt_app.command("import-hf")
+@ckpt_app.command("import-hf", cls=PlainFlagsCommand)
 def import_hf(paths: list[Path] = typer.Argument(..., metavar="[HF_DIR] OUT", show_default=False,
                                                 help="a Hugging Face model folder and the checkpoint to write; OUT "
                                                      "alone with --llm / --vision"),
@@ -99,7 +102,7 @@ def import_hf(paths: list[Path] = typer.Argument(..., metavar="[HF_DIR] OUT", sh
                f"{out / hf.SETTINGS_FILE} --pretrained {out}")
 
 
-@ckpt_app.command("export-hf")
+@ckpt_app.command("export-hf", cls=PlainFlagsCommand)
 def export_hf(checkpoint: Path, out: Path,
               assignments: list[str] = typer.Option(None, "--set", help="change a saved setting that only decides "
                                                                  "what goes beside the weights, key=value (e.g. "

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import typer
 
-data_app = typer.Typer(no_args_is_help=True, help="Datasets for `mimo run --data`.")
+from .help import PlainFlagsCommand, PlainFlagsGroup
+
+data_app = typer.Typer(cls=PlainFlagsGroup, no_args_is_help=True, help="Datasets for `mimo run --data`.")
 
 
 @data_app.callback()
@@ -16,7 +18,7 @@ def _group():
     """Datasets for `mimo run --data`."""  # a group even with one command, as `mimo data` and standalone
 
 
-@data_app.command("sample")
+@data_app.command("sample", cls=PlainFlagsCommand)
 def sample(directory: Path,
            num_samples: int = typer.Option(64, "--num-samples", help="captioned images to write"),
            seed: int = typer.Option(0, "--seed", help="the same seed writes the same dataset"),
@@ -60,7 +62,8 @@ def sample(directory: Path,
                + (f"; val split: {', '.join(info.splits['val'])}" if val_shards else ""))
 
 
-convert_app = typer.Typer(no_args_is_help=True, help="Convert datasets of other formats into energon datasets.")
+convert_app = typer.Typer(cls=PlainFlagsGroup, no_args_is_help=True,
+                          help="Convert datasets of other formats into energon datasets.")
 data_app.add_typer(convert_app, name="convert")
 
 
@@ -69,7 +72,7 @@ def _convert_group():
     """Convert datasets of other formats into energon datasets."""
 
 
-@convert_app.command("llava")
+@convert_app.command("llava", cls=PlainFlagsCommand)
 def convert_llava(json_path: Path = typer.Argument(..., metavar="JSON", help="the records: a JSON array, or JSON lines"),
                   image_dir: Path = typer.Argument(..., metavar="IMAGE_DIR", help="where the records' image names "
                                                                                   "are found"),

@@ -72,3 +72,24 @@ class WholeNamesCommand(typer.core.TyperCommand):
                     console.print(Padding(head, (0, 1, 0, 2)), overflow="ignore", crop=False)
                     if text.plain:
                         console.print(Padding(text, (0, 1, 0, INDENT)))
+
+
+def _plain_flags(params: list) -> list:
+    for param in params:
+        if getattr(param, "is_flag", False) and param.metavar is None:
+            param.metavar = ""  # typer's help shows a flag's type (`--help <bool>`) as if it took a value
+    return params
+
+
+class PlainFlagsCommand(typer.core.TyperCommand):
+    """A typer command whose help lists flags (--help, --json, ...) as flags, with no type."""
+
+    def get_params(self, ctx):
+        return _plain_flags(super().get_params(ctx))
+
+
+class PlainFlagsGroup(typer.core.TyperGroup):
+    """A typer group whose help lists flags as flags, as PlainFlagsCommand does."""
+
+    def get_params(self, ctx):
+        return _plain_flags(super().get_params(ctx))

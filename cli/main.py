@@ -14,14 +14,14 @@ from mimo.errors import TrainingStopped, UsageError
 
 from . import console
 from .common import fail
-from .help import WholeNamesCommand
+from .help import PlainFlagsGroup, WholeNamesCommand
 from .options import CONTEXT, loop_parameters, provider_parameters, run_config, with_options
 from . import generate
 from .ckpt import ckpt_app
 from .data import data_app
 from .providers import providers_app
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
+app = typer.Typer(cls=PlainFlagsGroup, no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
                   help="Train multimodal models on megatron-core; model families come as provider plugins.")
 app.add_typer(providers_app, name="providers")
 app.add_typer(ckpt_app, name="ckpt")
@@ -62,8 +62,10 @@ def _run(ctx: typer.Context, print_config: bool = False, **kwargs):
 
     die_with_parent()  # what this process forks dies with it, whatever kills it
     launch.die_with_launcher()
+    from .checkpoint_config import config_for_run
+
     try:
-        config = run_config(kwargs, ctx)
+        config = config_for_run(kwargs, ctx)  # resuming: the checkpoint's provider and settings
         if print_config:
             plan = prepare(config)
             typer.echo(run_file.dump(plan.config, plan.settings), nl=False)

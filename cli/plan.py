@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import typer
-from rich.console import Console
+from rich.console import Console, Group
 from rich.table import Table
+from rich.text import Text
+
+WIDE = 120  # the width when stdout is no terminal and COLUMNS is unset (a log file, a pipe)
 
 
 def describe(plan, estimates=None, limit=None) -> dict:
@@ -55,19 +59,20 @@ def print_plan(summary: dict, as_json: bool) -> None:
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
         return
-    table = Table("module", "ranks", "TP", "DP", "PP", "EP", "layers", "parameters", "per rank (≈)",
-                  title=f"{summary['provider']}: {summary['layout']} layout on {summary['world_size']} ranks")
+    rows = []
     for m in summary["modules"]:
         total = f"{m['parameters']:,}" if m["parameters"] else "?"
         if m["active_parameters"]:
-            total += f" ({m['active_parameters']:,} active)"
-        table.add_row(m["module"], f"{m['ranks'][0]}-{m['ranks'][1]}", str(m["tp"]), str(m["dp"]), str(m["pp"]),
-                      str(m["ep"]), str(m["layers"]), total,
-                      f"{m['parameters_per_rank']:,}" if m["parameters_per_rank"] else "?")
-    console = Console(width=120)
-    console.print(table)
+            total += f"\n({m['active_parameters']:,} active)"
+        rows.append([m["module"], f"{m['ranks'][0]}-{m['ranks'][1]}", str(m["tp"]), str(m["dp"]), str(m["pp"]),
+                     str(m["ep"]), str(m["layers"]), total,
+                     f"{m['parameters_per_rank']:,}" if m["parameters_per_rank"] else "?"])
+    console = _console()
+    console.print(fitted(["module", "ranks", "TP", "DP", "PP", "EP", "layers", "parameters", "per rank (≈)"], rows,
+                         console.width,
+                         f"{summary['provider']}: {summary['layout']} layout on {summary['world_size']} ranks"))
     if summary.get("memory"):
-        console.print(memory_table(summary["memory"]))
+        console.print(memory_table(summary["memory"], console.width))
     elif "memory" in summary:
         console.print("memory: not estimated (the provider has no module_memory hook)")
     if summary.get("hf_export") and not summary["hf_export"]["exportable"]:
@@ -75,7 +80,7 @@ def print_plan(summary: dict, as_json: bool) -> None:
 
         refused = {k: (v["value"], v["needed"]) for k, v in summary["hf_export"]["settings"].items()}
         console.print(f"note: checkpoints of these settings cannot be exported to Hugging Face: "
-                      f"{not_exportable(refused)}", soft_wrap=True)
+                      f"{not_exportable(refused)}")
     console.print(f"global batch {summary['global_batch_size']} = {summary['num_microbatches']} micro-batches x "
                   f"{summary['micro_batch_size']} samples x {summary['llm_data_parallel_lanes']} LLM lanes"
                   f"{_encoder_pass(summary)}; "
@@ -90,21 +95,57 @@ def _encoder_pass(summary: dict) -> str:
                                          else ")")
 
 
-def memory_table(memory: dict) -> Table:
+def memory_table(memory: dict, width: int = WIDE):
     limit = memory["limit"]
     title = "memory per GPU, GiB" + (f" (limit {limit:.0f}: {memory['limit_source']})" if limit else " (no limit: CPU)")
-    table = Table("ranks", "modules", "params", "grads", "optimizer", "activations", "allowance", "total", "limit",
-                  "headroom", title=title, caption=f"allowance: {memory['allowance_rule']}")
+    rows = []
     for r in memory["ranks"]:
         modules = ", ".join(f"{m['module']} ({m['recompute']}, {m['micro_batches_in_flight']} in flight)"
                             if m["recompute"] != "none" or m["micro_batches_in_flight"] > 1 else m["module"]
                             for m in r["modules"])
         headroom = f"{r['headroom']:.1f}" if r["headroom"] is not None else "-"
-        table.add_row(f"{r['kind']} {r['ranks'][0]}-{r['ranks'][1]}", modules,
-                      *(f"{r[k]:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "allowance",
-                                                 "total")),
-                      f"{limit:.0f}" if limit else "-", headroom if r["fits"] else f"[red]{headroom}[/red]")
-    return table
+        rows.append([f"{r['kind']} {r['ranks'][0]}-{r['ranks'][1]}", modules,
+                     *(f"{r[k]:.1f}" for k in ("parameters", "gradients", "optimizer", "activations", "allowance",
+                                               "total")),
+                     f"{limit:.0f}" if limit else "-", headroom if r["fits"] else f"[red]{headroom}[/red]"])
+    return fitted(["ranks", "modules", "params", "grads", "optimizer", "activations", "allowance", "total", "limit",
+                   "headroom"], rows, width, title, caption=f"allowance: {memory['allowance_rule']}")
+
+
+def fitted(headers: list[str], rows: list[list[str]], width: int, title: str, caption: str | None = None):
+    """A table that fits `width` columns and never cuts a word: as it is; else with its cells wrapped between
+    words; else turned (a row per column, for many columns and few rows); else each row as lines of `name value`."""
+    for shape in ("rows", "columns"):
+        head, body = (headers, rows) if shape == "rows" else \
+            ([""] + [row[0] for row in rows], [[h] + [row[i] for row in rows] for i, h in enumerate(headers) if i])
+        cells = [[Text.from_markup(c) for c in [*head]]] + [[Text.from_markup(c) for c in row] for row in body]
+        longest = [max(max(len(line) for line in row[i].plain.split("\n")) for row in cells) for i in range(len(head))]
+        word = [max(max((len(w) for w in row[i].plain.split()), default=0) for row in cells) for i in range(len(head))]
+        frame = 3 * len(head) + 1  # rich's box: a bar and a space either side of each cell
+        if sum(word) + frame > width:
+            continue
+        widths, spare = list(word), width - frame - sum(word)
+        for i in sorted(range(len(head)), key=lambda i: longest[i] - word[i]):  # the least wrapping first: whole
+            widths[i] += min(spare, longest[i] - word[i])
+            spare -= widths[i] - word[i]
+        table = Table(title=title, caption=caption, show_header=shape == "rows" or any(head))
+        for name, column_width in zip(head, widths):
+            table.add_column(name, width=column_width, overflow="fold")
+        for row in cells[1:]:
+            table.add_row(*row)
+        return table
+    lines = [Text(title, style="italic")]
+    for row in rows:  # too narrow even turned: each row stacked
+        lines.append(Text(f"{headers[0]} {Text.from_markup(row[0]).plain}", style="bold"))
+        lines += [Text(f"  {h}: {Text.from_markup(c).plain}".replace("\n", " ")) for h, c in zip(headers[1:], row[1:])]
+    if caption:
+        lines.append(Text(caption, style="italic"))
+    return Group(*lines)
+
+
+def _console() -> Console:
+    """The terminal's width (COLUMNS where set), or WIDE where there is none."""
+    return Console(width=shutil.get_terminal_size((WIDE, 24)).columns)
 
 
 def print_suggestions(config, gpus: int, as_json: bool) -> None:
@@ -133,8 +174,8 @@ def print_suggestions(config, gpus: int, as_json: bool) -> None:
         typer.echo(json.dumps({"provider": config.provider, "gpus": gpus, "limit_gib": limit,
                                "limit_source": source, "layouts": rows}, indent=2))
         return
-    table = Table("#", "mimo run options", "largest rank GiB", "headroom GiB",
-                  title=f"{config.provider}: layouts of {gpus} GPUs that fit {limit:.0f} GiB ({source}), best first")
-    for i, row in enumerate(rows, 1):
-        table.add_row(str(i), row["flags"], f"{row['largest_rank_gib']:.1f}", f"{row['headroom_gib']:.1f}")
-    Console(width=120).print(table)
+    console = _console()
+    console.print(fitted(["#", "mimo run options", "largest rank GiB", "headroom GiB"],
+                         [[str(i), row["flags"], f"{row['largest_rank_gib']:.1f}", f"{row['headroom_gib']:.1f}"]
+                          for i, row in enumerate(rows, 1)], console.width,
+                         f"{config.provider}: layouts of {gpus} GPUs that fit {limit:.0f} GiB ({source}), best first"))

@@ -12,9 +12,12 @@ from rich.text import Text
 
 from mimo.errors import UsageError
 
+from .help import PlainFlagsCommand, PlainFlagsGroup
+
 WIDE_TABLE = 140  # columns from which `providers show` is one table
 
-providers_app = typer.Typer(no_args_is_help=True, help="Installed model providers and their settings.")
+providers_app = typer.Typer(cls=PlainFlagsGroup, no_args_is_help=True,
+                            help="Installed model providers and their settings.")
 
 
 def _registry():
@@ -23,7 +26,7 @@ def _registry():
     return Registry()
 
 
-@providers_app.command("list")
+@providers_app.command("list", cls=PlainFlagsCommand)
 def list_providers(as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """Installed providers, the distribution of each, and plugins that failed to load."""
     registry = _registry()
@@ -52,7 +55,7 @@ def list_providers(as_json: bool = typer.Option(False, "--json", help="machine-r
         console.print(problems)
 
 
-@providers_app.command("show")
+@providers_app.command("show", cls=PlainFlagsCommand)
 def show_provider(name: str, as_json: bool = typer.Option(False, "--json", help="machine-readable output")):
     """A provider's settings with their types, defaults, rules and help (set them with `mimo run --set key=value`)."""
     from mimo.plugins.constraints import describe
@@ -99,7 +102,7 @@ def _register_new() -> None:
     """`mimo providers new`: the scaffold lives in scaffold.py with its templates."""
     from .scaffold import new_provider
 
-    providers_app.command("new")(new_provider)
+    providers_app.command("new", cls=PlainFlagsCommand)(new_provider)
 
 
 _register_new()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -56,8 +57,19 @@ def read_common(directory: Path) -> dict:
     try:  # plain data only, so reading it runs no code (megatron-core unpickles it: docs/checkpoints.md)
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable file is the same problem for the user
-        first = str(err).strip().splitlines()[0][:300] if str(err).strip() else ""
-        raise UsageError(f"checkpoint file {path} cannot be read ({type(err).__name__}: {first})") from None
+        raise UsageError(f"checkpoint file {path} cannot be read ({type(err).__name__}: {first_words(err)})") \
+            from None
+
+
+def first_words(err: Exception, limit: int = 300) -> str:
+    """An exception's gist for a one-line error: torch's weights-only refusal by its reason (its preamble offers
+    options mimo does not take), else the first line; no terminal escapes; shortened at a word boundary."""
+    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in str(err).strip().splitlines()]
+    reasons = [line.partition(":")[2].strip() for line in lines if line.startswith("WeightsUnpickler error:")]
+    first = reasons[0] if reasons else next((line for line in lines if line), "")
+    if len(first) <= limit:
+        return first
+    return first[:limit].rsplit(" ", 1)[0].rstrip(" ,;:") + " ..."
 
 
 def report_io(verb: str, directory: Path, seconds: float, blocked: float | None = None) -> None:

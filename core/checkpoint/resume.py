@@ -34,5 +34,18 @@ def check_resume(config: RunConfig, speak: bool = True) -> int | None:
     raise UsageError(f"--load {load}: {where}; to start fresh, drop --load or give it the --save directory")
 
 
+def require_checkpoint(load: Path) -> int:
+    """The iteration a `--load` of `mimo eval` or `mimo generate` reads; UsageError naming the folder, what it
+    lacks and how a checkpoint is made (checked before anything else: without a checkpoint, nothing else matters)."""
+    load = Path(load)
+    iteration = read_tracker(load) if load.is_dir() else None
+    if iteration is not None:
+        return iteration
+    where = ("no such directory" if not load.exists() else "a file, not a checkpoint directory" if not load.is_dir()
+             else f"no checkpoint there ({TRACKER} is missing)")
+    raise UsageError(f"--load {load}: {where}; a checkpoint is what `mimo run --save DIR` writes (`mimo ckpt "
+                     f"import-hf HF_DIR DIR` makes one from Hugging Face weights)")
+
+
 def _same(a: Path, b: Path) -> bool:
     return a.absolute().resolve() == b.absolute().resolve()

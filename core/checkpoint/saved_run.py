@@ -9,6 +9,9 @@ config implies. The commands that read a checkpoint take these instead of the de
    printed); a `--provider-config` (or a `--config` file's settings) that disagrees with a saved value is one line;
 3. loop options the user did not give come from the saved run where they decide the figures: `mimo eval` takes the
    precision, the batch sizes, the data and the evaluation's size; `mimo generate` the precision.
+
+`mimo run --load` resuming a mimo checkpoint takes its provider and settings too, but goes on as it was trained: a
+`--set` that changes a saved setting is one line (its loop options stay the command line's).
 """
 
 from __future__ import annotations
@@ -20,11 +23,11 @@ from pathlib import Path
 
 from mimo.errors import UsageError
 from mimo.plugins import Registry
-from mimo.plugins.settings import SETTINGS_FILE_OPTION, build_settings, settings_file_values
+from mimo.plugins.settings import SETTINGS_FILE_OPTION, build_settings, given_settings, settings_file_values
 
 from ..config import RunConfig
 from .hf import find_provider, is_hf_folder, plain_value, precision_of
-from .layout import iteration_dir, read_common, read_tracker
+from .layout import RUN_FILE, iteration_dir, read_common, read_tracker
 
 # Loop options each command takes from the checkpoint when the user gives none: {section: (options)}.
 INHERITED = {
@@ -32,6 +35,7 @@ INHERITED = {
              "data": ("data", "num_workers", "pack_sequences", "packing_buffer_size"),
              "evaluation": ("eval_data", "eval_iters")},
     "generate": {"training": ("precision",)},
+    "run": {},  # a resumed run: the saved settings only
 }
 _BATCH = ("micro_batch_size", "global_batch_size", "num_microbatches")  # taken together or not at all
 
@@ -89,9 +93,9 @@ def honour(config: RunConfig, saved: SavedRun, given: set[str], command: str) ->
         for key in values:
             value, had = plain_value(getattr(wanted, key)), plain_value(getattr(reference, key))
             if value != had:
+                override = "" if command == "run" else f" or override with --set {key}={value}"
                 raise UsageError(f"{option} {source} sets {key}={value}, but {saved.source} was saved with {had}: "
-                                 f"drop {option} (the checkpoint's settings are used) or override with --set "
-                                 f"{key}={value}")
+                                 f"drop {option} (the checkpoint's settings are used){override}")
     parts = {}
     for section, names in INHERITED[command].items():
         current = getattr(config, section)
@@ -117,6 +121,19 @@ def honour(config: RunConfig, saved: SavedRun, given: set[str], command: str) ->
     # the saved settings take the place of a --config file's (checked equal above); errors name the checkpoint
     return dataclasses.replace(config, provider_values=dict(saved.settings), config_file=Path(saved.source),
                                **parts)
+
+
+def refuse_changed_settings(config: RunConfig, saved: SavedRun) -> None:
+    """A resumed run keeps the checkpoint's settings: a `--set` that changes one is one line naming both values."""
+    provider, _ = Registry().get(saved.provider)
+    reference = build_settings(provider, run_file_values=saved.settings, run_file=Path(saved.source))
+    for key, (value, _) in given_settings(provider, config.provider_settings).items():
+        had = plain_value(getattr(reference, key))
+        if plain_value(value) != had:
+            raise UsageError(f"--set {key}={plain_value(value)}, but {saved.source} was saved with {key}={had} "
+                             f"({Path(saved.source) / RUN_FILE} holds every setting it was trained with): a resumed "
+                             f"run keeps them; drop --set {key}, or start a new run from these weights with "
+                             f"--pretrained instead of --load")
 
 
 def report_lines(plan, saved: SavedRun, typed: RunConfig, honoured: RunConfig, command: str) -> list[str]:

@@ -29,6 +29,10 @@ def plan(layout: LayoutOptions, world_size: int, shapes: dict[str, ModuleShape],
     if not 0 <= k < world_size:
         raise UsageError(f"--encoder-ranks {k} must leave ranks for the LLM in a world of {world_size}: "
                          f"use 0 (colocated) to {world_size - 1}")
+    if k == 0 and world_size % layout.llm_tp:  # before the TP the encoders share: a TP that fits comes first
+        raise UsageError(f"--llm-tp {layout.llm_tp} does not fit {world_size} ranks: the modules share every rank, "
+                         f"so TP must divide the {world_size}; use --llm-tp among {_divisors(world_size)}, or a "
+                         f"multiple of {layout.llm_tp} ranks (--nproc-per-node)")
     if k == 0 and layout.encoder_tp != layout.llm_tp:
         raise UsageError(f"colocated modules share the LLM's TP: set --encoder-tp {layout.llm_tp}, or give the "
                          f"encoders ranks of their own with --encoder-ranks")

@@ -20,6 +20,7 @@ from mimo.errors import UsageError
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.hf_load import hf_loader
 from ..checkpoint.layout import read_tracker, run_info
+from ..checkpoint.resume import require_checkpoint
 from ..config import RunConfig
 from ..evaluation.evaluator import EvalResult, Evaluator, eval_context, eval_data_path, report
 from .world import join
@@ -39,8 +40,8 @@ def eval_config(config: RunConfig, split: str) -> RunConfig:
         raise UsageError(f"--split {split}: use val or test")
     if split != "val" and not (e.eval_data or config.data.data):
         raise UsageError(f"--split {split} needs --data (the provider's synthetic data has one eval split, val)")
-    if c.load and read_tracker(c.load) is None:
-        raise UsageError(f"--load {c.load}: no checkpoint there (latest_checkpointed_iteration.txt is missing)")
+    if c.load:
+        require_checkpoint(c.load)
     return dataclasses.replace(
         config,
         checkpoint=dataclasses.replace(c, load=None, pretrained=c.load or c.pretrained, save=None),

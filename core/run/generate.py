@@ -24,7 +24,8 @@ from mimo.errors import UsageError
 
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.hf_load import hf_loader
-from ..checkpoint.layout import read_tracker, run_info
+from ..checkpoint.layout import run_info
+from ..checkpoint.resume import require_checkpoint
 from ..config import RunConfig
 from ..generation.answers import answer_all, prompt_format_of
 from ..generation.decoder import Decoder, check_plan
@@ -83,8 +84,8 @@ def generate_config(config: RunConfig) -> RunConfig:
     if not (c.load or c.pretrained):
         raise UsageError("mimo generate needs --load CKPT (a mimo checkpoint) or --pretrained PATH (a mimo "
                          "checkpoint or a Hugging Face folder)")
-    if c.load and read_tracker(c.load) is None:
-        raise UsageError(f"--load {c.load}: no checkpoint there (latest_checkpointed_iteration.txt is missing)")
+    if c.load:
+        require_checkpoint(c.load)
     return dataclasses.replace(
         config, checkpoint=dataclasses.replace(c, load=None, pretrained=c.load or c.pretrained, save=None),
         training=dataclasses.replace(config.training, micro_batch_size=1, global_batch_size=None,

@@ -12,14 +12,40 @@ from ..config import RunConfig
 
 
 def check_output_paths(config: RunConfig) -> None:
-    """Create the run's output directories and the metrics file's folder, and write a probe into each."""
+    """Create the run's output directories and the metrics file's folder, and write a probe into each; when one
+    is refused, what the others created here is removed again (a refused run leaves nothing behind)."""
     lg, c = config.logging, config.checkpoint
-    for option, directory in (("--tensorboard-dir", lg.tensorboard_dir), ("--profile-dir", lg.profile_dir),
-                              ("--save", c.save)):
-        if directory is not None:
-            _writable_directory(option, Path(directory))
+    paths = [(option, Path(path), False) for option, path in (
+        ("--tensorboard-dir", lg.tensorboard_dir), ("--profile-dir", lg.profile_dir), ("--save", c.save))
+        if path is not None]
     if lg.metrics_file is not None:
-        _appendable_file("--metrics-file", Path(lg.metrics_file))
+        paths.append(("--metrics-file", Path(lg.metrics_file), True))
+    created: list[Path] = []  # the outermost folders and files that did not exist before, newest last
+    try:
+        for option, path, is_file in paths:
+            created += [p for p in _missing(path) if p not in created]
+            (_appendable_file if is_file else _writable_directory)(option, path)
+    except UsageError:
+        for path in reversed(created):
+            _remove_if_empty(path)
+        raise
+
+
+def _missing(path: Path) -> list[Path]:
+    """`path` and the folders above it that do not exist yet, outermost first."""
+    path = path.absolute()
+    missing = [p for p in [path, *path.parents] if not p.exists()]
+    return list(reversed(missing))
+
+
+def _remove_if_empty(path: Path) -> None:
+    try:
+        if path.is_dir():
+            path.rmdir()  # only an empty folder: never what someone else put there meanwhile
+        elif path.is_file() and path.stat().st_size == 0:
+            path.unlink()
+    except OSError:
+        pass
 
 
 def _writable_directory(option: str, path: Path) -> None:

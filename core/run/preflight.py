@@ -5,11 +5,12 @@ the process the user started, not a traceback from a worker.
         ...start the workers, or train in this process
     with preflight.for_eval(config, split) as plan:   # `mimo eval`
 
-For `mimo run`: the plan (options, provider, settings, layout), the memory estimate against the GPU, the paths
-the run writes, the save directory's lock, what `--load` means, and what `--pretrained` and the Hugging Face
-parts (`--pretrained-llm`, `--pretrained-vision`) point at: each folder's tensors against the provider's map, from
-the headers alone (every rank then loads its own slices; there is no conversion step, so torchrun and srun need
-none either). Workers repeat the plan and the cheap checks; the memory check was made for them.
+For `mimo run`: the plan (options, provider, settings, layout), the memory estimate against the GPU, what
+`--pretrained` and the Hugging Face parts (`--pretrained-llm`, `--pretrained-vision`) point at: each folder's
+tensors against the provider's map, from the headers alone (every rank then loads its own slices; there is no
+conversion step, so torchrun and srun need none either), what `--load` means, and then the paths the run writes
+and the save directory's lock: what only reads comes first, so a refused run leaves nothing behind. Workers
+repeat the plan and the cheap checks; the memory check was made for them.
 """
 
 from __future__ import annotations
@@ -42,16 +43,17 @@ def for_run(config: RunConfig) -> Iterator[Plan]:
     check_predictions(plan)  # --eval-samples: a dataset with answers, a provider and a layout that generate
     if not os.environ.get(launch.LAUNCHED_BY_MIMO):  # mimo's launcher checked this plan for its workers
         fit.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's
-    check_output_paths(config)  # likewise every path the run writes: created and test-written now
     speaks = launch.speaks_for_run(config.launch)
     _check_datasets(config, speak=speaks)
+    # What only reads comes before what writes: a refused run leaves no --save folder (nor its lock) behind.
+    check_pretrained(plan)
+    check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
+    check_output_paths(config)  # likewise every path the run writes: created and test-written now
     if speaks and config.checkpoint.save is not None:
         lock_save_directory(config.checkpoint.save)  # held until this process exits
         removed = remove_unfinished(config.checkpoint.save)  # what killed saves left: never loaded, never kept
         if removed:
             print(removed, flush=True)
-    check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
-    check_pretrained(plan)
     if speaks and config.checkpoint.save is not None and (note := export_note(plan.hooks, plan.settings)):
         print(note, flush=True)  # before training, not after it: these settings decide
     yield plan

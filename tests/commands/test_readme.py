@@ -51,4 +51,4 @@ def test_readme_block_runs_as_written(tmp_path):
             stray = [line for line in result.stdout.splitlines() if not RUN_LINE.match(line)]
             assert not stray, (command, stray)
     assert (tmp_path / "runs" / "a" / "iter_0000150").is_dir()
-    assert (tmp_path / "runs" / "eval.json").is_file() and (tmp_path / "my-vlm").is_dir()
+    assert (tmp_path / "runs" / "eval.json").is_file() and (tmp_path / "runs" / "my-vlm").is_dir()
