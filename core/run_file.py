@@ -26,9 +26,6 @@ from pathlib import Path
 import yaml
 
 from mimo.errors import UsageError
-from mimo.plugins import settings_file
-from mimo.plugins.hints import suggest
-from mimo.plugins.settings import SETTINGS_FILE_OPTION, read_settings_file
 
 from .config import COMPONENTS, RunConfig
 
@@ -44,6 +41,10 @@ def sections() -> dict[str, type]:
 def read(path: Path) -> dict:
     """The file's values as {"provider": str|None, "settings": dict, section: {option: value}}, every name
     checked (unknown names are one line with the closest valid one)."""
+    # The public API's package imports torch: the CLI reads its options before torch loads (cli/console.py)
+    from mimo.plugins import settings_file
+    from mimo.plugins.hints import suggest
+
     path = Path(path)
     data = settings_file.read(path, "--config", "sections (provider, settings and the option sections) to values")
     known = sections()
@@ -131,6 +132,8 @@ def dump(config: RunConfig, settings) -> str:
 def refuse_loop_options(path: Path, settings_cls: type) -> None:
     """A --provider-config file holds provider settings only: a loop option there gets one line saying where it
     goes (a closest-setting guess would mislead)."""
+    from mimo.plugins.settings import SETTINGS_FILE_OPTION, read_settings_file  # torch: see read()
+
     data = read_settings_file(path)
     settings = {f.name for f in dataclasses.fields(settings_cls)}
     owner = {f.name: name for name, cls in sections().items() for f in dataclasses.fields(cls)}

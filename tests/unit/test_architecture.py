@@ -175,3 +175,11 @@ def test_no_merge_conflict_markers_in_tracked_files():
         marked += [f"{name}:{i}" for i, line in enumerate(lines, 1)
                    if line.startswith(("<<<<<<< ", ">>>>>>> "))]
     assert not marked, marked
+
+
+def test_the_cli_loads_without_torch():
+    """`mimo` sets up its console (library notices to the debug log, energon's progress bars off) before torch and
+    the libraries load: importing the CLI's modules loads none of them."""
+    code = "import sys, mimo.cli.main; print(sorted({'torch', 'tqdm', 'megatron'} & set(sys.modules)))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]", result.stdout + result.stderr
