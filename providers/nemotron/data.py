@@ -38,7 +38,8 @@ def image_mode(s: NemotronVLMSettings):
     if s.dynamic_resolution:
         # the omni processor's grids and bicubic resize: an exported model sees the images as mimo trained on them
         return DynamicResolution(patch_size=s.patch_size, min_patches=s.min_patches, max_patches=s.max_patches,
-                                 pixel_shuffle_factor=s.shuffle_factor, grid_rule="scaled", resample="bicubic",
+                                 pixel_shuffle_factor=s.shuffle_factor, grid_rule=s.image_grid,
+                                 resample="bicubic" if s.image_grid == "scaled" else "bilinear",
                                  **stats)
     return FixedTiles(image_size=s.image_size, patch_size=s.patch_size, pixel_shuffle_factor=s.shuffle_factor,
                       **stats)

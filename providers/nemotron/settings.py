@@ -89,6 +89,10 @@ class NemotronVLMSettings:
     image_size: int = _setting(512, "tile side in pixels (without dynamic resolution)", **SIZE)
     min_patches: int = _setting(256, "dynamic resolution: fewest patches per image", **SIZE)
     max_patches: int = _setting(4096, "dynamic resolution: most patches per image", **SIZE)
+    image_grid: Literal["scaled", "closest"] = _setting(
+        "scaled", "dynamic resolution: each image's patch grid; scaled: the omni processor's rule and bicubic resize "
+                  "(what an exported model sees); closest: the grid closest to the image's aspect ratio, bilinear "
+                  "(runs before the processor's rule was adopted)")
     pixel_shuffle: bool = _setting(True, "merge each 2x2 block of patch features into one token (4x fewer)")
     # The released omni model's projector (and the only form export-hf can write); Megatron-LM's recipe trains
     # affine, without a norm: --set projection=affine.

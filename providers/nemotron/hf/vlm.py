@@ -31,7 +31,8 @@ AUDIO_PREFIXES = ("audio_tower.", "embed_audio.")
 VIDEO_EMBEDDER = f"{HF_VISION}{radio.MODEL}patch_generator.video_embedder.weight"
 INFLATED_FRAMES = 2  # the video embedder an export synthesizes for a RADIO that has none
 # What the omni model is, for the settings that shape it differently: setting -> the omni model's value.
-OMNI_SETTINGS = {"pixel_shuffle": True, "projection": "mlp", "projection_norm": True, "dynamic_resolution": True}
+OMNI_SETTINGS = {"pixel_shuffle": True, "projection": "mlp", "projection_norm": True, "dynamic_resolution": True,
+                 "image_grid": "scaled"}
 
 
 # ------------------------------------------------------------------------------------------------------ import
