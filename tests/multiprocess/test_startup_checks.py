@@ -89,14 +89,21 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_setting(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     checkpoint = save / "iter_0000001"
     shape = "tensor language_model.module.decoder.final_layernorm.bias has shape [64] there, [32] here"
+    # --load resumes with the settings it was saved with: a differing --set is refused before start-up, naming
+    # both values and the run file; --pretrained starts a new run, whose model must fit the checkpoint's
+    expected = {"--load": f"error: --set hidden_size=32, but {checkpoint} was saved with hidden_size=64 ({checkpoint}"
+                          f"/run.yaml holds every setting it was trained with): a resumed run keeps them; drop --set "
+                          f"hidden_size, or start a new run from these weights with --pretrained instead of --load",
+                "--pretrained": f"error: --pretrained {checkpoint} was saved with other settings: hidden_size 64 "
+                                f"there, 32 here; its model does not fit this run's ({shape})"}
     for how in ("--load", "--pretrained"):
         metrics = tmp_path / f"m{how}.jsonl"
         line = refused(run_mimo(*CPU, how, str(save), "--set", "hidden_size=32", "--metrics-file", str(metrics)))
-        assert line == (f"error: {how} {checkpoint} was saved with other settings: hidden_size 64 there, 32 here; its "
-                        f"model does not fit this run's ({shape})")
-        assert metrics.read_text() == ""  # created at start-up, never written: nothing trained
-    # Settings that shape no tensor may change; a resume under another precision may not, with optimizer state.
-    line = refused(run_mimo(*CPU, "--load", str(save), "--precision", "bf16", "--set", "dropout=0.1"))
+        assert line == expected[how]
+        assert not metrics.exists() or metrics.read_text() == ""  # never written: nothing trained
+    # A resume under another precision may not, with optimizer state (a resume keeps every saved setting:
+    # tests/multiprocess/test_resume_settings.py).
+    line = refused(run_mimo(*CPU, "--load", str(save), "--precision", "bf16"))
     assert line.startswith(f"error: --precision bf16 differs from the checkpoint's fp32 ({checkpoint})")
 
 
