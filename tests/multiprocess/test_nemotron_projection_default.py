@@ -27,18 +27,23 @@ def test_every_variant_defaults_to_the_exportable_projector_and_affine_is_one_se
     assert hooks["nemotron-moe-vlm-20l"].hf_export_check(settings=affine) == {"projection": ("affine", "mlp")}
 
 
-def test_a_checkpoint_of_the_old_default_resumes_from_its_run_file_and_is_refused_in_one_line_without(tmp_path):
+def test_a_checkpoint_of_the_old_default_resumes_with_its_settings_and_refuses_the_new_default_in_one_line(
+        tmp_path):
     saved = tmp_path / "old"
     result = run_mimo(*RUN, *OLD_DEFAULT, "--train-iters", "1", "--save", str(saved), env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
+    checkpoint = saved / "iter_0000001"
 
-    refused = run_mimo(*RUN, "--train-iters", "2", "--load", str(saved), env=ENV)
+    # asking for the new default on resume is one line naming both values and the run file
+    refused = run_mimo(*RUN, "--train-iters", "2", "--load", str(saved), "--set", "projection=mlp", env=ENV)
     assert refused.returncode == 2, refused.stdout[-2000:] + refused.stderr[-2000:]
     lines = refused.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(f"error: --load {saved}/iter_0000001 was saved with other "
-                                                   f"settings: projection 'affine' there, 'mlp' here"), lines
+    assert len(lines) == 1 and lines[0].startswith(f"error: --set projection=mlp, but {checkpoint} was saved with "
+                                                   f"projection=affine ({checkpoint}/run.yaml"), lines
 
-    resumed = run_mimo("run", "--config", str(saved / "iter_0000001" / "run.yaml"), "--train-iters", "2",
-                       "--load", str(saved), env=ENV)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "iteration 2" in resumed.stdout or "iteration        2" in resumed.stdout, resumed.stdout[-2000:]
+    # a plain resume takes the checkpoint's settings (affine), as does its run file
+    for extra in ((), ("--config", str(checkpoint / "run.yaml"))):
+        resumed = run_mimo(*(extra and ("run",) + extra or RUN), "--train-iters", "2", "--load", str(saved),
+                           "--save", str(tmp_path / f"more{len(extra)}"), env=ENV)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert "iteration        2" in resumed.stdout or "iteration 2" in resumed.stdout, resumed.stdout[-2000:]
