@@ -19,6 +19,10 @@ from filelock import FileLock
 # unless --torch-compile on (core/run/compilation.py), so the in-process tests run them as mimo does. Set before
 # torch is imported (torch._dynamo.config reads it once); subprocesses inherit it, and mimo's own setting wins there.
 os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+# Two workers share two cores: one compute thread each, in the tests' own processes and the commands they start. Set
+# before torch is imported: OpenMP reads it when torch loads, and a thread pool made before a DataLoader forks its
+# workers can crash them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Seconds the slow tests took (25 s and more; `--durations=0` on two cores shared with other work): "file::test
 # function" (each parameter case), or "file" for the tests of a file that share module-scoped set-up (all of them

@@ -14,6 +14,8 @@ import tempfile
 import textwrap
 from pathlib import Path
 
+import forked_mimo
+
 REPO = Path(__file__).resolve().parents[1]
 # `mimo data sample DIR` with these: the dataset docs/evaluation.md and docs/generation.md start from, and
 # test_generation_cli trains on (conftest.py's sample_dataset runs it once per test run)
@@ -21,7 +23,9 @@ SAMPLE_ARGS = ("--num-samples", "48", "--val-shards", "1")
 
 
 def run_mimo(*args: str, extra_path: list[Path] = (), timeout: int = 600, env: dict | None = None):
-    """Run `mimo ARGS` in a fresh interpreter (training enables process-wide CPU redirection and a world).
+    """Run `mimo ARGS` in a process of its own (training enables process-wide CPU redirection and a world): forked
+    from a server that has imported torch already where that changes nothing (forked_mimo.py), else a fresh
+    interpreter.
 
     The run gets a session of its own, and whatever it leaves behind is killed when it ends: a process killed
     mid-save leaves dist_checkpointing's writer processes orphaned."""
@@ -31,21 +35,33 @@ def run_mimo(*args: str, extra_path: list[Path] = (), timeout: int = 600, env: d
     if extra_path:
         environment["PYTHONPATH"] = os.pathsep.join([str(p) for p in extra_path] +
                                                     [environment.get("PYTHONPATH", "")])
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        # A neutral working directory: `python -m` puts it first on sys.path, and the repository root holds
-        # build metadata (mimo.egg-info) that could shadow the installed distribution's entry points.
-        proc = subprocess.Popen([sys.executable, "-m", "mimo.cli", *args], stdout=out, stderr=err, text=True,
-                                env=environment, cwd=tempfile.gettempdir(), start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout)
-        finally:
+    # A neutral working directory: `python -m` puts it first on sys.path, and the repository root holds build
+    # metadata (mimo.egg-info) that could shadow the installed distribution's entry points.
+    cwd = tempfile.gettempdir()
+    with tempfile.NamedTemporaryFile("w+") as out, tempfile.NamedTemporaryFile("w+") as err:
+        if forked_mimo.can_fork(environment):
+            process = forked_mimo.start(list(args), environment, cwd, out.name, err.name)
+            command = ["mimo", *args]
+            process.join(timeout)
+            code = process.exitcode
+        else:
+            process = subprocess.Popen([sys.executable, "-m", "mimo.cli", *args], stdout=out, stderr=err, text=True,
+                                       env=environment, cwd=cwd, start_new_session=True)
+            command = process.args
             try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+                code = process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        if code is None:
+            process.wait() if isinstance(process, subprocess.Popen) else process.join()
+            raise subprocess.TimeoutExpired(command, timeout)
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess(proc.args, code, out.read(), err.read())
+        return subprocess.CompletedProcess(command, code, out.read(), err.read())
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -1,0 +1,101 @@
+"""Start `mimo` commands without paying for torch's import each time.
+
+Most of a short `mimo` command's time on CPU is the interpreter importing torch (and the parts of it megatron-core
+pulls in: torch.distributed.tensor, dynamo, inductor): about 4 s of a 6 s run, paid by hundreds of commands in the
+suite. Each pytest worker keeps one stdlib forkserver that has imported those torch modules once; a command is a
+process forked from it that then runs exactly what `python -m mimo.cli ARGS` runs: mimo, megatron-core, energon and
+the providers are imported in the command's own process (their import-time notices and environment reads stay the
+command's), stdout and stderr go to files, the process leads a session of its own, and it ends like an interpreter
+does (non-daemon threads joined, atexit handlers run, streams flushed).
+
+A command whose environment changes what torch reads at import (PYTHONPATH, TORCH_*, OMP_*, ...) runs in a fresh
+interpreter instead, and MIMO_TEST_FRESH_PROCESSES=1 runs every command that way."""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import multiprocessing
+import os
+import runpy
+import subprocess
+import sys
+import threading
+import traceback
+
+# torch and its heavy parts, none of which prints a notice at import (megatron-core's and torch's cpp_extension's
+# notices come from modules the command imports itself)
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "torch._inductor.compile_fx",
+           "torch._inductor.lowering", "torch.distributed.elastic.multiprocessing", "torch.distributed.launcher.api",
+           "torch.utils.data", "numpy", "sympy", "networkx"]
+# environment variables read while those modules are imported (or by the interpreter at start)
+IMPORT_TIME_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "NVTE_", "TRITON", "LD_")
+
+_context: multiprocessing.context.ForkServerContext | None = None
+_fresh_path: list[str] = []  # a fresh interpreter's sys.path after its first entry, without PYTHONPATH
+
+
+def can_fork(environment: dict[str, str]) -> bool:
+    """Whether a command with this environment behaves the same forked from the server as in a fresh interpreter."""
+    if os.environ.get("MIMO_TEST_FRESH_PROCESSES") == "1":
+        return False
+    return all(environment.get(key) == os.environ.get(key) for key in set(environment) | set(os.environ)
+               if key.startswith(IMPORT_TIME_PREFIXES) and key != "PYTHONPATH")  # the command's sys.path takes it
+
+
+def start(args: list[str], environment: dict[str, str], cwd: str, stdout_path: str, stderr_path: str):
+    """A started multiprocessing.Process running `mimo ARGS`; its pid leads a session (os.killpg reaches all)."""
+    global _context
+    if _context is None:
+        environment_without_path = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        _fresh_path[:] = json.loads(subprocess.check_output(
+            [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], env=environment_without_path))
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    process = _context.Process(target=_run_mimo, daemon=False,
+                               args=(list(args), dict(environment), cwd, stdout_path, stderr_path, list(_fresh_path)))
+    process.start()
+    return process
+
+
+def _run_mimo(args, environment, cwd, stdout_path, stderr_path, fresh_path) -> None:
+    os.setsid()
+    for fd, path in ((1, stdout_path), (2, stderr_path)):
+        target = os.open(path, os.O_WRONLY | os.O_APPEND)
+        os.dup2(target, fd)
+        os.close(target)
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(environment)
+    # the pytest worker's sys.path (the repository, tests/) is not the command's
+    sys.path[:] = [cwd] + [entry for entry in environment.get("PYTHONPATH", "").split(os.pathsep) if entry] + fresh_path
+    importlib.invalidate_caches()
+    sys.argv = ["mimo", *args]  # runpy puts the module's file first, as `python -m` does
+    code = 0
+    try:
+        runpy.run_module("mimo.cli", run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        code = _exit_code(stop.code)
+    except BaseException:  # what the interpreter prints for an uncaught exception
+        traceback.print_exc()
+        code = 1
+    try:
+        threading._shutdown()  # the interpreter's own order at exit: threads, then atexit handlers
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(code)
+
+
+def _exit_code(code) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
