@@ -47,6 +47,11 @@ class _CudaToCpu(TorchFunctionMode):
             args = (args[0], _CPU, *args[2:])
         if func in (torch.Tensor.pin_memory, torch.Tensor.record_stream):
             return args[0] if func is torch.Tensor.pin_memory else None
+        if func is dist.all_to_all_single:
+            # megatron-core's MoE dispatcher moves its split sizes to the host (as lists) only from a GPU
+            args = tuple(a.tolist() if i in (2, 3) and torch.is_tensor(a) else a for i, a in enumerate(args))
+            kwargs = {k: v.tolist() if k.endswith("split_sizes") and torch.is_tensor(v) else v
+                      for k, v in kwargs.items()}
         result = func(*args, **kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs and not result.startswith("torch.cuda."):
             # The optimizers accept only parameters whose type names say CUDA.
@@ -135,15 +140,23 @@ def enable() -> None:
 
     mcore_random._get_cuda_rng_state = _cpu_rng_state
     mcore_random._set_cuda_rng_state = _set_cpu_rng_state
-    # Recomputation (--recompute) runs forward code again inside autograd's backward, where this thread's
-    # redirection mode is not active: enter it there too.
-    backward = mcore_random.CheckpointFunction.backward
+    # Autograd runs backward on a thread where this redirection mode is not active; these backwards make tensors
+    # on `torch.cuda.current_device()`: recomputation (--recompute runs forward code again) and the MoE dispatcher's
+    # all-to-all (expert parallelism).
+    from megatron.core.tensor_parallel import mappings
+
+    for function in (mcore_random.CheckpointFunction, mappings._AllToAll):
+        _redirect_backward(function)
+
+
+def _redirect_backward(function) -> None:
+    backward = function.backward
 
     def redirected_backward(ctx, *grads):
         with _CudaToCpu():
             return backward(ctx, *grads)
 
-    mcore_random.CheckpointFunction.backward = staticmethod(redirected_backward)
+    function.backward = staticmethod(redirected_backward)
 
 
 def is_enabled() -> bool:

@@ -1,0 +1,110 @@
+"""The Nemotron slice on two GPUs of one machine, one layout after another in one call: colocated data parallelism
+(16 experts), colocated expert parallelism (EP2, 32 experts: the same experts per GPU, so the same FLOPs) and the
+heterogeneous split (RADIO on GPU 0, the LLM on GPU 1). Rows as docs/benchmarks/layouts_gpu.json keeps them:
+tokens/s/GPU and TFLOP/s/GPU min-median-max over the steady iterations, the first iteration's seconds, every
+rank's peak memory beside `mimo plan`'s estimate for that rank, and the command.
+
+    python bench/slice_layouts.py --out results/slice_layouts                 # a machine with 2 GPUs
+    python bench/slice_layouts.py --out /tmp/smoke --quick                    # the script itself: tiny, 2 CPU ranks
+    python bench/slice_layouts.py --set images_per_sample=2 ...               # provider settings for every layout
+
+The split's run logs per-module timers (--log-timers): the stages' busy time per iteration says whether the
+iteration takes the slower stage's time (the stages overlap) or their sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from common import Results, device_description, mimo_run, settings_args, spread
+
+SLICE = dict(hybrid_pattern="MEMEM*EMEM", num_experts=16, backend="te", min_patches=4096, max_patches=4096)
+QUICK = dict(backend="local")
+# name -> (extra `mimo run` options, settings over the workload's)
+LAYOUTS = {
+    "colocated-dp2": ([], {}),
+    "colocated-ep2": (["--llm-ep", "2"], {"num_experts": 32}),
+    "split-1+1": (["--encoder-ranks", "1", "--log-timers"], {}),
+}
+
+
+def layout_line(log: str) -> str:
+    """The modules' rank grids from the run's first line (`images: ranks 0-0 TP1 PP1 DP1 | language: ...`)."""
+    first = next((line for line in log.splitlines() if line.startswith("mimo run: provider")), "")
+    return " | ".join(re.sub(r", [\d,]+ params", "", part.strip()) for part in first.split("|")[1:-2])
+
+
+def planned_gib(args: list[str]) -> list[dict] | None:
+    """`mimo plan --json`'s estimate for the run's options, rank by rank: allocated GiB (what the measured peak
+    counts) and total (with the allocator's allowance)."""
+    plan = subprocess.run([sys.executable, "-m", "mimo.cli", "plan", *args, "--json"], capture_output=True, text=True)
+    if plan.returncode:
+        return None
+    per_rank = {}
+    for group in json.loads(plan.stdout)["memory"]["ranks"]:
+        for rank in range(group["ranks"][0], group["ranks"][1] + 1):
+            per_rank[rank] = {"allocated": round(group["allocated"], 2), "total": round(group["total"], 2)}
+    return [per_rank[r] for r in sorted(per_rank)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=Path("results/slice_layouts"))
+    parser.add_argument("--iterations", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=6, help="iterations left out of the figures")
+    parser.add_argument("--layouts", nargs="*", default=list(LAYOUTS))
+    parser.add_argument("--set", action="append", default=[], help="a provider setting for every layout")
+    parser.add_argument("--timeout", type=float, default=240, help="seconds one layout may take")
+    parser.add_argument("--quick", action="store_true", help="tiny settings on the CPU: checks the script only")
+    args = parser.parse_args()
+    provider, workload, device, precision, micro, microbatches = (
+        ("nemotron-moe-vlm-tiny", QUICK, "cpu", "fp32", 1, 4) if args.quick
+        else ("nemotron-moe-vlm-52l", SLICE, "cuda", "bf16", 1, 8))
+    extra_settings = dict(item.split("=", 1) for item in args.set)
+    results = Results("slice_layouts", [
+        ("layout", "layout", ""), ("status", "status", ""), ("ms_per_iter", "ms/iter min-median-max", ""),
+        ("tflops", "TFLOP/s/GPU min-median-max", ""), ("first_iteration_s", "first iteration s", ".0f"),
+        ("peaks", "peak GiB per rank (plan)", ""), ("timers", "ms per iteration by module", ""),
+    ])
+    for name in args.layouts:
+        options, settings = LAYOUTS[name]
+        settings = {**workload, **settings, **extra_settings}
+        common = ["--provider", provider, *settings_args(settings), "--device", device, "--precision", precision,
+                  "--nproc-per-node", "2", "--micro-batch-size", str(micro), "--num-microbatches",
+                  str(microbatches), *[o for o in options if o != "--log-timers"]]
+        if not args.quick:
+            common.append("--cuda-graphs")
+        timers = ["--log-timers"] if "--log-timers" in options else []
+        run = mimo_run([*common, *timers, "--train-iters", str(args.iterations), "--log-interval", "1", "--seed", "5"],
+                       args.out, name, timeout=args.timeout)
+        kept = [r for r in run.records if r.get("split") == "train" and r["iteration"] > args.warmup]
+        row = {"layout": name, "grids": layout_line(run.output), "status": run.status, "command": run.printed(),
+               "provider": provider, "settings": settings, "gpus": 2, "first_iteration_s": run.to_first_iteration_s}
+        for key, short in (("elapsed_ms", "ms_per_iter"), ("tflops_per_gpu", "tflops"),
+                           ("tokens_per_sec_per_gpu", "tokens_per_s_per_gpu")):
+            row[short + "_spread"] = spread(kept, key)
+            if row[short + "_spread"]:
+                s = row[short + "_spread"]
+                row[short] = f"{s['min']:.0f}-{s['median']:.0f}-{s['max']:.0f}"
+        if kept:
+            row["peak_memory_gib_ranks"] = kept[-1].get("peak_memory_gib_ranks")
+            row["planned_gib_ranks"] = planned_gib(common)
+            planned = [p["allocated"] for p in row["planned_gib_ranks"] or []]
+            row["peaks"] = (" ".join(f"{m:.1f}" for m in row["peak_memory_gib_ranks"] or [])
+                            + f" ({' '.join(f'{p:.1f}' for p in planned)})")
+            timers = kept[-1].get("timers_ms")
+            if timers:
+                row["timers_ms"] = timers
+                row["timers"] = "; ".join(f"{module}: " + " ".join(f"{p} {ms:.0f}" for p, ms in phases.items()
+                                                                   if ms >= 0.5) for module, phases in timers.items())
+        results.rows.append(row)
+        results.write(args.out, {"device": device_description(), "workload": workload})  # kept after each layout
+
+
+if __name__ == "__main__":
+    main()
