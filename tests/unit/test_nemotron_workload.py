@@ -196,9 +196,13 @@ def test_encoder_flops_are_the_expectation_over_the_drawn_patch_counts(overrides
     assert 0.9 < forward_flops(settings)[IMAGES] / (total / samples) <= 1.0
 
 
-def test_the_slice_splits_its_flops_as_documented():
-    """docs/benchmarks.md's workload for an encoder with close to half the FLOPs of the 52-layer slice."""
-    s = NemotronVLMSettings(**{**SLICE, "images_per_sample": 4, "patches_per_image": 4096})
-    flops = forward_flops(s)
-    share = flops[IMAGES] / (flops[IMAGES] + flops["language"])
-    assert 0.45 < share < 0.55, share
+@pytest.mark.parametrize("overrides, share", [
+    ({}, 0.130),  # the default draw: the encoder a small share
+    ({"images_per_sample": 2, "patches_per_image": 4096}, 0.510),  # documents: docs/benchmarks.md's choice
+    ({"images_per_sample": 0, "video_frames": 20, "video_temporal_patch_size": 2, "patches_per_image": 1024}, 0.496),
+])
+def test_the_slice_splits_its_flops_as_documented(overrides, share):
+    """docs/benchmarks.md's workloads for the 52-layer slice at seq_length 8192: the encoder's share of a sample's
+    forward FLOPs."""
+    flops = forward_flops(NemotronVLMSettings(**{**SLICE, **overrides}))
+    assert flops[IMAGES] / (flops[IMAGES] + flops["language"]) == pytest.approx(share, abs=0.001)
