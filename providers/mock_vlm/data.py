@@ -1,9 +1,9 @@
 """mock-vlm's data: synthetic image+caption samples, or (with `--data`) an energon captioning dataset.
 
 Synthetic: each of `num_classes` classes has a fixed image pattern and a fixed caption. A sample is a noisy image of one
-class (`images_per_sample` of them) followed by that class's caption, so the first caption token is predictable only from the image and the
-rest from the text: the loss falls fast when both the encoder and the LLM learn. Sample `i` depends only on
-(seed, i), so the same global batch comes out whatever the data-parallel layout.
+class (`images_per_sample` of them) followed by that class's caption, so the first caption token is predictable
+only from the image and the rest from the text: the loss falls fast when both the encoder and the LLM learn.
+Sample `i` depends only on (seed, i), so the same global batch comes out whatever the data-parallel layout.
 
 energon: every sample type mimo reads (captions, VQA, interleaved documents, text, crude chat datasets; see
 docs/data.md) becomes a conversation in the `chat_template` setting's format (`plain` by default: no turn

@@ -6,7 +6,7 @@ layers as `mamba_mixer.ssd_scan` computes it. A sample with media (image_probabi
 images and a video of video_frames frames, which RADIO encodes as one sequence per group of
 video_temporal_patch_size frames; dynamic-resolution images and frames draw their patch count log-uniformly from
 [min_patches, max_patches] (see `data.py`; patches_per_image: exactly that many), so the encoder's share is the
-expectation over that draw (the grids it lands on differ from it by a few per cent: tests/unit/test_nemotron_workload.py).
+expectation over that draw (the grids it lands on take 4-7% more at full size; tests/unit/test_nemotron_workload.py).
 """
 
 from __future__ import annotations

@@ -10,12 +10,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from helpers import world_of_one
-from megatron.core.models.mimo import MimoModel, MimoModelConfig
-from mimo.core.config import LayoutOptions
-from mimo.core.parallel import topology
-from mimo.core.run.launch import seed_everything
-from mimo.plugins import BuildContext
+from helpers import build_mimo_model, world_of_one
 from mimo.providers import nemotron
 from mimo.providers.nemotron import IMAGES, TINY, VARIANTS, NemotronVLMSettings
 from mimo.providers.nemotron.data import SyntheticTask
@@ -42,15 +37,7 @@ def tiny(**overrides) -> NemotronVLMSettings:
 
 def vision_module(settings: NemotronVLMSettings):
     """The vision module (RADIO + projection) of a MimoModel built through the provider's hooks, in eval mode."""
-    parallelism = topology.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
-    topo = topology.build(parallelism, backend="gloo")
-    seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
-    ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
-    encoder = nemotron.build_encoders(settings, ctx)[IMAGES]
-    config = MimoModelConfig(language_model_spec=nemotron.build_language_model(settings, ctx),
-                             modality_submodules_spec={IMAGES: encoder.spec},
-                             special_token_ids={IMAGES: encoder.placeholder_token_id}, module_to_grid_map=topo.grids)
-    return MimoModel(config).modality_submodules[IMAGES].eval()
+    return build_mimo_model(nemotron, settings, IMAGES).modality_submodules[IMAGES]
 
 
 def counted_flops(module, inputs: dict) -> int:
@@ -120,7 +107,7 @@ def test_every_sequence_fills_its_placeholders(world, overrides):
     assert packed.shape[0] == sum(placeholders) < 3 * settings.seq_length
     torch.testing.assert_close(packed, torch.cat(singles), rtol=1e-4, atol=1e-5)
 
-    halves = [task.collate(samples[:1])["modality_inputs"][IMAGES], task.collate(samples[1:])["modality_inputs"][IMAGES]]
+    halves = [task.collate(part)["modality_inputs"][IMAGES] for part in (samples[:1], samples[1:])]
     merged = nemotron.concat_encoder_inputs(settings, IMAGES, halves)["radio"]
     with torch.no_grad():
         torch.testing.assert_close(encoder(**merged), packed, rtol=1e-4, atol=1e-5)
