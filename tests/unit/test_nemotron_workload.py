@@ -193,3 +193,17 @@ def test_the_slice_splits_its_flops_as_documented(overrides, share):
     forward FLOPs."""
     flops = forward_flops(NemotronVLMSettings(**{**SLICE, **overrides}))
     assert flops[IMAGES] / (flops[IMAGES] + flops["language"]) == pytest.approx(share, abs=0.001)
+
+
+def test_video_trains_the_video_embedder(world):
+    """Fed clips, RADIO's video patch embedder is trained (stage3 freezes it only without video) and gets a
+    gradient; images alone leave it frozen, as before."""
+    assert not nemotron.frozen_parameters(tiny(video_temporal_patch_size=2, video_frames=4))
+    assert any("video_embedder" in p for p in nemotron.frozen_parameters(tiny(video_temporal_patch_size=2)))
+    settings = tiny(images_per_sample=1, video_frames=3, video_temporal_patch_size=2)
+    vision = vision_module(settings)
+    task = SyntheticTask(settings)
+    batch = task.collate([task.sample(seed=0, index=i) for i in range(2)])
+    vision(encoder_inputs=batch["modality_inputs"][IMAGES]).square().sum().backward()
+    radio = vision.encoders["radio"]
+    assert radio.video_embedder.weight.grad.abs().sum() > 0 and radio.embedder.weight.grad.abs().sum() > 0
