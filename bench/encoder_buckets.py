@@ -33,8 +33,10 @@ COLUMNS = [("token_bucket", "token bucket", "d"), ("padding_share", "padding / p
 
 
 def step_lengths(provider: str, assignments: dict, images_per_step: int, steps: int, seed: int) -> list[list[int]]:
-    """Each step's packed sequence lengths (patches + class tokens per image), as RADIO hands them over."""
+    """Each step's packed sequence lengths (patches + class tokens per image or video tubelet), as RADIO hands
+    them over."""
     from mimo.plugins import Registry
+    from mimo.plugins.data import clip_tubelets
     from mimo.plugins.settings import build_settings
     from mimo.providers.nemotron.data import SyntheticTask
 
@@ -44,10 +46,10 @@ def step_lengths(provider: str, assignments: dict, images_per_step: int, steps: 
     for step in range(steps):
         lengths = []
         for index in range(step * images_per_step, (step + 1) * images_per_step):
-            size = task.image_size(seed, index)
-            if size is not None:
-                rows, cols = task.mode.grid(*size)
-                lengths.append(rows * cols + settings.class_tokens)
+            for frames in task.clip_sizes(seed, index):
+                rows, cols = task.mode.grid(*frames[0])
+                tubelets = clip_tubelets(len(frames), settings.video_temporal_patch_size)
+                lengths += [rows * cols + settings.class_tokens] * tubelets
         out.append(lengths)
     return out
 

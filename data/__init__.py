@@ -17,13 +17,15 @@ from .skips import SkippedSampleCounter, SkipRecord
 from .images import DynamicResolution, FixedTiles, dynamic_num_tokens, fit_patch_grid, patchify, tile_num_tokens
 from .task_encoder import EncodedSample, MultimodalTaskEncoder
 from .tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_hf_tokenizer
+from .video_clips import clip_tokens, clip_tubelets, collate_clips, concat_clips, sequence_grids
 
 __all__ = [
     "CHAT_COOKER", "CHAT_TEMPLATES", "NEMOTRON", "PLAIN", "ByteTokenizer", "ChatSample", "ChatTemplate",
     "Conversation", "ConversationTaskEncoder", "DataCounts", "DynamicResolution", "EncodedSample", "FixedTiles", "HFTokenizer",
     "LaneLoader", "MultimodalTaskEncoder", "SkipRecord", "SkippedSampleCounter", "Tokenizer", "Turn",
-    "chat_template", "cook_chat", "dynamic_num_tokens", "fit_patch_grid", "get_multimodal_train_loader",
+    "chat_template", "clip_tokens", "clip_tubelets", "collate_clips", "concat_clips", "cook_chat",
+    "dynamic_num_tokens", "fit_patch_grid", "get_multimodal_train_loader",
     "load_hf_tokenizer", "make_worker_config", "merge_encoder_inputs", "merge_lane_batches", "merge_modality_inputs",
-    "merge_packed_seq_params", "patchify", "prepare_energon_dataset", "readable_type_names", "tile_num_tokens",
-    "write_sample_dataset",
+    "merge_packed_seq_params", "patchify", "prepare_energon_dataset", "readable_type_names", "sequence_grids",
+    "tile_num_tokens", "write_sample_dataset",
 ]

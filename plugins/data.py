@@ -21,12 +21,13 @@ lane loader (lanes, worker routing, resumable state and skip counts stay mimo's)
 
 from mimo.data import (
     CHAT_TEMPLATES, NEMOTRON, PLAIN, ByteTokenizer, ChatTemplate, ConversationTaskEncoder, DynamicResolution,
-    FixedTiles, HFTokenizer, Tokenizer, chat_template, load_hf_tokenizer, readable_type_names,
+    FixedTiles, HFTokenizer, Tokenizer, chat_template, clip_tokens, clip_tubelets, collate_clips, concat_clips,
+    load_hf_tokenizer, readable_type_names, sequence_grids,
 )
 from mimo.data.skips import TooLong
 
 __all__ = [
     "CHAT_TEMPLATES", "NEMOTRON", "PLAIN", "ByteTokenizer", "ChatTemplate", "ConversationTaskEncoder",
-    "DynamicResolution", "FixedTiles", "HFTokenizer", "Tokenizer", "chat_template", "load_hf_tokenizer",
-    "readable_type_names", "TooLong",
+    "DynamicResolution", "FixedTiles", "HFTokenizer", "Tokenizer", "chat_template", "clip_tokens", "clip_tubelets",
+    "collate_clips", "concat_clips", "load_hf_tokenizer", "readable_type_names", "sequence_grids", "TooLong",
 ]

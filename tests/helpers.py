@@ -140,3 +140,26 @@ def build_nemotron_encoder(settings):
     ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
     spec = nemotron.build_encoders(settings, ctx)[nemotron.IMAGES].spec
     return build_module(spec.submodules["encoders"][nemotron.ENCODER])
+
+
+def build_mimo_model(provider, settings, modality: str):
+    """A MimoModel of `provider`'s (a provider module) hooks with `settings` in a world of one (world_of_one), one
+    module of `modality`, fp32, in eval mode."""
+    import torch
+    from megatron.core.models.mimo import MimoModel, MimoModelConfig
+
+    from mimo.core.config import LayoutOptions
+    from mimo.core.parallel import topology
+    from mimo.core.run.launch import seed_everything
+    from mimo.plugins import BuildContext
+
+    parallelism = topology.plan(LayoutOptions(), 1, provider.model_shape(settings), micro_batch_size=1)
+    topo = topology.build(parallelism, backend="gloo")
+    seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
+    ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
+    encoder = provider.build_encoders(settings, ctx)[modality]
+    config = MimoModelConfig(language_model_spec=provider.build_language_model(settings, ctx),
+                             modality_submodules_spec={modality: encoder.spec},
+                             special_token_ids={modality: encoder.placeholder_token_id},
+                             module_to_grid_map=topo.grids)
+    return MimoModel(config).eval()

@@ -1,9 +1,9 @@
 """mock-vlm's data: synthetic image+caption samples, or (with `--data`) an energon captioning dataset.
 
 Synthetic: each of `num_classes` classes has a fixed image pattern and a fixed caption. A sample is a noisy image of one
-class followed by that class's caption, so the first caption token is predictable only from the image and the
-rest from the text: the loss falls fast when both the encoder and the LLM learn. Sample `i` depends only on
-(seed, i), so the same global batch comes out whatever the data-parallel layout.
+class (`images_per_sample` of them) followed by that class's caption, so the first caption token is predictable
+only from the image and the rest from the text: the loss falls fast when both the encoder and the LLM learn.
+Sample `i` depends only on (seed, i), so the same global batch comes out whatever the data-parallel layout.
 
 energon: every sample type mimo reads (captions, VQA, interleaved documents, text, crude chat datasets; see
 docs/data.md) becomes a conversation in the `chat_template` setting's format (`plain` by default: no turn
@@ -33,15 +33,17 @@ def _task(settings):
 
 
 def sample(settings, patterns, captions, seed: int, index: int) -> dict:
-    """One sample: tokens [seq_length] (image placeholders first when it has an image) and its image or None."""
+    """One sample: tokens [seq_length] (image placeholders first when it has images) and its images (none, or
+    images_per_sample noisy copies of its class pattern)."""
     gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
     label = int(torch.randint(settings.num_classes, (1,), generator=gen))
     has_image = bool(torch.rand(1, generator=gen) < settings.image_probability)
-    image_len = settings.image_tokens if has_image else 0
+    count = settings.images_per_sample if has_image else 0
+    image_len = count * settings.image_tokens
     text = captions[label, : settings.seq_length - image_len + 1]
     tokens = torch.cat([torch.full((image_len,), settings.image_token_id), text])
-    image = patterns[label] + 0.1 * torch.randn(patterns[label].shape, generator=gen) if has_image else None
-    return {"tokens": tokens, "image": image, "image_len": image_len}
+    images = [patterns[label] + 0.1 * torch.randn(patterns[label].shape, generator=gen) for _ in range(count)]
+    return {"tokens": tokens, "images": images, "image_len": image_len}
 
 
 def collate(settings, samples: list[dict]) -> dict:
@@ -57,7 +59,7 @@ def collate(settings, samples: list[dict]) -> dict:
         "position_ids": torch.arange(settings.seq_length).expand_as(input_ids).contiguous(),
         "modality_inputs": {},
     }
-    images = [s["image"] for s in samples if s["image"] is not None]
+    images = [image for s in samples for image in s["images"]]
     if images:
         batch["modality_inputs"][IMAGES] = {"vit": {"x": torch.stack(images)}}
     return batch

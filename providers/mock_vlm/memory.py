@@ -60,7 +60,7 @@ def module_memory(settings) -> dict[str, ModuleMemory]:
                              _scores(s, s.num_attention_heads, s.seq_length))
     return {
         IMAGES: ModuleMemory(layers=(vit_layer,) * s.vision_layers,
-                             tokens_per_sample=patches if s.image_probability > 0 else 0,
+                             tokens_per_sample=s.images_per_sample * patches if s.image_probability > 0 else 0,
                              first=patch_embedder, last=projection),
         LANGUAGE: ModuleMemory(layers=(gpt_layer,) * s.num_layers, tokens_per_sample=s.seq_length,
                                  first=ml.embedding(s.vocab_size, h),

@@ -168,7 +168,7 @@ def parameter_counts(settings) -> dict[str, int]:
 
 
 def forward_flops(settings) -> dict[str, float]:
-    """Forward matmul FLOPs per sample (2 per multiply-add), images weighted by how often a sample has one."""
+    """Forward matmul FLOPs per sample (2 per multiply-add), images weighted by how often a sample has them."""
     def transformer(tokens, h, ffn, layers):  # qkv + projection, MLP, attention scores and context
         return layers * (2 * tokens * (4 * h * h + 2 * h * ffn) + 4 * tokens * tokens * h)
 
@@ -178,4 +178,5 @@ def forward_flops(settings) -> dict[str, float]:
     projection = 2 * patches * (vh * h + (h * h if settings.projection == "mlp" else 0))
     s = settings.seq_length
     llm = transformer(s, h, _ffn(settings, h), settings.num_layers) + 2 * s * h * settings.vocab_size
-    return {IMAGES: settings.image_probability * (vit + projection), LANGUAGE: float(llm)}
+    images = settings.image_probability * settings.images_per_sample
+    return {IMAGES: images * (vit + projection), LANGUAGE: float(llm)}

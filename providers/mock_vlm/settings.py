@@ -30,7 +30,10 @@ class MockVLMSettings:
     vocab_size: int = setting(260, "vocabulary size; the last id is the image placeholder", minimum=3)
     seq_length: int = setting(64, "tokens per sample, image tokens included", minimum=2)
     image_probability: float = setting(
-        1.0, "fraction of samples that carry an image (others are text only)", minimum=0.0, maximum=1.0)
+        1.0, "fraction of samples that carry images (others are text only)", minimum=0.0, maximum=1.0)
+    # With vision_layers, vision_hidden_size and image_size: an encoder with a real share of the work.
+    images_per_sample: int = setting(1, "synthetic data: images a sample with images carries, their placeholders "
+                                        "first", **SIZE)
     num_classes: int = setting(8, "synthetic data: image classes, each with its own caption", **SIZE)
     shuffle_buffer: int = setting(100, "--data: energon's sample shuffle buffer (0: none; shards still shuffle)",
                                    minimum=0)
@@ -52,6 +55,10 @@ class MockVLMSettings:
     def __post_init__(self):
         if self.image_tokens >= self.seq_length:
             raise ValueError(f"an image's {self.image_tokens} tokens do not fit in seq_length {self.seq_length}")
+        if self.images_per_sample * self.image_tokens >= self.seq_length:
+            raise ValueError(f"{self.images_per_sample} images of {self.image_tokens} tokens take "
+                             f"{self.images_per_sample * self.image_tokens}, which leaves no text in seq_length "
+                             f"{self.seq_length}")
 
     @property
     def image_tokens(self) -> int:

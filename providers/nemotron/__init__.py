@@ -91,10 +91,12 @@ def data_provider(settings: NemotronVLMSettings, ctx):
 
 @hookimpl
 def concat_encoder_inputs(settings, modality, inputs):
+    from mimo.plugins.data import concat_clips
+
     from .data import image_mode
 
     mode = image_mode(settings)
-    return {encoder: mode.concat([i[encoder] for i in inputs]) for encoder in inputs[0]}
+    return {encoder: concat_clips(mode, [i[encoder] for i in inputs]) for encoder in inputs[0]}
 
 
 @hookimpl
@@ -107,13 +109,14 @@ def prompt_format(settings: NemotronVLMSettings):
 @hookimpl
 def frozen_parameters(settings: NemotronVLMSettings):
     """stage1 trains the projection only, stage2 everything but the vision encoder, stage3 everything. RADIO's
-    video patch embedder (omni checkpoints) is always frozen: fed no video, it would only decay."""
+    video patch embedder (omni checkpoints) is frozen unless the synthetic data feeds it video (video_frames):
+    fed none, it would only decay."""
     frozen = {
         "stage1": [f"{module_prefix(IMAGES)}encoders.", module_prefix(LANGUAGE)],
         "stage2": [f"{module_prefix(IMAGES)}encoders."],
         "stage3": [],
     }[settings.stage]
-    if settings.video_temporal_patch_size > 1 and settings.stage == "stage3":
+    if settings.video_temporal_patch_size > 1 and settings.stage == "stage3" and not settings.video_frames:
         frozen = [f"{module_prefix(IMAGES)}encoders.{ENCODER}.video_embedder."]
     return frozen
 

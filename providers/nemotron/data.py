@@ -1,8 +1,10 @@
 """Data for the Nemotron VLM family: synthetic image+caption samples, or (with `--data`) an energon dataset.
 
-Each of `num_classes` classes has a fixed coarse colour pattern and a fixed caption. A sample is one image of its
-class (random size and aspect ratio, stretched pattern plus noise) followed by the caption, so the caption's first
-token is predictable only from the image and the rest from the text: the loss falls when both models learn.
+Each of `num_classes` classes has a fixed coarse colour pattern and a fixed caption. A sample is an image of its
+class (random size and aspect ratio, stretched pattern plus noise; `images_per_sample` of them, and a video clip of
+`video_frames` frames, to give the encoder a document's or a video's share of the work) followed by the caption, so
+the caption's first token is predictable only from the image and the rest from the text: the loss falls when both
+models learn.
 
 Images go through mimo's image modes (`mimo.plugins.data`): with dynamic resolution each keeps its aspect ratio and
 becomes `[patches, 3*P*P]` rows of one packed buffer with `imgs_sizes` and a fresh THD PackedSeqParams per
@@ -23,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mimo.plugins.data import DynamicResolution, FixedTiles
+from mimo.plugins.data import DynamicResolution, FixedTiles, clip_tokens, collate_clips
 
 from .settings import ENCODER, IMAGES, NemotronVLMSettings
 from .tokens import data_tokenizer, image_token_id, template_of, tokenizer_of
@@ -60,7 +62,12 @@ def _captions(s: NemotronVLMSettings, gen: torch.Generator) -> torch.Tensor:
 
 
 class SyntheticTask:
-    """The fixed task (class patterns and captions) and how a sample and a micro-batch are made from it."""
+    """The fixed task (class patterns and captions) and how a sample and a micro-batch are made from it.
+
+    A sample with media carries `images_per_sample` images and, with `video_frames`, one video clip after them
+    (frames of one size, each the class pattern with its own noise); all of one class. Their placeholders come
+    first, in that order, each clip taking its frames' tokens as RADIO groups them (mimo.plugins.data.clip_tokens).
+    """
 
     def __init__(self, s: NemotronVLMSettings):
         gen = torch.Generator().manual_seed(_TASK_SEED)
@@ -70,10 +77,15 @@ class SyntheticTask:
 
     def _image_size(self, gen: torch.Generator) -> tuple[int, int]:
         """(height, width) in pixels: the fitted grid of a random aspect ratio in [1/2, 2] and a patch count
-        log-uniform in [min_patches, max_patches] (fixed tiles: always image_size)."""
+        log-uniform in [min_patches, max_patches] (fixed tiles: always image_size; patches_per_image: a size the
+        image mode gives exactly its grid, drawing nothing)."""
         s = self.settings
         if not s.dynamic_resolution:
             return s.image_size, s.image_size
+        if s.fixed_grid is not None:
+            # the omni processor's rule rounds a side of whole patches up to even; one pixel less keeps it
+            trim = 1 if s.image_grid == "scaled" else 0
+            return tuple(side * s.patch_size - trim for side in s.fixed_grid)
         aspect = math.exp((float(torch.rand(1, generator=gen)) * 2 - 1) * math.log(2))
         patches = math.exp(math.log(s.min_patches) + float(torch.rand(1, generator=gen))
                            * (math.log(s.max_patches) - math.log(s.min_patches)))
@@ -81,31 +93,38 @@ class SyntheticTask:
                                     max(1, round(math.sqrt(patches * aspect) * s.patch_size)))
         return rows * s.patch_size, cols * s.patch_size
 
-    def _draw(self, seed: int, index: int) -> tuple[torch.Generator, int, tuple[int, int] | None]:
-        """Sample `index`'s generator, class and image size (None: no image), drawn in that order."""
+    def _draw(self, seed: int, index: int) -> tuple[torch.Generator, int, list[list[tuple[int, int]]]]:
+        """Sample `index`'s generator, class and clips' frame sizes (an image is a clip of one frame; none: text
+        only), drawn in that order."""
+        s = self.settings
         gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
-        label = int(torch.randint(self.settings.num_classes, (1,), generator=gen))
-        size = self._image_size(gen) if float(torch.rand(1, generator=gen)) < self.settings.image_probability \
-            else None
-        return gen, label, size
+        label = int(torch.randint(s.num_classes, (1,), generator=gen))
+        if float(torch.rand(1, generator=gen)) >= s.image_probability:
+            return gen, label, []
+        clips = [[self._image_size(gen)] for _ in range(s.images_per_sample)]
+        if s.video_frames:
+            clips.append([self._image_size(gen)] * s.video_frames)
+        return gen, label, clips
 
-    def image_size(self, seed: int, index: int) -> tuple[int, int] | None:
-        """(height, width) of sample `index`'s image, or None, without making it (bench/encoder_buckets.py)."""
+    def clip_sizes(self, seed: int, index: int) -> list[list[tuple[int, int]]]:
+        """(height, width) of every frame of sample `index`'s clips (an image: one frame), without making them
+        (bench/encoder_buckets.py)."""
         return self._draw(seed, index)[2]
 
     def sample(self, seed: int, index: int) -> dict:
-        """Tokens [seq_length + 1] (the image's placeholders first) and the processed image or None."""
+        """Tokens [seq_length + 1] (the clips' placeholders first) and the clips: lists of processed frames."""
         s = self.settings
-        gen, label, size = self._draw(seed, index)
-        image = None
-        if size is not None:
-            height, width = size
-            pixels = F.interpolate(self.patterns[label][None], size=(height, width), mode="nearest")[0]
-            pixels = (pixels + 0.1 * torch.randn(pixels.shape, generator=gen)).clamp(0, 1)
-            image = self.mode.process(pixels)
-        n = image.num_tokens if image is not None else 0
+        gen, label, sizes = self._draw(seed, index)
+        clips = [[self._frame(label, size, gen) for size in frames] for frames in sizes]
+        n = sum(clip_tokens(clip, s.video_temporal_patch_size) for clip in clips)
         tokens = torch.cat([torch.full((n,), self.image_id), self.captions[label, : s.seq_length - n + 1]])
-        return {"tokens": tokens, "image": image}
+        return {"tokens": tokens, "clips": clips}
+
+    def _frame(self, label: int, size: tuple[int, int], gen: torch.Generator):
+        """The class pattern stretched to `size`, plus noise of its own, processed by the image mode."""
+        pixels = F.interpolate(self.patterns[label][None], size=size, mode="nearest")[0]
+        pixels = (pixels + 0.1 * torch.randn(pixels.shape, generator=gen)).clamp(0, 1)
+        return self.mode.process(pixels)
 
     def collate(self, samples: list[dict]) -> dict:
         """Stack samples into one micro-batch in the layout MimoModel expects."""
@@ -119,9 +138,10 @@ class SyntheticTask:
             "position_ids": torch.arange(input_ids.shape[1]).expand_as(input_ids).contiguous(),
             "modality_inputs": {},
         }
-        images = [x["image"] for x in samples if x["image"] is not None]
-        if images:  # collate builds a new PackedSeqParams each time (RADIO shifts its boundaries in place)
-            batch["modality_inputs"][IMAGES] = {ENCODER: self.mode.collate(images)}
+        clips = [clip for x in samples for clip in x["clips"]]
+        if clips:  # collate builds a new PackedSeqParams each time (RADIO shifts its boundaries in place)
+            inputs = collate_clips(self.mode, clips, self.settings.video_temporal_patch_size)
+            batch["modality_inputs"][IMAGES] = {ENCODER: inputs}
         return batch
 
 

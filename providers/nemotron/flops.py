@@ -2,8 +2,11 @@
 
 Counted: every matrix multiply a token passes through (active experts only), attention scores and context over
 the whole sequence (Megatron's convention), the depthwise convolution and the chunked SSD scan of the Mamba
-layers as `mamba_mixer.ssd_scan` computes it. Dynamic-resolution images draw their patch count log-uniformly from
-[min_patches, max_patches] (see `data.py`), so the encoder's share is the expectation over that draw.
+layers as `mamba_mixer.ssd_scan` computes it. A sample with media (image_probability) carries images_per_sample
+images and a video of video_frames frames, which RADIO encodes as one sequence per group of
+video_temporal_patch_size frames; dynamic-resolution images and frames draw their patch count log-uniformly from
+[min_patches, max_patches] (see `data.py`; patches_per_image: exactly that many), so the encoder's share is the
+expectation over that draw (the grids it lands on take 4-7% more at full size; tests/unit/test_nemotron_workload.py).
 """
 
 from __future__ import annotations
@@ -55,10 +58,12 @@ def language(s: NemotronVLMSettings) -> float:
 
 
 def patch_moments(s: NemotronVLMSettings) -> tuple[float, float]:
-    """E[patches] and E[patches^2] of one image."""
+    """E[patches] and E[patches^2] of one image or video frame."""
     if not s.dynamic_resolution:
         p = (s.image_size // s.patch_size) ** 2
         return float(p), float(p * p)
+    if s.fixed_grid is not None:  # patches_per_image: exact
+        return float(s.patches_per_image), float(s.patches_per_image ** 2)
     lo, hi = s.min_patches, s.max_patches
     if lo == hi:
         return float(lo), float(lo * lo)
@@ -66,18 +71,29 @@ def patch_moments(s: NemotronVLMSettings) -> tuple[float, float]:
     return (hi - lo) / span, (hi * hi - lo * lo) / (2 * span)
 
 
-def vision(s: NemotronVLMSettings) -> float:
-    """One image: patch embedding, RADIO layers over patches + class tokens, projection of the shuffled tokens."""
+def sequence(s: NemotronVLMSettings, frames: int = 1) -> float:
+    """One sequence RADIO encodes: patch embedding (of `frames` frames per patch: a video tubelet through the
+    video embedder), RADIO layers over patches + class tokens, projection of the shuffled tokens."""
     h, f = s.vision_hidden_size, s.vision_ffn_hidden_size
     mean, mean_sq = patch_moments(s)
     c = s.class_tokens
     tokens, tokens_sq = mean + c, mean_sq + 2 * c * mean + c * c  # E[T] and E[T^2], T = patches + class tokens
     per_token_layer = 2 * (4 * h * h + 2 * h * f)
-    encoder = 2 * 3 * s.patch_size ** 2 * h * mean + s.vision_layers * (per_token_layer * tokens + 4 * h * tokens_sq)
+    encoder = 2 * frames * 3 * s.patch_size ** 2 * h * mean \
+        + s.vision_layers * (per_token_layer * tokens + 4 * h * tokens_sq)
     out = s.vision_output_size
     per_output_token = 2 * out * s.hidden_size if s.projection == "affine" else \
         2 * out * s.projection_hidden_size + 2 * s.projection_hidden_size * s.hidden_size
     return encoder + per_output_token * mean / s.shuffle_factor
+
+
+def vision(s: NemotronVLMSettings) -> float:
+    """A sample with media: its images, then its video's tubelets (video_temporal_patch_size frames embedded at a
+    time; without a video embedder every frame is an image)."""
+    flops = s.images_per_sample * sequence(s) if s.images_per_sample else 0.0
+    if s.video_frames:
+        flops += s.video_sequences * sequence(s, s.video_temporal_patch_size)
+    return flops
 
 
 def forward_flops(s: NemotronVLMSettings) -> dict[str, float]:

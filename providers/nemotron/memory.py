@@ -58,21 +58,20 @@ def _projection(s: NemotronVLMSettings) -> LayerMemory:
 
 
 def vision_tokens(s: NemotronVLMSettings) -> int:
-    """Encoder tokens of the largest image a sample carries: max_patches (dynamic resolution) or a tile's patches,
-    plus the class tokens."""
+    """Encoder tokens of the largest media a sample carries: each image and video tubelet (encoder_sequences) of
+    max_patches (dynamic resolution; patches_per_image when set) or a tile's patches, plus the class tokens."""
     patches = s.max_patches if s.dynamic_resolution else (s.image_size // s.patch_size) ** 2
-    return patches + s.class_tokens
+    return s.encoder_sequences * ((s.patches_per_image or patches) + s.class_tokens)
 
 
 def mean_vision_tokens(s: NemotronVLMSettings) -> float:
-    """Encoder tokens of an average sample of the synthetic data: images with probability image_probability, their
-    patch counts log-uniform in [min_patches, max_patches] (data.py), plus the class tokens."""
-    if not s.dynamic_resolution or s.max_patches == s.min_patches:
+    """Encoder tokens of an average sample of the synthetic data: media with probability image_probability, the
+    patch counts of their images and frames log-uniform in [min_patches, max_patches] (data.py), plus the class
+    tokens."""
+    if not s.dynamic_resolution or s.max_patches == s.min_patches or s.patches_per_image:
         return s.image_probability * vision_tokens(s)
     patches = (s.max_patches - s.min_patches) / math.log(s.max_patches / s.min_patches)
-    return s.image_probability * (patches + s.class_tokens)
-
-
+    return s.image_probability * s.encoder_sequences * (patches + s.class_tokens)
 def module_memory(s: NemotronVLMSettings) -> dict[str, ModuleMemory]:
     k, vh = kernels(s), s.vision_hidden_size
     if not k.te and s.dynamic_resolution:  # packed images: mimo's SDPA module writes a new output buffer

@@ -15,6 +15,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from mimo import LANGUAGE, Encoder
+from mimo.plugins.data import sequence_grids
 from mimo.plugins.kit.in_place_loss import InPlaceCrossEntropy
 from mimo.plugins.kit.recompute_graphs import RecomputeGraphs
 from mimo.plugins.kit.te_extras import te_extras_enabled
@@ -54,7 +55,9 @@ class RadioEncoder(RADIOViTModel):
     Fixed tiles: `x [N, 3, H, W]` -> `[N * (H/P) * (W/P) / shuffle, shuffle * hidden]`.
     Dynamic resolution: `x [1, total_patches, 3*P*P]`, `imgs_sizes [N, 2]` (pixels), optional THD
     `packed_seq_params` -> the images' tokens in order. With a video embedder (`temporal_patch_dim` > 1, as
-    Nemotron omni checkpoints have) every input is still a single-frame image, embedded by `embedder`.
+    Nemotron omni checkpoints have), `num_frames` (frames per clip; default one each) groups each clip's frames
+    into tubelets of that many (megatron-core's RADIO, mimo.plugins.data.video_clips): a tubelet gives one frame's
+    tokens; a one-frame clip is an image, embedded by `embedder`.
     `recompute_graphs`: RecomputeGraphs' options (max_seqlen, ...) to replay the recomputed forward of the
     layers as CUDA graphs (the `vision_graphs` setting), or None.
     """
@@ -78,16 +81,18 @@ class RadioEncoder(RADIOViTModel):
         # The sizes stay on the host (the loop leaves imgs_sizes there): read on the GPU, every image's size would
         # be a device-to-host synchronization in each forward.
         sizes = [tuple(size) for size in torch.as_tensor(imgs_sizes).cpu().tolist()]
-        grids = [(h // self.patch_dim, w // self.patch_dim) for h, w in sizes]
-        lengths = [r * c for r, c in grids]
+        frame_grids = [(h // self.patch_dim, w // self.patch_dim) for h, w in sizes]
         # RADIOViTModel shifts the THD boundaries in place for its class tokens: give it a copy it may change, on
         # the host where it shifts them (see __init__)
-        packed_seq_params = _packed_params(lengths, packed_seq_params, "cpu" if cls else x.device, cls)
+        packed_seq_params = _packed_params([r * c for r, c in frame_grids], packed_seq_params,
+                                           "cpu" if cls else x.device, cls)
+        grids = sequence_grids(frame_grids, num_frames, self.temporal_patch_dim)  # one per image or tubelet
+        lengths = [r * c for r, c in grids]
         if self.recompute_graphs is not None:  # the decoder's sequences, class tokens included, known here
             self.recompute_graphs.lengths = [n + cls for n in lengths]
         if self.temporal_patch_dim > 1:  # RADIOViTModel then also returns the sizes and frame counts
-            out = super().forward(x, attention_mask, torch.tensor(sizes), packed_seq_params,
-                                  num_frames=[1] * len(grids))[0][0]
+            frames = list(num_frames) if num_frames is not None else [1] * len(frame_grids)
+            out = super().forward(x, attention_mask, torch.tensor(sizes), packed_seq_params, num_frames=frames)[0][0]
         else:
             out = super().forward(x, attention_mask, sizes, packed_seq_params)[0]  # [patches + N * cls, h]
         tokens, start = [], 0

@@ -79,8 +79,9 @@ class NemotronVLMSettings:
     image_std: tuple[float, ...] = _setting(CLIP_STD, "per-channel (RGB) standard deviation the data path divides "
                                                       "pixels by, after the mean")
     video_temporal_patch_size: int = _setting(
-        1, "frames per patch of RADIO's separate video patch embedder, which Nemotron omni checkpoints hold (mimo "
-           "feeds the encoder images only; dynamic resolution); 1: no video embedder", **SIZE)
+        1, "frames per patch of RADIO's separate video patch embedder, which Nemotron omni checkpoints hold (dynamic "
+           "resolution; only the synthetic data's video_frames feed it, --data gives images); 1: no video embedder",
+        **SIZE)
     max_image_size: int = _setting(2048, "side in pixels of RADIO's position-embedding grid (CPE)", **SIZE)
     cpe_augmentation: bool = _setting(True, "jitter RADIO's position embeddings (CPE) while the encoder trains, "
                                             "as RADIOViTModel does in training mode; never while it is frozen")
@@ -143,7 +144,20 @@ class NemotronVLMSettings:
                                    minimum=0)
     image_token_id: int | None = _setting(None, "image placeholder token (default: the tokenizer's <image>, "
                                                 "else vocab_size - 1)", minimum=0)
-    image_probability: float = _setting(1.0, "synthetic data: fraction of samples with an image", **FRACTION)
+    image_probability: float = _setting(1.0, "synthetic data: fraction of samples with media (their images and "
+                                              "video); the others are text only", **FRACTION)
+    # What the encoder's share of the work is (docs/benchmarks.md): documents carry several images, videos frames.
+    images_per_sample: int = _setting(1, "synthetic data: images a sample with media carries, their placeholders "
+                                         "first (documents: several); 0: only the video (video_frames)", minimum=0)
+    video_frames: int = _setting(
+        0, "synthetic data: frames of one video clip a sample with media carries after its images, all of one size "
+           "drawn as an image's; RADIO encodes each group of video_temporal_patch_size frames as one sequence of "
+           "one frame's patches (1: every frame alone); 0: no video", minimum=0)
+    patches_per_image: int = _setting(
+        0, "synthetic data, dynamic resolution: every image and video frame exactly this many patches, on the grid "
+           "nearest a square whose sides are multiples of the pixel-shuffle side; within [min_patches, max_patches]; "
+           "0: a random aspect ratio in [1/2, 2] and a patch count log-uniform in [min_patches, max_patches]",
+        minimum=0)
     num_classes: int = _setting(16, "synthetic data: image classes, each with its own caption", **SIZE)
     dropout: float = _setting(0.0, "hidden and attention dropout of both models", **FRACTION)
 
@@ -168,11 +182,40 @@ class NemotronVLMSettings:
         if self.dynamic_resolution and not 1 <= self.min_patches <= self.max_patches <= self.max_grid ** 2:
             raise ValueError(f"need 1 <= min_patches <= max_patches <= {self.max_grid ** 2} (the position grid of "
                              f"max_image_size), got {self.min_patches}, {self.max_patches}")
-        if self.max_image_tokens >= self.seq_length:
-            raise ValueError(f"an image can take {self.max_image_tokens} tokens, which leaves no text in "
-                             f"seq_length {self.seq_length}")
+        self._check_media()
         if self.image_token_id is not None and self.image_token_id >= self.vocab_size:
             raise ValueError(f"image_token_id {self.image_token_id} is outside the vocabulary of {self.vocab_size}")
+
+    def _check_media(self):
+        """What a synthetic sample carries: some media, a video of frames, exact patch grids, room for text."""
+        if self.images_per_sample == 0 and self.video_frames == 0:
+            raise ValueError("images_per_sample 0 and video_frames 0 leave a sample no media: for text-only samples "
+                             "set image_probability=0")
+        if self.video_frames == 1:
+            raise ValueError("video_frames 1 is an image, not a clip: a clip has 2 frames or more (or use "
+                             "images_per_sample)")
+        if self.patches_per_image:
+            if not self.dynamic_resolution:
+                raise ValueError(f"patches_per_image {self.patches_per_image} needs dynamic_resolution (fixed tiles "
+                                 f"have (image_size / patch_size)^2 patches each)")
+            if not self.min_patches <= self.patches_per_image <= self.max_patches:
+                raise ValueError(f"patches_per_image {self.patches_per_image} is outside [min_patches, max_patches] "
+                                 f"= [{self.min_patches}, {self.max_patches}]")
+            if self.fixed_grid is None:
+                raise ValueError(f"patches_per_image {self.patches_per_image} has no grid with sides that are "
+                                 f"multiples of {self.shuffle_side} and at most {self.max_grid} patches (e.g. "
+                                 f"{(self.max_grid // 2) ** 2} does)")
+        if self.max_media_tokens >= self.seq_length:
+            if self.images_per_sample == 1 and not self.video_frames:
+                media = "an image"
+            else:
+                parts = [f"{self.images_per_sample} images"] if self.images_per_sample else []
+                if self.video_frames:
+                    parts.append(f"a video of {self.video_frames} frames ({self.video_sequences} sequences of "
+                                 f"video_temporal_patch_size {self.video_temporal_patch_size})")
+                media = " and ".join(parts) + f", up to {self.max_image_tokens} tokens a sequence,"
+            raise ValueError(f"{media} can take {self.max_media_tokens} tokens, which leaves no text in "
+                             f"seq_length {self.seq_length}")
 
     # -- derived quantities
 
@@ -195,8 +238,37 @@ class NemotronVLMSettings:
 
     @property
     def max_image_tokens(self) -> int:
+        """Tokens of the largest image (or video tubelet) the synthetic data makes."""
         patches = self.max_patches if self.dynamic_resolution else (self.image_size // self.patch_size) ** 2
-        return patches // self.shuffle_factor
+        return (self.patches_per_image or patches) // self.shuffle_factor
+
+    @property
+    def fixed_grid(self) -> tuple[int, int] | None:
+        """patches_per_image as (rows, cols), rows <= cols, nearest a square with sides that are multiples of the
+        pixel-shuffle side and at most max_grid; None when unset or when no such grid exists."""
+        n, step = self.patches_per_image, self.shuffle_side
+        for rows in range(math.isqrt(n) // step * step, 0, -step) if n else ():
+            if n % rows == 0 and (n // rows) % step == 0 and n // rows <= self.max_grid:
+                return rows, n // rows
+        return None
+
+    @property
+    def video_sequences(self) -> int:
+        """Sequences RADIO encodes of a sample's video: one per group of video_temporal_patch_size frames (the last
+        padded), one per frame without a video embedder (mimo.plugins.data.clip_tubelets)."""
+        if not self.video_frames:
+            return 0
+        return math.ceil(self.video_frames / self.video_temporal_patch_size)
+
+    @property
+    def encoder_sequences(self) -> int:
+        """Sequences (images and video tubelets) RADIO encodes per sample with media."""
+        return self.images_per_sample + self.video_sequences
+
+    @property
+    def max_media_tokens(self) -> int:
+        """Placeholders a sample's media can take at most."""
+        return self.encoder_sequences * self.max_image_tokens
 
     @property
     def vision_output_size(self) -> int:

@@ -135,3 +135,16 @@ def test_encoder_bucket_counts_predict_the_captures_the_gpu_runs_logged(tmp_path
     assert [row["token_bucket"] for row in report["rows"]] == [512, 1024, 2048, 4096]
     assert all(row["captures_in_warmup"] + row["captures_in_window"] + row["captures_after"] == row["buckets"]
                for row in report["rows"])
+
+
+def test_flop_split_lists_the_documented_workloads(tmp_path):
+    """bench/flop_split.py prints the encoder's share of the slice's FLOPs for docs/benchmarks.md's workloads, and
+    the candidates include one near an even split."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(REPO / "bench" / "flop_split.py"), "--out", str(tmp_path)],
+                            capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "flop_split.json").read_text())
+    shares = {row["workload"]: row["encoder_share"] for row in report["rows"]}
+    assert abs(shares["images_per_sample=2 patches_per_image=4096"] - 0.510) < 0.001
+    assert shares["(defaults)"] < 0.15

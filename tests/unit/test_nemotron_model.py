@@ -349,12 +349,12 @@ def test_encoder_tokens_fill_the_placeholders_and_packing_is_per_image(world):
         singles = [encoder(**task.collate([sample])["modality_inputs"][IMAGES]["radio"]) for sample in samples]
     assert torch.equal(inputs["packed_seq_params"].cu_seqlens_q, cu_before)  # the caller's copy is untouched
     placeholders = (batch["input_ids"] == task.image_id).sum(1).tolist()
-    assert [s.shape[0] for s in singles] == placeholders == [s["image"].num_tokens for s in samples]
+    assert [s.shape[0] for s in singles] == placeholders == [s["clips"][0][0].num_tokens for s in samples]
     assert len(set(placeholders)) > 1  # images of different sizes
     assert packed.shape == (sum(placeholders), 4 * settings.vision_hidden_size)
     torch.testing.assert_close(packed, torch.cat(singles), rtol=1e-4, atol=1e-5)
     assert inputs["x"].shape == (1, int(cu_before[-1]), 3 * 16 * 16)
-    assert inputs["imgs_sizes"].tolist() == [list(s["image"].size) for s in samples]
+    assert inputs["imgs_sizes"].tolist() == [list(s["clips"][0][0].size) for s in samples]
 
     with torch.no_grad():  # and the whole vision module (encoder + projection) lands in the LLM's width
         projected = model.modality_submodules[IMAGES](encoder_inputs={"radio": inputs})

@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.models.mimo import MimoModel, MimoModelConfig
 from megatron.energon import CaptioningSample, SimilarityInterleavedSample, TextSample, VQASample
 from PIL import Image, ImageDraw
 
-from helpers import world_of_one
-from mimo.core.parallel import topology
-from mimo.core.config import LayoutOptions
-from mimo.core.run.launch import seed_everything
-from mimo.plugins import BuildContext
+from helpers import build_mimo_model, world_of_one
 from mimo.plugins.data import ByteTokenizer, ConversationTaskEncoder, FixedTiles, chat_template
 
 
@@ -76,19 +71,6 @@ def nemotron_tiny():
     return nemotron, settings, IMAGES, encoder
 
 
-def build_model(provider, settings, modality: str) -> MimoModel:
-    parallelism = topology.plan(LayoutOptions(), 1, provider.model_shape(settings), micro_batch_size=1)
-    topo = topology.build(parallelism, backend="gloo")
-    seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
-    ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
-    encoder = provider.build_encoders(settings, ctx)[modality]
-    config = MimoModelConfig(language_model_spec=provider.build_language_model(settings, ctx),
-                             modality_submodules_spec={modality: encoder.spec},
-                             special_token_ids={modality: encoder.placeholder_token_id},
-                             module_to_grid_map=topo.grids)
-    return MimoModel(config).eval()
-
-
 def token_losses(model, batch) -> torch.Tensor:
     """Per-token loss times loss mask, flattened in row order."""
     inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
@@ -100,7 +82,7 @@ def token_losses(model, batch) -> torch.Tensor:
 @pytest.mark.parametrize("provider", [mock_vlm, nemotron_tiny], ids=["mock-vlm", "nemotron-moe-vlm-tiny"])
 def test_packed_and_unpacked_samples_train_alike(world, provider):
     module, settings, modality, encoder_args = provider()
-    model = build_model(module, settings, modality)
+    model = build_mimo_model(module, settings, modality)
     unpacked = ConversationTaskEncoder(**encoder_args)
     packed = ConversationTaskEncoder(**encoder_args, pack_sequences=True)
     encoded = [unpacked.encode_sample(s) for s in samples()]
