@@ -23,7 +23,7 @@ from pathlib import Path
 
 from common import Results, device_description, mimo_run, settings_args, spread
 
-SLICE = dict(hybrid_pattern="MEMEM*EMEM", num_experts=16, backend="te", min_patches=4096, max_patches=4096)
+SLICE = dict(hybrid_pattern="MEMEM*EMEM", num_experts=16, backend="te")
 QUICK = dict(backend="local")
 # name -> (extra `mimo run` options, settings over the workload's)
 LAYOUTS = {
