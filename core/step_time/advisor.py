@@ -69,10 +69,11 @@ def why(est: StepEstimate) -> str:
         return f"{ms:.0f} ms/iteration on every rank: {_shares({**est.stages[0].terms, **after}, est.seconds, 3)}"
     slowest = est.slowest
     others = [s for s in est.stages if s is not slowest]
-    rest = "; ".join(f"{s.name} {s.ranks[0]}-{s.ranks[1]} busy {s.busy / slowest.busy:.0%} of it" for s in others)
-    return (f"{ms:.0f} ms/iteration: the slower stage is {slowest.name} {slowest.ranks[0]}-{slowest.ranks[1]}, "
-            f"busy {slowest.busy * 1e3:.0f} ms ({_shares(slowest.terms, slowest.busy)}); {rest}; fill, drain and "
-            f"bridge {(est.fill_drain_s + est.bridge_s) * 1e3:.0f} ms")
+    rest = "; ".join(f"{s.name} {s.ranks[0]}-{s.ranks[1]} at {s.busy / slowest.busy:.0%} of it" for s in others)
+    return (f"{ms:.0f} ms/iteration: slower stage {slowest.name} {slowest.ranks[0]}-{slowest.ranks[1]} "
+            f"{slowest.busy * 1e3:.0f} ms ({_shares(slowest.terms, slowest.busy)}); {rest}; fill, drain and bridge "
+            f"{(est.fill_drain_s + est.bridge_s) * 1e3:.0f} ms; reduce and optimizer "
+            f"{(est.reduce_s + est.optimizer_s) * 1e3:.0f} ms")
 
 
 def verdict(advised: list[Advice]) -> str:
