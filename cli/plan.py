@@ -169,13 +169,15 @@ def print_suggestions(config, gpus: int, as_json: bool) -> None:
     rows = []
     for a in advised.layouts:
         s, est = a.suggestion, a.estimate
-        rows.append({"flags": s.flags(), "layout": dataclasses.asdict(s.layout), "sequence_parallel": s.sequence_parallel,
+        rows.append({"flags": s.flags(), "layout": dataclasses.asdict(s.layout),
+                     "sequence_parallel": s.sequence_parallel,
                      "use_distributed_optimizer": s.distributed_optimizer, "recompute": s.recompute,
                      "num_microbatches": s.num_microbatches, "largest_rank_gib": s.largest_gib,
                      "headroom_gib": s.headroom_gib, "communication_cost": s.cost,
                      "ms_per_iteration": est.seconds * 1e3 if est else None,
                      "tokens_per_s_per_gpu": a.tokens_per_s_per_gpu,
-                     "slower_stage": f"{est.slowest.name} {est.slowest.ranks[0]}-{est.slowest.ranks[1]}" if est else None,
+                     "slower_stage": (f"{est.slowest.name} {est.slowest.ranks[0]}-{est.slowest.ranks[1]}"
+                                      if est else None),
                      "why": a.why or None})
     if as_json:
         typer.echo(json.dumps({"provider": config.provider, "gpus": gpus, "limit_gib": limit,

@@ -99,7 +99,8 @@ def _command_run(command: str) -> dict:
     value = lambda flag, default=None: words[words.index(flag) + 1] if flag in words else default  # noqa: E731
     sets = dict(w.split("=", 1) for f, w in zip(words, words[1:]) if f == "--set")
     return {"provider": value("--provider"), "settings": sets, "gpus": int(value("--nproc-per-node", 1)),
-            "micro_batch_size": int(value("--micro-batch-size")), "global_batch_size": int(value("--global-batch-size")),
+            "micro_batch_size": int(value("--micro-batch-size")),
+            "global_batch_size": int(value("--global-batch-size")),
             "encoder_ranks": int(value("--encoder-ranks", 0)), "cuda_graphs": "--cuda-graphs" in words}
 
 

@@ -1,7 +1,8 @@
 """Fitting the calibration's rates to measured runs (scripts/fit_step_time.py drives it from the records).
 
 A colocated run's iteration is linear in four unknown rates: seconds per encoder FLOP and per LLM FLOP (the
-modules' efficiencies), and seconds per byte of the experts' all-to-all and of the other collectives; the rest (the optimizer, extra encoder passes) comes from rates fitted before them. Least squares on
+modules' efficiencies), and seconds per byte of the experts' all-to-all and of the other collectives; the rest
+(the optimizer, extra encoder passes) comes from rates fitted before them. Least squares on
 the relative error, one row per run, gives the four; with four runs they are determined exactly.
 The heterogeneous layout's per-micro-batch overheads come from the stage-overlap probe's per-stage busy times.
 """
@@ -11,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 from .calibration import Calibration
-from .model import StepEstimate, StepInputs, estimate
+from .model import StepInputs, estimate
 
-UNKNOWNS = ("encoder", "language", "ep_all_to_all", "collective")
+UNKNOWNS = ("encoder", "language", "all_to_all", "collective")
 
 
 def row(inputs: StepInputs, known: Calibration) -> tuple[list[float], float]:
@@ -60,10 +61,10 @@ def _solve(augmented: list[list[float]]) -> list[float]:
 
 def with_rates(known: Calibration, rates: list[float]) -> Calibration:
     """`known` with the fitted rates (seconds per FLOP, per byte) in its units."""
-    encoder, language, ep, collective = rates
+    encoder, language, all_to_all, collective = rates
     return dataclasses.replace(
         known, efficiency={"encoder": 1 / (encoder * known.peak_flops), "language": 1 / (language * known.peak_flops)},
-        all_to_all_bytes_per_s=1 / ep, collective_bytes_per_s=1 / collective)
+        all_to_all_bytes_per_s=1 / all_to_all, collective_bytes_per_s=1 / collective)
 
 
 def probe_overheads(encoder_share: float, colocated_busy_s: float, colocated_samples_per_gpu: int,
@@ -84,7 +85,3 @@ def probe_overheads(encoder_share: float, colocated_busy_s: float, colocated_sam
     return {"encoder_pass_overhead_s": (encoder_busy_s - encoder_s) / (micro_batches - 1),
             "split_stage_overhead_s": (language_busy_s - language_s) / micro_batches,
             "bridge_s": (split_iteration_s - split_optimizer_s - pipeline) / micro_batches}
-
-
-def relative_errors(estimates: list[StepEstimate], measured_s: list[float]) -> list[float]:
-    return [e.seconds / t - 1 for e, t in zip(estimates, measured_s)]
