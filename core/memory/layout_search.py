@@ -1,5 +1,6 @@
 """`mimo plan --suggest --gpus N`: the layouts of N GPUs that topology validation accepts and whose memory
-estimate fits, cheapest communication first, then most headroom.
+estimate fits (`fitting`); `suggest` orders them cheapest communication first, then most headroom, the order
+core/step_time/advisor.py keeps where the provider's FLOPs cannot time them.
 
 Every split is tried: colocated and each number of encoder ranks, the encoders' TP, the LLM's TP (with sequence
 parallelism for an MoE LLM), PP and EP. Each layout takes the first of these option sets that fits: as given,
@@ -9,7 +10,7 @@ then with the distributed optimizer, then recomputing the LLM selectively, then 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mimo.errors import UsageError
 
@@ -34,6 +35,8 @@ class Suggestion:
     largest_gib: float  # the largest rank estimate
     headroom_gib: float
     cost: float  # a rough communication cost: TP and PP over EP, recomputation's extra forward
+    parallelism: dict = field(default_factory=dict)  # each module's grid
+    options: memory.Options | None = None  # what the estimate that fits was made with
 
     def flags(self) -> str:
         lo, parts = self.layout, []
@@ -75,7 +78,17 @@ def candidates(world: int, shapes: dict) -> list[LayoutOptions]:
 
 
 def suggest(plan, world: int, limit_gib: float, top: int = 10) -> list[Suggestion]:
-    """The `top` layouts of `world` ranks that fit `limit_gib`, best first."""
+    """The `top` layouts of `world` ranks that fit `limit_gib`, cheapest communication first."""
+    return best_first(fitting(plan, world, limit_gib))[:top]
+
+
+def best_first(found: list[Suggestion]) -> list[Suggestion]:
+    """Least communication first, then most headroom."""
+    return sorted(found, key=lambda s: (s.cost, -s.headroom_gib))
+
+
+def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
+    """Every layout of `world` ranks that fits `limit_gib`, each with the first option set that fits."""
     described = plan.hooks.module_memory(settings=plan.settings)
     if described is None:
         raise UsageError(f"--suggest: provider '{plan.config.provider}' has no module_memory hook, so nothing can "
@@ -98,19 +111,22 @@ def suggest(plan, world: int, limit_gib: float, top: int = 10) -> list[Suggestio
         else:
             microbatches = t.num_microbatches or 1
         rows = encoder_rows(parallelism, t.micro_batch_size)
+        apart = layout.encoder_ranks > 0  # the pipeline feeds the encoders: no once-per-step pass
         for distopt, recompute in VARIANTS:
             modes = dict(base.recompute)
+            if apart and plan.encoders_recomputed:  # auto recomputed them for that pass only
+                modes.update({name: "none" for name in parallelism if name != topology.LANGUAGE})
             if recompute:
                 modes[topology.LANGUAGE] = recompute
             options = dataclasses.replace(base, sequence_parallel=sp, num_microbatches=microbatches, recompute=modes,
-                                          distributed_optimizer=base.distributed_optimizer or bool(distopt))
+                                          distributed_optimizer=base.distributed_optimizer or bool(distopt),
+                                          step_encoders=base.step_encoders and not apart)
             largest = max(r.total for r in memory.estimate(described, parallelism, options, rows)) / GIB
             if largest <= limit_gib:
                 mode = modes.get(topology.LANGUAGE, "none")
                 cost = (4 * (layout.llm_tp - 1) + 2 * (layout.llm_pp - 1) + 2 * (layout.encoder_tp - 1)
                         + (1 if layout.llm_ep > 1 else 0) + RECOMPUTE_COST[mode])
                 found.append(Suggestion(layout, sp, options.distributed_optimizer, mode, microbatches, largest,
-                                        limit_gib - largest, cost))
+                                        limit_gib - largest, cost, parallelism, options))
                 break
-    found.sort(key=lambda s: (s.cost, -s.headroom_gib))
-    return found[:top]
+    return found

@@ -3,6 +3,7 @@ estimate (the same code `mimo plan --json` runs) next to torch's `max_memory_all
 
     python scripts/gpu/measure_memory.py --out results/memory                      # one GPU (H100 80 GB), ~6 min
     python scripts/gpu/measure_memory.py --out results/memory --cases heterogeneous  # two GPUs
+    python scripts/gpu/measure_memory.py --out results/memory --cases several        # four H200s, ~15 min
     python scripts/gpu/measure_memory.py --out /tmp/memory --quick                 # the script itself, on a CPU
 
 The estimate compared is the sum of the named terms (parameters, gradients, optimizer state, activations), what
@@ -48,6 +49,16 @@ HETEROGENEOUS = {
     "hetero-dense": ("mock-vlm", {**HEAVY, "backend": "te"}, 2, 8, ["--encoder-ranks", "1"], 2),
     "hetero-mid-te": (MID, {**LARGEST_IMAGES, "backend": "te"}, 4, 4,
                       ["--encoder-ranks", "1", "--use-distributed-optimizer"], 2),
+}
+# issue 48's several-GPU runs (docs/benchmarks/layouts_slice.json) with every image at its largest, so that the
+# encoder ranks' peaks are of the batch the estimate describes (the recorded runs drew their images at random)
+SLICE = {"hybrid_pattern": "MEMEM*EMEM", "backend": "te", "min_patches": 4096}
+SEVERAL = {
+    "slice-ep4-largest": ("nemotron-moe-vlm-52l", {**SLICE, "num_experts": 64}, 1, 8,
+                          ["--cuda-graphs", "--llm-ep", "4"], 4),
+    "slice-split-ep3-largest": ("nemotron-moe-vlm-52l", {**SLICE, "num_experts": 48}, 1, 8,
+                                ["--cuda-graphs", "--encoder-ranks", "1", "--llm-ep", "3"], 4),
+    "mid-ep4-largest": (MID, {**LARGEST_IMAGES, "backend": "te"}, 4, 2, ["--cuda-graphs", "--llm-ep", "4"], 4),
 }
 QUICK_CASES = {
     "dense-local": ("mock-vlm", {**QUICK, "backend": "local"}, 2, 2, [], 1),
@@ -126,17 +137,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/memory"))
     parser.add_argument("--cases", nargs="*", default=None,
-                        help="case names, or 'heterogeneous' for the two-GPU cases (default: the one-GPU cases)")
+                        help="case names, 'heterogeneous' for the two-GPU cases or 'several' for the four-GPU ones "
+                             "(default: the one-GPU cases)")
     parser.add_argument("--iterations", type=int, default=3, help="iterations per run (the peak settles in 2)")
     parser.add_argument("--quick", action="store_true", help="tiny settings on the CPU: checks the script only")
     args = parser.parse_args()
-    known = QUICK_CASES if args.quick else {**CASES, **HETEROGENEOUS}
+    known = QUICK_CASES if args.quick else {**CASES, **HETEROGENEOUS, **SEVERAL}
     names = args.cases or list(QUICK_CASES if args.quick else CASES)
-    if names == ["heterogeneous"] and not args.quick:
-        names = list(HETEROGENEOUS)
+    groups = {"heterogeneous": HETEROGENEOUS, "several": SEVERAL}
+    if len(names) == 1 and names[0] in groups and not args.quick:
+        names = list(groups[names[0]])
     unknown = sorted(set(names) - set(known))
     if unknown:
-        parser.error(f"unknown case {unknown[0]}: choose among {', '.join(known)} or heterogeneous")
+        parser.error(f"unknown case {unknown[0]}: choose among {', '.join(known)}, heterogeneous or several")
     device, precision = ("cpu", "fp32") if args.quick else ("cuda", "bf16")
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -1,0 +1,107 @@
+"""`mimo plan --suggest --gpus N`: the layouts that fit memory (core/memory/layout_search.py), fastest first by
+estimated tokens/s/GPU (model.py), each with one line saying what its iteration is made of.
+
+A provider without `model_flops` cannot be timed: its layouts keep layout_search's order (least communication,
+then most headroom) and the advice says so in one line.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mimo.plugins import LANGUAGE
+
+from ..memory import layout_search
+from ..memory.layout_search import Suggestion
+from . import calibration, workload
+from .model import StepEstimate, estimate
+
+
+@dataclass
+class Advice:
+    suggestion: Suggestion
+    estimate: StepEstimate | None = None
+    tokens_per_s_per_gpu: float | None = None
+    why: str = ""  # one line: the iteration's time and what it is made of
+
+
+@dataclass
+class Advised:
+    layouts: list[Advice]  # best first
+    note: str | None = None  # why they are not ordered by time, or on what GPU the times are
+    verdict: str = ""  # which to use and why, one line
+
+
+def advise(plan, world: int, limit_gib: float, top: int = 10) -> Advised:
+    """The `top` layouts of `world` GPUs that fit `limit_gib`, fastest estimate first."""
+    found = layout_search.fitting(plan, world, limit_gib)
+    flops = workload.forward_flops(plan)
+    if flops is None:
+        note = (f"provider '{plan.config.provider}' reports no FLOPs per module (model_flops), so nothing is timed: "
+                f"ordered by least communication, then most headroom")
+        return Advised([Advice(s) for s in layout_search.best_first(found)[:top]], note)
+    cal = calibration.load()
+    described = plan.hooks.module_memory(settings=plan.settings)
+    advised = []
+    for s in found:
+        modules = workload.modules_of(plan, flops, described, s.options.frozen)
+        est = estimate(workload.step_inputs(modules, s.parallelism, s.options), cal)
+        advised.append(Advice(s, est, est.tokens_per_s_per_gpu(modules[LANGUAGE].tokens_per_sample)))
+    advised.sort(key=lambda a: (-a.tokens_per_s_per_gpu, -a.suggestion.headroom_gib))
+    advised = advised[:top]
+    for a in advised:
+        a.why = why(a.estimate)
+    note = (f"times estimated for an {cal.reference_gpu} from measured efficiencies and overheads "
+            f"(core/step_time/calibration.json), bf16")
+    return Advised(advised, note, verdict(advised))
+
+
+def _shares(terms: dict[str, float], total: float, count: int = 2) -> str:
+    largest = sorted(terms.items(), key=lambda kv: -kv[1])[:count]
+    return ", ".join(f"{name} {seconds / total:.0%}" for name, seconds in largest if seconds > 0)
+
+
+def why(est: StepEstimate) -> str:
+    """What the iteration is made of: the slower stage and its largest terms, the overlap's cost."""
+    ms = est.seconds * 1e3
+    after = {"DP gradient reduce": est.reduce_s, "optimizer": est.optimizer_s}
+    if len(est.stages) == 1:
+        return f"{ms:.0f} ms/iteration on every rank: {_shares({**est.stages[0].terms, **after}, est.seconds, 3)}"
+    slowest = est.slowest
+    others = [s for s in est.stages if s is not slowest]
+    rest = "; ".join(f"{s.name} {s.ranks[0]}-{s.ranks[1]} at {s.busy / slowest.busy:.0%} of it" for s in others)
+    return (f"{ms:.0f} ms/iteration: slower stage {slowest.name} {slowest.ranks[0]}-{slowest.ranks[1]} "
+            f"{slowest.busy * 1e3:.0f} ms ({_shares(slowest.terms, slowest.busy)}); {rest}; fill, drain and bridge "
+            f"{(est.fill_drain_s + est.bridge_s) * 1e3:.0f} ms; reduce and optimizer "
+            f"{(est.reduce_s + est.optimizer_s) * 1e3:.0f} ms")
+
+
+def verdict(advised: list[Advice]) -> str:
+    """Which layout to use, and what the next one loses."""
+    if not advised:
+        return ""
+    best = advised[0]
+    flags = best.suggestion.flags()
+    line = (f"use #1 ({flags.strip('()')}): the fastest estimate, {best.tokens_per_s_per_gpu:,.0f} "
+            f"tokens/s/GPU")
+    if len(advised) > 1:
+        second = advised[1]
+        slower = 1 - second.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu
+        line += f"; #2 is {slower:.0%} slower ({_difference(best.estimate, second.estimate)})"
+    return line
+
+
+def _difference(best: StepEstimate, other: StepEstimate) -> str:
+    """The term that grew most from `best` to `other`, per sample and GPU (their batches may differ)."""
+    def per_sample(est: StepEstimate) -> dict[str, float]:
+        terms = {"the split's pipeline": est.fill_drain_s + est.bridge_s, "DP gradient reduce": est.reduce_s,
+                 "optimizer": est.optimizer_s}
+        for stage in est.stages:
+            for name, seconds in stage.terms.items():  # a stage's share of the iteration, by its busy time
+                weight = 1.0 if len(est.stages) == 1 else (1.0 if stage is est.slowest else 0.0)
+                terms[name] = terms.get(name, 0.0) + weight * seconds
+        return {k: v * est.inputs.gpus / est.inputs.global_batch for k, v in terms.items()}
+
+    a, b = per_sample(best), per_sample(other)
+    grown = max(b, key=lambda k: b[k] - a.get(k, 0.0))
+    return f"more {grown}"

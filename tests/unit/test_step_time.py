@@ -1,0 +1,170 @@
+"""The layout advisor (core/step_time): its calibration is what the measured runs give, its estimates order every
+measured pair of layouts as the measurements do (or pick one within 10% of the faster), the iteration model's
+arithmetic, and `mimo plan --suggest` ranking by it."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from helpers import REPO
+from mimo.core.step_time import calibration
+from mimo.core.step_time.model import ModuleWork, StepInputs, estimate
+from mimo.plugins import LANGUAGE, ModuleParallelism
+
+
+def fit_script():
+    spec = importlib.util.spec_from_file_location("fit_step_time", REPO / "scripts" / "fit_step_time.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["fit_step_time"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def fitted():
+    script = fit_script()
+    return script, *script.fit(calibration.read())
+
+
+def test_the_calibration_is_what_the_records_give(fitted):
+    """Every fitted number in calibration.json is the fit of its records (scripts/fit_step_time.py), not typed in."""
+    _, values, _ = fitted
+    shipped = calibration.read()["fitted"]
+    assert set(values) == set(shipped)
+    for name, entry in values.items():
+        assert entry["value"] == pytest.approx(shipped[name]["value"], rel=1e-6), name
+        assert entry["from"] and entry["how"], name  # where it came from
+    cal = calibration.load()
+    assert 0.2 < cal.efficiency["encoder"] < 0.7 and 0.2 < cal.efficiency["language"] < 0.7
+
+
+def test_first_choice_on_every_measured_pair_is_the_faster_or_within_10_percent(fitted):
+    script, _, runs = fitted
+    lines = []
+    for a, b in script.PAIRS:
+        measured = {r: runs[r].tokens_per_s_per_gpu() for r in (a, b)}
+        estimated = {r: runs[r].estimate.tokens_per_s_per_gpu(runs[r].tokens_per_sample) * runs[r].speed
+                     for r in (a, b)}
+        chosen = max(estimated, key=estimated.get)
+        lines.append(f"{a} vs {b}: measured {measured}, estimated {estimated}")
+        assert measured[chosen] >= 0.9 * max(measured.values()), lines[-1]
+    # the fitted runs are reproduced, the splits (overlapped in the model) are not slower than measured
+    for id_ in script.FITTED_FROM:
+        assert runs[id_].estimate.seconds == pytest.approx(runs[id_].measured_s * runs[id_].speed, rel=0.02), id_
+    for id_ in ("slice-split-4096", "slice-split-ep3"):
+        assert runs[id_].estimate.seconds < runs[id_].measured_s
+
+
+# --- the model's arithmetic, on a made-up calibration: 1 TFLOP/s at full efficiency, 1 GB/s, no overheads
+
+CAL = calibration.Calibration(reference_gpu="test", peak_flops=1e12, efficiency={"encoder": 1.0, "language": 1.0},
+                              collective_bytes_per_s=1e9, all_to_all_bytes_per_s=1e9, optimizer_s_per_parameter=0.0,
+                              encoder_pass_overhead_s=0.0, split_stage_overhead_s=0.0, bridge_s=0.0)
+
+
+def inputs(parallelism, encoder_flops=1e12, language_flops=2e12, experts=0.0, routed=0.0, microbatches=4,
+           trainable=False):
+    modules = {"images": ModuleWork(encoder_flops, 0.0, 0.0, 100, 64, 2, trainable=trainable),
+               LANGUAGE: ModuleWork(language_flops, 1e9, experts, 1000, 128, 4, trainable=trainable,
+                                    routed_copies=routed)}
+    return StepInputs(modules, parallelism, micro_batch_size=1, num_microbatches=microbatches,
+                      recompute={}, step_encoders=True)
+
+
+def test_colocated_is_encoder_plus_llm_on_every_rank():
+    par = ModuleParallelism(0, 2)
+    est = estimate(inputs({"images": par, LANGUAGE: par}), CAL)
+    # 4 micro-batches x 2 lanes = 8 samples, 4 a rank, 3 forwards' FLOPs each
+    assert est.seconds == pytest.approx(4 * 3 * (1 + 2))
+    assert est.slowest.terms == pytest.approx({"encoder compute": 12.0, "LLM compute": 24.0})
+
+
+def test_a_split_takes_its_slower_stage_plus_fill_and_drain():
+    split = {"images": ModuleParallelism(0, 1), LANGUAGE: ModuleParallelism(1, 1)}
+    est = estimate(inputs(split, encoder_flops=1e12, language_flops=2e12), CAL)
+    encoder, language = 4 * 3 * 1.0, 4 * 3 * 2.0  # each stage's busy seconds for its 4 micro-batches
+    assert [s.busy for s in est.stages] == pytest.approx([encoder, language])
+    assert est.slowest.name == "LLM ranks"
+    assert est.seconds == pytest.approx(language + encoder / 4)  # the encoder's one micro-batch fills the pipe
+    balanced = estimate(inputs(split, encoder_flops=2e12, language_flops=2e12), CAL)
+    assert balanced.seconds == pytest.approx(24 + 6)  # not the sum, 48
+    bridged = estimate(inputs(split), dataclasses.replace(CAL, bridge_s=0.5, split_stage_overhead_s=1.0))
+    assert bridged.seconds == pytest.approx(language + 4 * 1.0 + (encoder + 0) / 4 + 4 * 0.5)
+
+
+def test_expert_parallelism_sends_its_routed_tokens_and_reduces_only_dense_gradients():
+    ep = ModuleParallelism(0, 4, ep=4)
+    dp = ModuleParallelism(0, 4)
+    with_ep = estimate(inputs({"images": dp, LANGUAGE: ep}, experts=3e9, routed=6.0, trainable=True), CAL)
+    without = estimate(inputs({"images": dp, LANGUAGE: dp}, experts=3e9, routed=6.0, trainable=True), CAL)
+    # 4 micro-batches of 1000 tokens, 6 copies of 128 values in bf16, 4 all-to-alls, 3 of 4 to other ranks
+    assert with_ep.slowest.terms["EP all-to-all"] == pytest.approx(4 * 1000 * 6 * 128 * 2 * 4 * 0.75 / 1e9)
+    assert "EP all-to-all" not in without.slowest.terms
+    ring = 2 * 3 / 4
+    assert without.reduce_s == pytest.approx(4 * (1e9 + 3e9) * ring / 1e9)
+    assert with_ep.reduce_s == pytest.approx(4 * 1e9 * ring / 1e9)  # each expert lives on one rank: EP 4 of 4
+
+
+def test_full_recomputation_costs_a_forward():
+    par = ModuleParallelism(0, 1)
+    base = inputs({"images": par, LANGUAGE: par})
+    full = estimate(dataclasses.replace(base, recompute={LANGUAGE: "full"}), CAL)
+    assert full.seconds - estimate(base, CAL).seconds == pytest.approx(4 * 2.0)
+
+
+# --- mimo plan --suggest
+
+
+def suggest(*args):
+    from mimo.cli.main import app
+
+    result = CliRunner().invoke(app, ["plan", "--provider", "mock-vlm", "--suggest", "--gpus", "4", "--precision",
+                                      "bf16", "--device", "cuda", *args])
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def test_suggest_ranks_the_layouts_that_fit_by_estimated_tokens_per_gpu():
+    report = json.loads(suggest("--json"))
+    layouts = report["layouts"]
+    speeds = [row["tokens_per_s_per_gpu"] for row in layouts]
+    assert len(layouts) > 2 and speeds == sorted(speeds, reverse=True)
+    assert report["ordered_by"] == "tokens_per_s_per_gpu" and report["use"].startswith("use #1")
+    for row in layouts:
+        assert row["ms_per_iteration"] > 0 and row["why"].startswith(f"{row['ms_per_iteration']:.0f} ms/iteration")
+    split = next(row for row in layouts if row["layout"]["encoder_ranks"])
+    assert "slower stage" in split["why"] and split["slower_stage"]
+    text = suggest()
+    assert "fastest first" in text and "use #1" in text and "#1 " in text
+
+
+def test_without_model_flops_the_order_is_least_communication_and_says_so():
+    from mimo.core.config import LaunchOptions, RunConfig, TrainingOptions
+    from mimo.core.memory import layout_search
+    from mimo.core.run.plan import prepare
+    from mimo.core.step_time.advisor import advise
+
+    plan = prepare(RunConfig(provider="mock-vlm", launch=LaunchOptions(nproc_per_node=4),
+                             training=TrainingOptions(device="cuda", precision="bf16")), world_size=4)
+
+    class NoFlops:
+        def __init__(self, hooks):
+            self._hooks = hooks
+
+        def __getattr__(self, name):
+            return (lambda settings: None) if name == "model_flops" else getattr(self._hooks, name)
+
+    timed = advise(plan, 4, 80)
+    plan.hooks = NoFlops(plan.hooks)
+    untimed = advise(plan, 4, 80)
+    assert "no FLOPs per module (model_flops)" in untimed.note and not untimed.verdict
+    expected = [s.flags() for s in layout_search.suggest(plan, 4, 80)]
+    assert [a.suggestion.flags() for a in untimed.layouts] == expected
+    assert all(a.estimate is None for a in untimed.layouts)
+    assert [a.suggestion.flags() for a in timed.layouts] != expected  # the time changes the order here
