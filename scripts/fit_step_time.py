@@ -32,7 +32,8 @@ FITTED_FROM = ("slice-1xH100", "slice-dp2-4096", "slice-ep2-4096", "slice-ep4")
 # measured pairs of one model and GPU count (the slice's pairs: one machine and call each)
 PAIRS = (("slice-dp2-4096", "slice-split-4096"), ("slice-dp2-4096", "slice-ep2-4096"),
          ("slice-ep4", "slice-split-ep3"), ("mid-dp4", "mid-ep4"), ("probe-colocated", "probe-split"),
-         ("heavy-colocated", "heavy-split"))
+         ("heavy-colocated", "heavy-split"), ("slice-dp2-2img", "slice-split-2img"),
+         ("slice-dp2-2img", "slice-ep2-2img"), ("slice-dp2-1img", "slice-split-1img"))
 
 
 @dataclasses.dataclass

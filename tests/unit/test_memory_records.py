@@ -4,7 +4,8 @@ layouts_slice.json) and the slice's one-GPU peak (docs/benchmarks/slice_h100.jso
 The estimate holds every image at its largest (max_patches); the recorded runs drew their images' patches at
 random (256 to max_patches), so only ranks whose memory does not depend on the images can be checked within 5%:
 the LLM ranks of a split. On the ranks that hold the encoders the recorded peak must lie between the estimate with
-the provider's average images and the one with the largest."""
+the provider's average images and the one with the largest. The runs with every image at one size
+(`patches_per_image`: ids ending in -1img/-2img) are checked within 5% on every rank."""
 
 from __future__ import annotations
 
@@ -56,3 +57,13 @@ def test_ranks_with_images_lie_between_average_and_largest_images(run, kind):
     record = RECORDS[run]
     measured = record["peak_memory_gib"][kind]
     assert estimates(record, "mean")[kind] < measured < estimates(record)[kind]
+
+
+EXACT_IMAGES = [(run, kind) for run, r in RECORDS.items() if r["settings"].get("patches_per_image")
+                for kind in r.get("peak_memory_gib", {})]
+
+
+@pytest.mark.parametrize("run, kind", EXACT_IMAGES)
+def test_runs_with_images_of_one_size_within_5_percent_on_every_rank(run, kind):
+    assert len(EXACT_IMAGES) >= 7  # two colocated runs with EP and without, two splits' encoder and LLM ranks
+    assert estimates(RECORDS[run])[kind] == pytest.approx(RECORDS[run]["peak_memory_gib"][kind], rel=0.05)
