@@ -45,6 +45,11 @@ class _CudaToCpu(TorchFunctionMode):
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], _CPU, *args[2:])
+        if func is dist.all_to_all_single:
+            # megatron-core's MoE dispatcher hands its split sizes over as tensors; gloo's binding takes lists
+            for key in ("output_split_sizes", "input_split_sizes"):
+                if isinstance(kwargs.get(key), torch.Tensor):
+                    kwargs[key] = kwargs[key].tolist()
         if func in (torch.Tensor.pin_memory, torch.Tensor.record_stream):
             return args[0] if func is torch.Tensor.pin_memory else None
         result = func(*args, **kwargs)
@@ -135,15 +140,21 @@ def enable() -> None:
 
     mcore_random._get_cuda_rng_state = _cpu_rng_state
     mcore_random._set_cuda_rng_state = _set_cpu_rng_state
-    # Recomputation (--recompute) runs forward code again inside autograd's backward, where this thread's
-    # redirection mode is not active: enter it there too.
-    backward = mcore_random.CheckpointFunction.backward
+    from megatron.core.tensor_parallel import mappings
 
+    # Recomputation (--recompute) runs forward code again inside autograd's backward, where this thread's
+    # redirection mode is not active: enter it there too; so does the MoE dispatcher's all-to-all (expert
+    # parallelism), whose backward allocates on the CUDA device.
+    for function in (mcore_random.CheckpointFunction, mappings._AllToAll):
+        function.backward = staticmethod(_redirected(function.backward))
+
+
+def _redirected(backward):
     def redirected_backward(ctx, *grads):
         with _CudaToCpu():
             return backward(ctx, *grads)
 
-    mcore_random.CheckpointFunction.backward = staticmethod(redirected_backward)
+    return redirected_backward
 
 
 def is_enabled() -> bool:
