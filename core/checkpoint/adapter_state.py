@@ -61,8 +61,8 @@ def base_record(options: CheckpointOptions, seed: int, from_checkpoint: dict | N
     for name in _BASE_OPTIONS:
         value = getattr(options, name)
         if value is not None:
-            where = _resolved(Path(value))
-            folders[name] = {"path": str(Path(where).resolve()), "checksum": checksum(where)}
+            # the path as given (a save directory: what --pretrained takes), the checksum of what it holds now
+            folders[name] = {"path": str(Path(value).resolve()), "checksum": checksum(_resolved(Path(value)))}
     return {"folders": folders, "seed": None if folders else seed}
 
 

@@ -31,7 +31,7 @@ DEFAULT_EVAL_ITERS = 10
 def eval_config(config: RunConfig, split: str) -> RunConfig:
     """The run options `mimo eval` means: the checkpoint's weights only, `--eval-iters` (default 10) batches."""
     c, e = config.checkpoint, config.evaluation
-    if c.load and c.pretrained:
+    if c.load and c.pretrained and not config.adapters.enabled:  # a LoRA checkpoint: --pretrained is its base
         raise UsageError("mimo eval: give one of --load CKPT and --pretrained PATH")
     if not (c.load or c.pretrained or c.pretrained_llm or c.pretrained_vision):
         raise UsageError("mimo eval needs --load CKPT (a mimo checkpoint) or --pretrained PATH (a mimo checkpoint "
