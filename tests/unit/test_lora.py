@@ -141,3 +141,22 @@ def test_merged_logits_equal_base_plus_adapters(world, provider, settings, layou
     # their scale (mock-vlm's by less than 1e-6)
     assert (merged - base_and_adapters).abs().max().item() <= 4e-6 * scale
     assert (merged - base_and_adapters).abs().mean().item() <= 1e-7 * scale
+
+
+def test_the_memory_plan_counts_frozen_weights_without_gradients_or_optimizer_state(world):
+    from mimo.core.memory import fit
+
+    def terms(**adapters):
+        plan = prepare(RunConfig(provider="nemotron-moe-vlm-tiny", training=TrainingOptions(precision="bf16"),
+                                 adapters=AdapterOptions(**adapters)), world_size=1)
+        return {m.module: m for rank in fit.estimate_plan(plan) for m in rank.modules}
+
+    _, model, _ = _build("nemotron-moe-vlm-tiny")
+    built = {name: sum(p.numel() for n, p in adapter_parameters(model) if n.startswith(prefix))
+             for name, prefix in (("language", "language_model."), ("images", "modality_submodules.images."))}
+    full, lora = terms(), terms(lora_rank=4)
+    for name, module in lora.items():
+        adapters = module.parameter_count - full[name].parameter_count
+        assert built[name] <= adapters <= 3 * built[name], name  # an upper bound of the right size
+        assert module.parameters == full[name].parameters + 2 * adapters  # bf16 weights, the base's kept
+        assert module.gradients == 4 * adapters and module.optimizer == 12 * adapters  # adapters' only
