@@ -46,7 +46,10 @@ def merge_lora(adapters: Path, out: Path, pretrained: Path | None = None, device
         adapters=AdapterOptions(**options["adapters"]),
         checkpoint=CheckpointOptions(load=Path(adapters), save=Path(out), save_optim=False, save_rng=False,
                                      load_optim=False, load_rng=False, load_scheduler=False, **bases),
-        training=TrainingOptions(micro_batch_size=1, train_iters=1, precision=training["precision"],
+        # the run's batch options too: `mimo eval` of the merged checkpoint then reads the batches the run's did
+        training=TrainingOptions(train_iters=1, precision=training["precision"],
+                                 **{k: training.get(k) for k in ("micro_batch_size", "global_batch_size",
+                                                                 "num_microbatches")},
                                  seed=training["seed"] if record.get("seed") is None else record["seed"],
                                  device=device))
     plan = prepare(config, world_size=1)
