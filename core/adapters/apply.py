@@ -24,9 +24,11 @@ def add_adapters(model, options: AdapterOptions, targets: dict[str, tuple[str, .
             module.frozen_expert_bias = True
 
     def make_lora(linear, name: str, expert: bool) -> LoRA:
-        weight = next(p for p in linear.parameters(recurse=False))
+        # the base's weight (megatron-core's output layer may take the embedding's instead: then any parameter)
+        weight = getattr(linear, "weight", None)
+        weight = weight if weight is not None else next(model.parameters())
         lora = LoRA(linears.sharding_of(linear), options.lora_rank, options.scale, options.lora_dropout,
-                    weight.dtype, weight.device, expert=expert)
+                    weight.dtype, weight.device, expert=expert, row_parts=_row_parts(linear, weight, name))
         lora.initialize(seed, name)
         return lora
 
@@ -43,6 +45,18 @@ def add_adapters(model, options: AdapterOptions, targets: dict[str, tuple[str, .
             linears.attach(target.module, make_lora(target.module, name, False))
             count += 1
     return count
+
+
+def _row_parts(linear, weight, name: str) -> list[int] | None:
+    """The base weight's stacked outputs on this rank: as a layer declares them (`partition_sizes`, Mamba's
+    in_proj), or a gated MLP's fc1 (gate and up halves, which megatron-core saves apart)."""
+    sizes = getattr(weight, "partition_sizes", None)
+    if sizes:
+        return list(sizes)
+    config = getattr(linear, "config", None)
+    if name.endswith("linear_fc1") and getattr(config, "gated_linear_unit", False):
+        return [weight.shape[0] // 2] * 2
+    return None
 
 
 def adapter_parameters(model) -> list[tuple[str, torch.nn.Parameter]]:

@@ -50,8 +50,12 @@ class LoRA(torch.nn.Module):
     """The adapter's two matrices, `a` [rank, in] and `b` [out, rank] (this rank's shards), and its forward."""
 
     def __init__(self, sharding: Sharding, rank: int, scale: float, dropout: float, dtype: torch.dtype,
-                 device: torch.device, expert: bool = False):
+                 device: torch.device, expert: bool = False, row_parts: list[int] | None = None):
+        """`row_parts`: this rank's output rows of a column-parallel base that stacks several outputs (Mamba's
+        in_proj, a gated MLP's fc1): B's rows are saved part by part as the base weight's are, so that a checkpoint
+        reshards over another TP size."""
         super().__init__()
+        self.row_parts = row_parts if row_parts and len(row_parts) > 1 and sharding.mode == COLUMN else None
         from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
         self.sharding, self.scale, self.rank = sharding, scale, rank
@@ -124,4 +128,9 @@ class LoRA(torch.nn.Module):
                 offsets, replica = tuple(sharded_offsets), (0, s.tp_rank, dp_rank)
             state[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
                 f"{prefix}{name}", tensor, *offsets, replica_id=replica, prepend_axis_num=len(sharded_offsets))
+        if self.row_parts is not None and sum(self.row_parts) == self.b.shape[0]:
+            from megatron.core.ssm.utils import _split_tensor_factory
+
+            state[f"{prefix}b"] = _split_tensor_factory(state[f"{prefix}b"], list(self.row_parts),
+                                                        [f"part{i}" for i in range(len(self.row_parts))], 0)
         return state

@@ -100,3 +100,20 @@ def test_adapter_checkpoints_resume_exactly_and_merge(tmp_path):
         return float(line.split("lm loss ")[1].split()[0])
 
     assert eval_loss(whole.stdout) == pytest.approx(eval_loss(with_adapters.stdout), rel=1e-6)
+
+
+def test_adapters_reshard_from_tp1_to_tp2(tmp_path):
+    """Mamba's in_proj stacks z, x, B, C, dt per TP rank: its adapter's B is saved part by part as the weight is,
+    so adapters saved in one process resume exactly over TP 2 (a dense Nemotron: MoE needs sequence parallelism
+    under TP, and that transformer-engine)."""
+    dense = (*NEMOTRON, "--set", "hybrid_pattern=M*M*")
+    result = run_mimo(*dense, "--train-iters", "1", "--save", str(tmp_path / "base"), env=NO_COMPILE)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lora = (*dense, "--pretrained", str(tmp_path / "base"), *LORA, "--lora-targets",
+            "language:all;images:all;projection:all")
+    straight, _ = _losses(tmp_path, "straight", *lora, "--train-iters", "4", env=NO_COMPILE)
+    first, _ = _losses(tmp_path, "first", *lora, "--train-iters", "2", "--save", str(tmp_path / "a"), env=NO_COMPILE)
+    second, _ = _losses(tmp_path, "second", *lora, "--train-iters", "4", "--load", str(tmp_path / "a"),
+                        "--nproc-per-node", "2", "--llm-tp", "2", "--encoder-tp", "2", "--no-load-rng", env=NO_COMPILE)
+    for (loss, norm), (ref_loss, ref_norm) in zip(first + second, straight):
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
