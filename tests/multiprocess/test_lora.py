@@ -1,5 +1,5 @@
-"""LoRA runs end to end (CPU, gloo): the loss falls; TP 2, a heterogeneous layout and (Nemotron's experts, both
-adapter layouts) EP 2 give the single process's losses; the checkpoint holds the adapters alone and names the
+"""LoRA runs end to end (CPU, gloo): the loss falls; TP 2, a heterogeneous layout, PP 2, the step encoder pass and
+(Nemotron's experts, both adapter layouts) EP 2 give the single process's losses; the checkpoint holds the adapters alone and names the
 base; a resume is exact; merge-lora's whole model evaluates as base + adapters."""
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ def mock_runs(tmp_path_factory):
         "single": (),
         "tp2": ("--nproc-per-node", "2", "--llm-tp", "2", "--encoder-tp", "2"),
         "heterogeneous": ("--nproc-per-node", "2", "--encoder-ranks", "1"),
+        "encoder-pass-step": ("--encoder-pass", "step"),  # the encoders once per step, their backward once
     }.items()}
     return runs
 
@@ -41,7 +42,7 @@ def test_a_lora_run_learns(mock_runs):
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.1
 
 
-@pytest.mark.parametrize("layout", ["tp2", "heterogeneous"])
+@pytest.mark.parametrize("layout", ["tp2", "heterogeneous", "encoder-pass-step"])
 def test_layouts_give_the_single_process_losses(mock_runs, layout):
     for (loss, norm), (ref_loss, ref_norm) in zip(mock_runs[layout], mock_runs["single"]):
         assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
@@ -116,4 +117,16 @@ def test_adapters_reshard_from_tp1_to_tp2(tmp_path):
     second, _ = _losses(tmp_path, "second", *lora, "--train-iters", "4", "--load", str(tmp_path / "a"),
                         "--nproc-per-node", "2", "--llm-tp", "2", "--encoder-tp", "2", "--no-load-rng", env=NO_COMPILE)
     for (loss, norm), (ref_loss, ref_norm) in zip(first + second, straight):
+        assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
+
+
+def test_pipeline_parallel_adapters_give_the_single_process_losses(tmp_path):
+    """From one saved base (a pipeline split draws the LLM's initial weights otherwise): the adapters of each stage
+    are seeded by their global layer number."""
+    result = run_mimo(*PLAIN, "--train-iters", "1", "--save", str(tmp_path / "base"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    common = (*MOCK, "--train-iters", "4", "--pretrained", str(tmp_path / "base"))
+    single, _ = _losses(tmp_path, "single", *common)
+    pipeline, _ = _losses(tmp_path, "pp2", *common, "--nproc-per-node", "3", "--encoder-ranks", "1", "--llm-pp", "2")
+    for (loss, norm), (ref_loss, ref_norm) in zip(pipeline, single):
         assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4)
