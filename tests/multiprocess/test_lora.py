@@ -102,6 +102,12 @@ def test_adapter_checkpoints_resume_exactly_and_merge(tmp_path):
 
     assert eval_loss(whole.stdout) == pytest.approx(eval_loss(with_adapters.stdout), rel=1e-6)
 
+    generate = ("generate", "--device", "cpu", "--prompt", "a photo of", "--max-new-tokens", "6")
+    answers = [run_mimo(*generate, *where) for where in (("--load", str(adapters), "--pretrained", str(base)),
+                                                          ("--load", str(merged)))]
+    assert all(a.returncode == 0 for a in answers), answers[0].stderr[-2000:] + answers[1].stderr[-2000:]
+    assert answers[0].stdout.splitlines()[-1] == answers[1].stdout.splitlines()[-1]  # greedy: the same answer
+
 
 def test_adapters_reshard_from_tp1_to_tp2(tmp_path):
     """Mamba's in_proj stacks z, x, B, C, dt per TP rank: its adapter's B is saved part by part as the weight is,
