@@ -20,10 +20,10 @@ from .option import Options, option
 from .speed import CUDA_GRAPH_MODULES, RECOMPUTE_MODES, CompileOptions, MemoryOptions, PerformanceOptions
 
 __all__ = [
-    "COMPONENTS", "AdapterOptions", "CUDA_GRAPH_MODULES", "DEFAULT_TRAIN_ITERS", "RECOMPUTE_MODES", "CheckpointOptions",
-    "CompileOptions",
-    "Component", "DataOptions", "EvalOptions", "LaunchOptions", "LayoutOptions", "LoggingOptions", "MemoryOptions",
-    "OptimizerOptions", "Options", "PerformanceOptions", "RunConfig", "SchedulerOptions", "TrainingOptions", "option",
+    "COMPONENTS", "AdapterOptions", "CUDA_GRAPH_MODULES", "DEFAULT_TRAIN_ITERS", "RECOMPUTE_MODES",
+    "CheckpointOptions", "CompileOptions", "Component", "DataOptions", "EvalOptions", "LaunchOptions",
+    "LayoutOptions", "LoggingOptions", "MemoryOptions", "OptimizerOptions", "Options", "PerformanceOptions",
+    "RunConfig", "SchedulerOptions", "TrainingOptions", "option",
 ]
 
 
