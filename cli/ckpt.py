@@ -102,6 +102,26 @@ def import_hf(paths: list[Path] = typer.Argument(..., metavar="[HF_DIR] OUT", sh
                f"{out / hf.SETTINGS_FILE} --pretrained {out}")
 
 
+@ckpt_app.command("merge-lora", cls=PlainFlagsCommand)
+def merge_lora(adapters: Path, out: Path,
+               pretrained: Path = typer.Option(None, help="the base the adapters were trained on (default: the one "
+                                                          "their checkpoint names; its checksum must match)")):
+    """Fold the LoRA adapters of a run's checkpoint (ADAPTERS: its save directory) into their base and write the
+    whole model as a weights-only mimo checkpoint OUT (fp32 arithmetic, stored in the run's precision): train on
+    with `mimo run --pretrained OUT`, export with `mimo ckpt export-hf OUT HF_DIR`. One process."""
+    from mimo.core.run import merge_lora as merger
+    from mimo.core.run.lifeline import install as die_with_parent
+
+    from .common import fail
+
+    die_with_parent()
+    try:
+        name = merger.merge_lora(adapters, out, pretrained)
+    except UsageError as err:
+        raise fail(str(err)) from None
+    typer.echo(f"merged the adapters of {adapters} into their base (provider {name}): {out}")
+
+
 @ckpt_app.command("export-hf", cls=PlainFlagsCommand)
 def export_hf(checkpoint: Path, out: Path,
               assignments: list[str] = typer.Option(None, "--set", help="change a saved setting that only decides "

@@ -85,6 +85,17 @@ def frozen_parameters(settings):
 
 
 @hookspec(firstresult=True)
+def lora_targets(settings):
+    """Return the layers that get LoRA adapters when a run asks for them (`--lora-rank R`) without naming any
+    (`--lora-targets`): `{module: [name, ...]}`, module `mimo.LANGUAGE`, a modality (its encoders) or
+    "projection" (every modality's input projections); a name is a layer's attribute name as megatron-core names
+    its linears (`linear_qkv`, `linear_proj`, `linear_fc1`, `in_proj`, ...), "experts" (a MoE layer's routed
+    experts), "shared_experts" or "all". The loop builds, shards, trains, saves and merges the adapters.
+    Optional: without it a LoRA run needs --lora-targets.
+    """
+
+
+@hookspec(firstresult=True)
 def model_flops(settings):
     """Return `{module name: forward FLOPs per sample}` (matmul FLOPs, 2 per multiply-add; MoE counts the
     experts a token is routed to, not all of them). The loop takes training as 3x forward for TFLOP/s and MFU.

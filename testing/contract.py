@@ -11,6 +11,7 @@ from .data_check import check_data
 from .data_path_check import check_data_path
 from .flops_check import check_flops
 from .kernel_configs_check import check_kernel_configs
+from .lora_targets_check import check_lora_targets
 from .memory_check import check_module_memory
 from .moved import moved_imports
 from .model_check import check_model_shape, check_specs, module_reports, vocab_size
@@ -46,6 +47,7 @@ def check_provider(name: str, settings=(), *, registry: Registry | None = None, 
     note = check_module_memory(subject, shapes)
     report.notes += [note] if note else []
     check_kernel_configs(subject)
+    check_lora_targets(subject, shapes)
     report.hooks_called |= subject.called
     report.notes += moved_imports(subject.plugin.module)  # mimo's paths the provider imports that have moved
     skip = "not built: build=False" if not build else too_large(shapes, max_parameters)

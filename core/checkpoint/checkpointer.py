@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from mimo.errors import UsageError
 
-from . import checksums
+from . import adapter_state, checksums
 from .foreign import foreign_directory
 from .layout import (
     COMMON, RUN_FILE, TRACKER, VERSION, atomic_write, fault_point, iteration_dir, prune,
@@ -52,6 +52,11 @@ class Checkpointer:
         self.last_saved: Path | None = None  # the newest checkpoint this run committed
         self.report_saves = True  # a "saved checkpoint" line per save (not for a conversion's scratch copy)
         self.async_queue = None
+        # --lora-rank: checkpoints hold the adapters alone, and name the base they were trained on
+        options_saved = run_info.get("options", {})
+        self.lora = bool(options_saved.get("adapters", {}).get("lora_rank"))
+        self.seed = options_saved.get("training", {}).get("seed")
+        self.adapter_base: dict | None = None  # that base, once known (a resume keeps the one it loaded)
         if options.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -130,11 +135,21 @@ class Checkpointer:
             "consumed_samples": consumed_samples,
             "opt_param_scheduler": scheduler_state,
             "run": self.run_info,
-            "contents": {"optimizer": self.options.save_optim, "rng": self.options.save_rng,
+            "adapters": self._adapter_base() if self.lora else None,
+            "contents": {"optimizer": self.options.save_optim, "rng": self.options.save_rng, "adapters": self.lora,
                          "optimizer_sharding": self._optimizer_sharding(),
                          "distributed_optimizer": self.optimizer is not None and
                                                   self.optimizer.config.use_distributed_optimizer},
         }
+
+    def _adapter_base(self) -> dict:
+        if self.adapter_base is None:
+            self.adapter_base = adapter_state.base_record(self.options, self.seed)
+        return self.adapter_base
+
+    def _model_state(self, part: str | None = None) -> dict:
+        """This rank's sharded model state; of a LoRA run, `part` (adapter_state.BASE or ADAPTERS) alone."""
+        return adapter_state.model_part(self.model.sharded_state_dict(), part if self.lora else None)
 
     def _optimizer_sharding(self) -> str:
         return "fully_reshardable" if self.options.dist_ckpt_optim_fully_reshardable else "dp_reshardable"
@@ -142,7 +157,7 @@ class Checkpointer:
     def _sharded_state(self, loading: bool, optimizer: bool, rng: bool, sharding: str | None = None) -> dict:
         from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-        model_state = self.model.sharded_state_dict()
+        model_state = self._model_state(adapter_state.ADAPTERS)
         state = {"model": model_state}
         held = self.topology.pg_collections
         if optimizer and loading:
@@ -185,16 +200,17 @@ class Checkpointer:
         if iteration is None:
             if opts.load and opts.finetune:
                 raise UsageError(f"--finetune: no checkpoint in {opts.load} ({TRACKER} is missing)")
-            if self.load_hf is not None:  # Hugging Face folders: each rank reads its slices
-                self.load_hf()
-                self._refresh_main_params()
-            elif opts.pretrained:
-                self._load_pretrained(opts.pretrained)
+            self._load_base()
             return 0, 0, None
         directory = iteration_dir(opts.load, iteration)
         if not directory.is_dir():
             raise UsageError(f"{Path(opts.load) / TRACKER} names iteration {iteration}, but {directory} is missing")
         common = read_common(directory)
+        adapter_state.check_saved(common["contents"].get("adapters", False), self.lora, directory, "--load")
+        if self.lora:  # the base the adapters were trained on, then the adapters
+            adapter_state.check_base(common["adapters"], opts, self.seed, directory)
+            self.adapter_base = common["adapters"]
+            self._load_base()
         self._check_compatible(common, directory)
         if opts.finetune:
             self._load_weights_only(opts.load, what="--finetune", common=common)
@@ -216,7 +232,7 @@ class Checkpointer:
         if saved_lanes != lanes:
             state.pop("data_state", None)  # saved per lane: it cannot be split or merged
         loaded = self._dist_load(state, directory)
-        self._load_model(loaded["model"])
+        self._load_model(loaded["model"], adapter_state.ADAPTERS)
         if load_optim:
             with torch.no_grad():  # megatron-core's dp_reshardable loader copies into parameters without it
                 self.optimizer.load_state_dict({n: merge_common(sub) for n, sub in loaded["optimizer"].items()})
@@ -231,6 +247,14 @@ class Checkpointer:
             raise UsageError(f"the checkpoint's data state was saved for {saved_lanes} LLM data-parallel lanes, "
                              f"this run has {lanes}: resume with the same layout, or pass --finetune")
         return iteration, common["consumed_samples"], loaded.get("data_state")
+
+    def _load_base(self) -> None:
+        """The run's initial weights: its Hugging Face folders or --pretrained (of a LoRA run: the base)."""
+        if self.load_hf is not None:  # Hugging Face folders: each rank reads its slices
+            self.load_hf()
+            self._refresh_main_params()
+        elif self.options.pretrained:
+            self._load_pretrained(self.options.pretrained)
 
     def _check_optimizer_resharding(self, common: dict) -> None:
         """Distributed-optimizer state saved per DP shard (dp_reshardable) loads only at the same DP size."""
@@ -267,20 +291,25 @@ class Checkpointer:
             raise UsageError(f"{what} {root}: no checkpoint there ({TRACKER} is missing)")
         directory = iteration_dir(root, iteration)
         common = common or read_common(directory)
-        self._check_compatible(common, directory)
-        model_state = self.model.sharded_state_dict()
+        saved_adapters = common["contents"].get("adapters", False)
+        adapter_state.check_saved(saved_adapters, self.lora and what != "--pretrained", directory, what)
+        part = adapter_state.ADAPTERS if saved_adapters else adapter_state.BASE
+        self._check_compatible(common, directory, part)
+        model_state = self._model_state(part)
         started = time.perf_counter()
-        self._load_model(self._dist_load({"model": model_state}, directory)["model"])
+        self._load_model(self._dist_load({"model": model_state}, directory)["model"], part)
         self._refresh_main_params()
         if dist.get_rank() == 0:
             origin = f"{directory} (saved at iteration {iteration} by provider {common['run']['provider']})"
             fresh = "; optimizer, schedule and data start anew" if self.optimizer is not None else ""
             print(f"loaded weights from {origin} in {time.perf_counter() - started:.2f} s{fresh}", flush=True)
 
-    def _load_model(self, state: dict) -> None:
-        """Strict, but for `_extra_state` entries the checkpoint did not have (see _dist_load)."""
+    def _load_model(self, state: dict, part: str) -> None:
+        """Strict, but for `_extra_state` entries the checkpoint did not have (see _dist_load) and, in a LoRA run,
+        the tensors of the other part (base or adapters) than `part`."""
         result = self.model.load_state_dict(state, strict=False)
-        missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE)]
+        missing = [k for k in result.missing_keys if not k.endswith(EXTRA_STATE) and
+                   adapter_state.model_part({k: None}, part if self.lora else None)]
         if missing or result.unexpected_keys:  # cannot happen when the request came from this model
             raise RuntimeError(f"model state mismatch: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
 
@@ -320,7 +349,7 @@ class Checkpointer:
             raise UsageError(f"checkpoint {directory} lacks state this run needs{named}")
         return loaded
 
-    def _check_compatible(self, common: dict, directory: Path) -> None:
+    def _check_compatible(self, common: dict, directory: Path, part: str = adapter_state.ADAPTERS) -> None:
         if common.get("checkpoint_version") != VERSION:
             raise UsageError(f"{directory} has checkpoint version {common.get('checkpoint_version')}, "
                              f"this mimo reads version {VERSION}")
@@ -331,7 +360,8 @@ class Checkpointer:
         # Settings and tensor shapes against this run's model, from the metadata, before any tensor is read.
         what = "--pretrained" if self.options.pretrained and Path(directory).parent == Path(self.options.pretrained) \
             else "--load"
-        check_model_fits(self.model, common["run"]["settings"], self.run_info["settings"], directory, what)
+        check_model_fits(self.model, common["run"]["settings"], self.run_info["settings"], directory, what,
+                         state=self._model_state(part))
 
     def _load_scheduler(self, saved: dict) -> None:
         # A constant schedule has no length: a run resumed with a larger --train-iters continues it unchanged, so

@@ -24,6 +24,8 @@ from mimo.errors import UsageError
 from mimo.plugins.kit.safetensors_io import FolderSource
 from mimo.plugins.kit.tensor_map import TensorMap, read_into, shape_of
 
+from ..adapters.apply import is_adapter_name
+
 _WRAPPER = re.compile(r"^(language_model\.|modality_submodules\.[^.]+\.)(?:module\.)+")
 EXTRA_STATE = "_extra_state"
 
@@ -41,6 +43,8 @@ def rank_tensors(module, metadata: dict | None = None) -> list:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
 
     state = module.sharded_state_dict() if metadata is None else module.sharded_state_dict(metadata=metadata)
+    # a Hugging Face folder holds a base model: a LoRA run's adapters start from their own initialization
+    state = {key: value for key, value in state.items() if not is_adapter_name(key)}
     apply_factories(state)
     return [(dist_key(t.key), t) for t in nested_values(state) if isinstance(t, ShardedTensor)]
 

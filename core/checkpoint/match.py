@@ -23,8 +23,10 @@ KEPT_WITH_OPTIMIZER_STATE = {("training", "precision"): "--precision", ("optimiz
 SHOWN_SETTINGS = 3
 
 
-def check_model_fits(model, saved_settings: dict, settings: dict, directory: Path, what: str) -> None:
-    """Refuse (UsageError, the same line on every rank) a checkpoint whose tensors differ from the model's.
+def check_model_fits(model, saved_settings: dict, settings: dict, directory: Path, what: str,
+                     state: dict | None = None) -> None:
+    """Refuse (UsageError, the same line on every rank) a checkpoint whose tensors differ from the model's (or
+    from `state`, part of the model's sharded state: a LoRA run's base or adapters).
 
     Reads only the checkpoint's metadata. Collective: every rank compares the modules it holds."""
     from mimo.plugins.kit.dist_checkpoint import saved_tensor_shapes
@@ -34,7 +36,7 @@ def check_model_fits(model, saved_settings: dict, settings: dict, directory: Pat
     except Exception as err:  # noqa: BLE001 - unreadable metadata, whatever the cause
         raise UsageError(f"checkpoint file {Path(directory) / '.metadata'} cannot be read "
                          f"({type(err).__name__})") from None
-    local = first_difference(model_shapes(model.sharded_state_dict()), saved)
+    local = first_difference(model_shapes(model.sharded_state_dict() if state is None else state), saved)
     found = [local]
     if dist.is_initialized() and dist.get_world_size() > 1:
         found = [None] * dist.get_world_size()

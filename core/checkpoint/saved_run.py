@@ -30,11 +30,13 @@ from .hf import find_provider, is_hf_folder, plain_value, precision_of
 from .layout import RUN_FILE, iteration_dir, read_common, read_tracker
 
 # Loop options each command takes from the checkpoint when the user gives none: {section: (options)}.
+# A LoRA run's checkpoint holds adapters that only its --lora-* options rebuild.
+_ADAPTERS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "lora_experts")
 INHERITED = {
     "eval": {"training": ("precision", "micro_batch_size", "global_batch_size", "num_microbatches"),
              "data": ("data", "num_workers", "pack_sequences", "packing_buffer_size"),
-             "evaluation": ("eval_data", "eval_iters")},
-    "generate": {"training": ("precision",)},
+             "evaluation": ("eval_data", "eval_iters"), "adapters": _ADAPTERS},
+    "generate": {"training": ("precision",), "adapters": _ADAPTERS},
     "run": {},  # a resumed run: the saved settings only
 }
 _BATCH = ("micro_batch_size", "global_batch_size", "num_microbatches")  # taken together or not at all

@@ -13,15 +13,17 @@ from pathlib import Path
 
 from mimo.errors import UsageError
 
+from .adapters import AdapterOptions
 from .loop import (CheckpointOptions, DataOptions, EvalOptions, LaunchOptions, LayoutOptions, LoggingOptions,
                    OptimizerOptions, SchedulerOptions, TrainingOptions)
 from .option import Options, option
 from .speed import CUDA_GRAPH_MODULES, RECOMPUTE_MODES, CompileOptions, MemoryOptions, PerformanceOptions
 
 __all__ = [
-    "COMPONENTS", "CUDA_GRAPH_MODULES", "DEFAULT_TRAIN_ITERS", "RECOMPUTE_MODES", "CheckpointOptions", "CompileOptions",
-    "Component", "DataOptions", "EvalOptions", "LaunchOptions", "LayoutOptions", "LoggingOptions", "MemoryOptions",
-    "OptimizerOptions", "Options", "PerformanceOptions", "RunConfig", "SchedulerOptions", "TrainingOptions", "option",
+    "COMPONENTS", "AdapterOptions", "CUDA_GRAPH_MODULES", "DEFAULT_TRAIN_ITERS", "RECOMPUTE_MODES",
+    "CheckpointOptions", "CompileOptions", "Component", "DataOptions", "EvalOptions", "LaunchOptions",
+    "LayoutOptions", "LoggingOptions", "MemoryOptions", "OptimizerOptions", "Options", "PerformanceOptions",
+    "RunConfig", "SchedulerOptions", "TrainingOptions", "option",
 ]
 
 
@@ -49,6 +51,7 @@ COMPONENTS = (
     Component("logging", "Logging", LoggingOptions),
     Component("checkpoint", "Checkpoints", CheckpointOptions),
     Component("layout", "Parallel layout", LayoutOptions),
+    Component("adapters", "Adapters (LoRA)", AdapterOptions),
     Component("performance", "Performance", PerformanceOptions),
     Component("memory", "Memory", MemoryOptions),
     Component("compile", "Compilation", CompileOptions),

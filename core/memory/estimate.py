@@ -81,18 +81,27 @@ class Options:
     frozen: frozenset = frozenset()  # modules with nothing to train (no gradients, no optimizer state)
     encoder_tokens: str | float = "max"  # --image-patches: max, mean or tokens per sample for the encoders
     step_encoders: bool = False  # --encoder-pass step: the encoders hold every micro-batch's activations at once
+    # --lora-rank: every base weight frozen; (rank, per expert, ((module, hidden, experts, body, projection), ...))
+    adapters: tuple = ()
 
 
 def options_of(plan) -> Options:
     config = plan.config
     frozen = tuple(plan.hooks.frozen_parameters(settings=plan.settings) or ())
+    adapters = ()
+    if plan.adapter_targets:  # LoRA: the whole base frozen, the adapters train
+        frozen, targets, a = ("",), plan.adapter_targets, config.adapters
+        adapters = (a.lora_rank, a.lora_experts == "per-expert", tuple(
+            (name, shape.hidden_size, shape.num_experts, name in targets, "projection" in targets and name != LANGUAGE)
+            for name, shape in plan.shapes.items()))
     return Options(bf16=config.training.precision == "bf16",
                    distributed_optimizer=config.optimizer.use_distributed_optimizer,
                    sequence_parallel=config.performance.sequence_parallel,
                    micro_batch_size=config.training.micro_batch_size, num_microbatches=plan.num_microbatches,
                    recompute={name: config.performance.recompute_for(name) for name in plan.parallelism},
                    frozen=frozenset(name for name in plan.parallelism if _frozen(name, frozen)),
-                   encoder_tokens=config.memory.encoder_tokens(), step_encoders=plan.step_encoders)
+                   encoder_tokens=config.memory.encoder_tokens(), step_encoders=plan.step_encoders,
+                   adapters=adapters)
 
 
 def _frozen(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -158,6 +167,9 @@ def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int,
         optimizer = state * (dense / par.dp + experts / par.expt_dp)
     else:
         optimizer = state * count
+    lora = _adapters(name, memory, options.adapters)
+    lora_state = 12 if options.bf16 else 8
+    optimizer += lora_state * lora / (par.dp if options.distributed_optimizer else 1)
     mode = options.recompute.get(name, "none")
     per_sample = tokens_per_sample(name, memory, options.encoder_tokens)
     tokens = options.micro_batch_size * per_sample if rows is None else rows * per_sample
@@ -168,9 +180,22 @@ def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int,
 
     kept = sum(per_rank(layer.kept(mode, value)) for layer in layers + ends)
     working = max([per_rank(layer.working(mode, value)) for layer in layers + ends] or [0.0])
-    return ModuleTerms(name, stage, len(layers), mode, tokens, in_flight, parameters=value * count,
-                       gradients=4 * count if trainable else 0, optimizer=optimizer,
-                       activations=in_flight * kept + working, parameter_count=count)
+    return ModuleTerms(name, stage, len(layers), mode, tokens, in_flight, parameters=value * (count + lora),
+                       gradients=(4 * count if trainable else 0) + 4 * lora, optimizer=optimizer,
+                       activations=in_flight * kept + working, parameter_count=count + lora)
+
+
+def _adapters(name: str, memory: ModuleMemory, adapters: tuple) -> float:
+    """The module's adapter parameters, at most (core/adapters/size.py), counted whole on each of its ranks."""
+    if not adapters:
+        return 0.0
+    from ..adapters.size import adapter_bound
+
+    rank, per_expert, modules = adapters
+    for module, hidden, experts, body, projection in modules:
+        if module == name:
+            return adapter_bound(memory, hidden, experts, rank, per_expert, body, projection)
+    return 0.0
 
 
 def tokens_per_sample(name: str, memory: ModuleMemory, encoder_tokens: str | float) -> float:

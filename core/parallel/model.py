@@ -10,6 +10,8 @@ from mimo.errors import UsageError
 from mimo.plugins import BuildContext, Encoder
 from mimo.plugins.kit.te_extras import te_extras_enabled
 
+from ..adapters.apply import add_adapters
+from ..config import AdapterOptions
 from . import embedding_merge
 from .topology import LANGUAGE, Topology
 from .wgrad_fusion import fuse_weight_gradient_accumulation
@@ -81,11 +83,13 @@ def _dp(grid) -> int:
 
 
 def build_model(performance, *, hooks, settings, provider: str, topology: Topology, context: BuildContext,
-                device: torch.device, seed: int, distributed_optimizer: bool = False, trainable: bool = True):
+                device: torch.device, seed: int, distributed_optimizer: bool = False, trainable: bool = True,
+                adapters: AdapterOptions | None = None, adapter_targets: dict | None = None):
     """The provider's MimoModel for the modules this rank holds: built from its hooks' specs with `context`,
     seeded per module with `seed`, frozen where it says, on `device`, each module wrapped in DDP over its grid
     (with the overlap options of `performance`, a PerformanceOptions, or none); `trainable` False freezes every
-    module (no gradient buffers: a model that only converts). Collective over the world."""
+    module (no gradient buffers: a model that only converts). With `adapters` enabled, LoRA adapters on the layers
+    `adapter_targets` names and every base weight frozen (core/adapters/). Collective over the world."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.enums import ModelType
     from megatron.core.models.mimo import MimoModelConfig
@@ -118,6 +122,8 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
     model = model_class(config, tp_group=llm_tp).to(device)
     model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
     freeze(model, hooks.frozen_parameters(settings=settings), provider, device)
+    if adapters is not None and adapters.enabled:
+        add_adapters(model, adapters, adapter_targets, seed=seed)
     if not trainable:
         for param in model.parameters():
             param.requires_grad_(False)

@@ -31,7 +31,7 @@ DEFAULT_EVAL_ITERS = 10
 def eval_config(config: RunConfig, split: str) -> RunConfig:
     """The run options `mimo eval` means: the checkpoint's weights only, `--eval-iters` (default 10) batches."""
     c, e = config.checkpoint, config.evaluation
-    if c.load and c.pretrained:
+    if c.load and c.pretrained and not config.adapters.enabled:  # a LoRA checkpoint: --pretrained is its base
         raise UsageError("mimo eval: give one of --load CKPT and --pretrained PATH")
     if not (c.load or c.pretrained or c.pretrained_llm or c.pretrained_vision):
         raise UsageError("mimo eval needs --load CKPT (a mimo checkpoint) or --pretrained PATH (a mimo checkpoint "
@@ -42,9 +42,13 @@ def eval_config(config: RunConfig, split: str) -> RunConfig:
         raise UsageError(f"--split {split} needs --data (the provider's synthetic data has one eval split, val)")
     if c.load:
         require_checkpoint(c.load)
+    # the checkpoint's weights as --pretrained; a LoRA checkpoint's adapters load over their base (--pretrained)
+    weights = (dataclasses.replace(c, save=None, load_optim=False, load_rng=False, load_scheduler=False)
+               if config.adapters.enabled and c.load else
+               dataclasses.replace(c, load=None, pretrained=c.load or c.pretrained, save=None))
     return dataclasses.replace(
         config,
-        checkpoint=dataclasses.replace(c, load=None, pretrained=c.load or c.pretrained, save=None),
+        checkpoint=weights,
         evaluation=dataclasses.replace(e, eval_iters=e.eval_iters or DEFAULT_EVAL_ITERS),
         training=dataclasses.replace(config.training, train_iters=1, train_samples=None),
     )
@@ -56,7 +60,7 @@ def evaluate_checkpoint(plan, split: str, json_path: Path | None = None) -> Eval
     try:
         world = join(plan)
         model = world.build_model()
-        checkpoint = config.checkpoint.pretrained
+        checkpoint = config.checkpoint.load or config.checkpoint.pretrained
         Checkpointer(config.checkpoint, model=model, topology=world.topology,
                      run_info=run_info(plan, plan.settings, False), load_hf=hf_loader(plan, model)).load()
         path = eval_data_path(config)

@@ -79,7 +79,8 @@ class GenerateRequest:
 def generate_config(config: RunConfig) -> RunConfig:
     """The run options `mimo generate` means: the checkpoint's weights only, one sample at a time."""
     c = config.checkpoint
-    if c.load and c.pretrained:
+    lora = config.adapters.enabled and c.load  # a LoRA checkpoint: its adapters load over --pretrained, the base
+    if c.load and c.pretrained and not lora:
         raise UsageError("mimo generate: give one of --load CKPT and --pretrained PATH")
     if not (c.load or c.pretrained):
         raise UsageError("mimo generate needs --load CKPT (a mimo checkpoint) or --pretrained PATH (a mimo "
@@ -87,7 +88,9 @@ def generate_config(config: RunConfig) -> RunConfig:
     if c.load:
         require_checkpoint(c.load)
     return dataclasses.replace(
-        config, checkpoint=dataclasses.replace(c, load=None, pretrained=c.load or c.pretrained, save=None),
+        config, checkpoint=(dataclasses.replace(c, save=None, load_optim=False, load_rng=False, load_scheduler=False)
+                            if lora else dataclasses.replace(c, load=None, pretrained=c.load or c.pretrained,
+                                                             save=None)),
         training=dataclasses.replace(config.training, micro_batch_size=1, global_batch_size=None,
                                      num_microbatches=None, train_iters=1, train_samples=None))
 

@@ -12,6 +12,7 @@ from mimo.plugins import LANGUAGE, ModuleParallelism, Provider, Registry
 from mimo.plugins.settings import build_settings, given_settings
 
 from .. import run_file
+from ..adapters import targets as adapter_targets
 from ..checkpoint import hf
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from ..forward import encoder_pass
@@ -36,6 +37,7 @@ class Plan:
     train_iters: int
     step_encoders: bool = False  # --encoder-pass: the encoders run once per step (encoder_pass.py)
     encoders_recomputed: bool = False  # --encoder-pass auto made the encoders' --recompute full for that
+    adapter_targets: dict | None = None  # --lora-rank: {module: layer names} (core/adapters/targets.py)
 
     @property
     def num_lanes(self) -> int:
@@ -77,8 +79,13 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
         raise UsageError(f"--train-samples {t.train_samples} is less than one global batch ({global_batch})")
     step = encoder_pass.step_encoders(config.performance.encoder_pass, hooks=hooks, parallelism=parallelism,
                                       device=t.device)
+    lora = None
+    if config.adapters.enabled:
+        modalities = sorted(m for m in shapes if m != LANGUAGE)
+        lora = adapter_targets.resolve(config.adapters.lora_targets, hooks.lora_targets(settings=settings),
+                                       modalities, config.provider)
     plan = Plan(config, provider, hooks, settings, shapes, parallelism, world_size, global_batch,
-                global_batch // per_microbatch, train_iters, step)
+                global_batch // per_microbatch, train_iters, step, adapter_targets=lora)
     encoder_pass.fit_auto(plan, fit.fits)  # auto: the step's encoder activations must fit the GPU
     return plan
 

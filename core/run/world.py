@@ -44,7 +44,8 @@ class World:
         return build_model(config.performance, hooks=self.plan.hooks, settings=self.plan.settings,
                            provider=config.provider, topology=self.topology, context=self.context, device=self.device,
                            seed=self.seed if seed is None else seed,
-                           distributed_optimizer=config.optimizer.use_distributed_optimizer, trainable=trainable)
+                           distributed_optimizer=config.optimizer.use_distributed_optimizer, trainable=trainable,
+                           adapters=config.adapters, adapter_targets=self.plan.adapter_targets)
 
     def data_context(self, start_sample: int = 0) -> DataContext:
         """What this rank's data iterator reads: its positions of every micro-batch, from `start_sample` on."""

@@ -57,6 +57,13 @@ def frozen_parameters(settings: MockVLMSettings):
 
 
 @hookimpl
+def lora_targets(settings: MockVLMSettings):
+    """Attention and MLP of both transformers, and the projection."""
+    layers = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    return {LANGUAGE: layers, IMAGES: layers, "projection": ["all"]}
+
+
+@hookimpl
 def module_memory(settings: MockVLMSettings):
     from .memory import module_memory as memory_of
 

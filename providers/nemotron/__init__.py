@@ -122,6 +122,20 @@ def frozen_parameters(settings: NemotronVLMSettings):
 
 
 @hookimpl
+def lora_targets(settings: NemotronVLMSettings):
+    """The LLM's attention, Mamba projections and experts (routed and shared), RADIO's attention and MLPs and the
+    projection: what the issue's one-GPU fine-tuning adapts."""
+    pattern = settings.hybrid_pattern
+    language = (["linear_qkv", "linear_proj"] if "*" in pattern else []) + (
+        ["in_proj", "out_proj"] if "M" in pattern else []) + (["experts", "shared_experts"] if "E" in pattern else [])
+    return {
+        LANGUAGE: language,
+        IMAGES: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"],
+        "projection": ["all"],
+    }
+
+
+@hookimpl
 def module_memory(settings: NemotronVLMSettings):
     from .memory import module_memory as memory_of
 

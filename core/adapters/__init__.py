@@ -1,0 +1,3 @@
+"""Low-rank adapters (LoRA), a loop capability that knows no model: `lora.py` (one adapter and its sharding),
+`linears.py` (megatron-core's linears with an adapter), `experts.py` (a MoE layer's routed experts), `targets.py`
+(which layers --lora-targets names), `apply.py` (adding adapters to a model, merging them into it)."""
