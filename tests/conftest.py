@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
+
+from helpers import shared_artifact
 
 # megatron-core's fused functions (jit_fuser) go through torch.compile, and on a CPU inductor spends seconds per graph
 # in the tests that build models in-process (11 s for one HybridModel test, 2 s without). mimo runs them eagerly
@@ -43,7 +44,9 @@ SLOW: dict[str, float] = {
     "test_checkpoint.py::test_broken_checkpoints_are_one_clear_line": 171,
     "test_generation_docs.py::test_the_documented_example_runs": 156,
     "test_checkpoint.py::test_resume_matches_an_uninterrupted_run_bit_for_bit": 155,
-    "test_layouts.py": 142,
+    "test_layouts.py": 280,
+    "test_lora.py": 250,
+    "test_layouts_from_weights.py": 150,
     "test_checkpoint.py::test_distributed_optimizer_resume_matches_an_uninterrupted_run_bit_for_bit": 134,
     "test_performance_options.py::test_overlapped_communication_trains_the_same_model": 128,
     "test_data_formats.py": 123,
@@ -99,27 +102,6 @@ def tmp_target(tmp_path):
     target = tmp_path / "site"
     target.mkdir()
     return target
-
-
-def shared_artifact(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
-    """The folder `name`, built by `build(folder)` once per test run, whichever xdist worker asks first.
-
-    Each xdist worker is a session of its own with its own basetemp under the run's; the artifact goes into the run's
-    folder, and a file lock makes the other workers wait for it and reuse it. Tests must only read it."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent
-    root = base / "shared"
-    root.mkdir(exist_ok=True)
-    done = root / name
-    with FileLock(str(root / f"{name}.lock")):
-        if not done.exists():
-            partial = root / f"{name}.partial"
-            shutil.rmtree(partial, ignore_errors=True)
-            partial.mkdir()
-            build(partial)
-            partial.rename(done)  # complete or absent: a failed build is retried by the next test that asks
-    return done
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dyn
            "torch._inductor.lowering", "torch.distributed.elastic.multiprocessing", "torch.distributed.launcher.api",
            "torch.utils.data", "numpy", "sympy", "networkx"]
 # environment variables read while those modules are imported (or by the interpreter at start)
-IMPORT_TIME_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "NVTE_", "TRITON", "LD_")
+IMPORT_TIME_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "NVTE_", "TRITON", "LD_", "TQDM_")
 
 _context: multiprocessing.context.ForkServerContext | None = None
 _fresh_path: list[str] = []  # a fresh interpreter's sys.path after its first entry, without PYTHONPATH
@@ -48,6 +48,10 @@ def start(args: list[str], environment: dict[str, str], cwd: str, stdout_path: s
     """A started multiprocessing.Process running `mimo ARGS`; its pid leads a session (os.killpg reaches all)."""
     global _context
     if _context is None:
+        # torch imports tqdm, which reads TQDM_* when it is imported: the server imports it with the value mimo's
+        # console sets for every command before torch loads (no progress bars), and this process passes it on
+        os.environ.setdefault("TQDM_DISABLE", "1")
+        environment.setdefault("TQDM_DISABLE", os.environ["TQDM_DISABLE"])
         environment_without_path = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         _fresh_path[:] = json.loads(subprocess.check_output(
             [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], env=environment_without_path))

@@ -6,13 +6,17 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
+
+from filelock import FileLock
 
 import forked_mimo
 
@@ -163,3 +167,24 @@ def build_mimo_model(provider, settings, modality: str):
                              special_token_ids={modality: encoder.placeholder_token_id},
                              module_to_grid_map=topo.grids)
     return MimoModel(config).eval()
+
+
+def shared_artifact(tmp_path_factory, name: str, build: Callable[[Path], object]) -> Path:
+    """The folder `name`, built by `build(folder)` once per test run, whichever xdist worker asks first.
+
+    Each xdist worker is a session of its own with its own basetemp under the run's; the artifact goes into the run's
+    folder, and a file lock makes the other workers wait for it and reuse it. Tests must only read it."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    root = base / "shared"
+    root.mkdir(exist_ok=True)
+    done = root / name
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            partial = root / f"{name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+            build(partial)
+            partial.rename(done)  # complete or absent: a failed build is retried by the next test that asks
+    return done

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from helpers import read_metrics, run_mimo
+from helpers import read_metrics, run_mimo, shared_artifact
 
 # Half the samples carry no image, so micro-batches without any image occur on encoder ranks.
 COMMON = ("run", "--provider", "mock-vlm", "--device", "cpu", "--train-iters", "10", "--log-interval", "1",
@@ -33,14 +33,16 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def layout_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("layouts")
-    runs = {}
-    for name, args in LAYOUTS.items():
-        metrics = out / f"{name}.jsonl"
-        result = run_mimo(*COMMON, *args, "--metrics-file", str(metrics))
-        assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
-        runs[name] = read_metrics(metrics)
-    return runs
+    """Every layout's metrics, the runs made once per test run (pytest tore the module's fixture down and built
+    it again, 4 to 5 minutes each time, when a worker ran another file's test between two of these)."""
+
+    def build(out):
+        for name, args in LAYOUTS.items():
+            result = run_mimo(*COMMON, *args, "--metrics-file", str(out / f"{name}.jsonl"))
+            assert result.returncode == 0, f"{name}: {result.stderr[-3000:]}"
+
+    out = shared_artifact(tmp_path_factory, "layout-runs", build)
+    return {name: read_metrics(out / f"{name}.jsonl") for name in LAYOUTS}
 
 
 @pytest.mark.parametrize("layout", [name for name in LAYOUTS if name != "single"])
