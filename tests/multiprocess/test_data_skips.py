@@ -110,14 +110,20 @@ def test_skip_count_is_exact_with_a_shuffle_buffer(datasets, num_workers, seed):
     clean, bad, _, _ = datasets
     if num_workers == 0:
         check_skip_count(str(clean), str(bad), num_workers, seed)
-        return
-    # energon forks its loader workers from the process that reads: here a fresh one, as in a training run, not
-    # pytest's, whose earlier tests leave threads behind (a worker forked from it crashed now and then)
+    else:
+        in_fresh_process("check_skip_count", str(clean), str(bad), num_workers, seed)
+
+
+def in_fresh_process(function: str, *args):
+    """This module's `function(*args)` in a fresh interpreter, its JSON result back. energon forks its loader
+    workers from the process that reads: as in a training run, a fresh one, not pytest's, whose earlier tests
+    leave threads behind (workers forked from it crashed in CI)."""
     paths = [str(Path(__file__).parent), str(Path(__file__).parents[1])]
-    code = (f"import sys; sys.path[:0] = {paths!r}; from test_data_skips import check_skip_count; "
-            f"check_skip_count({str(clean)!r}, {str(bad)!r}, {num_workers}, {seed})")
+    code = (f"import json, sys; sys.path[:0] = {paths!r}; import test_data_skips as module; "
+            f"print(json.dumps(module.{function}(*json.loads({json.dumps(args)!r}))))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def check_skip_count(clean: str, bad: str, num_workers: int, seed: int) -> None:
@@ -156,7 +162,11 @@ def check_skip_count(clean: str, bad: str, num_workers: int, seed: int) -> None:
 
 def test_a_sample_too_long_for_the_sequence_is_named_too(datasets):
     """The task encoder's own skips (no room for text after the image) name their shard and key as well."""
-    clean, _, shards, _ = datasets
+    in_fresh_process("check_too_long", str(datasets[0]))
+
+
+def check_too_long(clean: str) -> None:
+    shards = {f"img{i:04d}": f"part-{i // SHARD_SIZE:03d}.tar" for i in range(NUM_SAMPLES)}
     from mimo.data import DynamicResolution
 
     te = MultimodalTaskEncoder(ByteTokenizer(), seq_length=17,
@@ -170,6 +180,7 @@ def test_a_sample_too_long_for_the_sequence_is_named_too(datasets):
         assert record.describe().startswith(f"(too long for seq_length): dataset {clean}, shard "
                                             f"{shards[record.key]}, key {record.key}: needs ")
         assert "raise seq_length" in record.error
+
 
 def test_skip_lines_are_rate_limited():
     now = [0.0]
@@ -222,7 +233,7 @@ def test_energon_prints_go_to_the_debug_log(datasets, caplog, capfd):
 # `mimo run --data`: the lines, the console, the count across a resume, the stop
 
 
-def provider_stream(data, micro_batches, **ctx_options):
+def provider_stream(data, micro_batches, ctx_options):
     """[(worker, key)] mock-vlm's loader consumes in `micro_batches`, read in-process the way `mimo run` reads it."""
     from mimo.plugins import DataContext, Registry
     from mimo.plugins.settings import build_settings
@@ -266,7 +277,8 @@ def test_mimo_run_names_each_skipped_sample_and_counts_exactly_across_a_resume(t
     console = result.stdout + result.stderr
     for noise in ("Except", "Traceback", "MapDataset", "ErrorContext"):  # energon's per-sample prints
         assert noise not in console
-    stream = provider_stream(clean, 10, micro_batch_size=2, seed=5, num_workers=1)
+    stream = [tuple(row) for row in in_fresh_process("provider_stream", str(clean), 10,
+                                                     {"micro_batch_size": 2, "seed": 5, "num_workers": 1})]
     good = [row for row in stream if row[1] not in bad_keys]
     expected = {n: passed_bad_keys(stream, good[:2 * n], bad_keys) for n in (3, 6)}  # 2 samples an iteration
     assert len(expected[3]) >= 1 and len(expected[6]) > len(expected[3])
