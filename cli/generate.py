@@ -14,7 +14,7 @@ import typer
 from mimo.core.config import COMPONENTS
 from mimo.errors import UsageError
 
-from .common import fail
+from .common import fail, start_workers
 from .options import CONTEXT, loop_parameters, provider_parameters
 
 # The loop options that mean something to generation; the others keep their defaults.
@@ -54,7 +54,7 @@ def _generate(ctx: typer.Context, prompt=None, image=None, system=None, split="v
                 for line in report(plan):
                     print(line, file=sys.stderr, flush=True)
             if launch.needs_launcher(plan.config.launch):
-                raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
+                raise typer.Exit(code=start_workers(plan))
             generate(plan, request)
     except UsageError as err:
         raise fail(str(err)) from None

@@ -13,7 +13,7 @@ import typer
 from mimo.errors import TrainingStopped, UsageError
 
 from . import console
-from .common import fail
+from .common import fail, start_workers
 from .help import PlainFlagsGroup, WholeNamesCommand
 from .options import CONTEXT, loop_parameters, provider_parameters, run_config, with_options
 from . import generate
@@ -72,7 +72,7 @@ def _run(ctx: typer.Context, print_config: bool = False, **kwargs):
             return
         with preflight.for_run(config) as plan:
             if launch.needs_launcher(plan.config.launch):
-                raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
+                raise typer.Exit(code=start_workers(plan))
             train(plan)
     except UsageError as err:
         if getattr(err, "quiet", False):  # a stop for the data: one rank says it for the run
@@ -109,7 +109,7 @@ def _eval(ctx: typer.Context, split: str = "val", json_path=None, **kwargs):
             if report is not None and not launch.is_launched_worker():
                 print("\n".join(report(plan)), flush=True)
             if launch.needs_launcher(plan.config.launch):
-                raise typer.Exit(code=launch.start_workers(plan.config.launch, sys.argv[1:]))
+                raise typer.Exit(code=start_workers(plan))
             evaluate_checkpoint(plan, split, json_path)
     except UsageError as err:
         raise fail(str(err)) from None

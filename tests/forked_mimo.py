@@ -1,15 +1,17 @@
-"""Start `mimo` commands without paying for torch's import each time.
+"""Start `mimo` commands without paying for the imports each time.
 
-Most of a short `mimo` command's time on CPU is the interpreter importing torch (and the parts of it megatron-core
-pulls in: torch.distributed.tensor, dynamo, inductor): about 4 s of a 6 s run, paid by hundreds of commands in the
-suite. Each pytest worker keeps one stdlib forkserver that has imported those torch modules once; a command is a
-process forked from it that then runs exactly what `python -m mimo.cli ARGS` runs: mimo, megatron-core, energon and
-the providers are imported in the command's own process (their import-time notices and environment reads stay the
-command's), stdout and stderr go to files, the process leads a session of its own, and it ends like an interpreter
-does (non-daemon threads joined, atexit handlers run, streams flushed).
+Most of a short `mimo` command's time on CPU is the interpreter importing torch, megatron-core, energon and mimo's
+training modules: about 5 s of a 6 s run, paid by hundreds of commands in the suite. Each pytest worker keeps one
+stdlib forkserver that has done those imports once, as the server of a CPU run's workers does
+(`mimo.cli.worker_imports`: the console's routing first, so the libraries' import-time notices go where a
+command's go); a command is a process forked from it that then runs exactly what `python -m mimo.cli ARGS` runs:
+stdout and stderr go to files, the process leads a session of its own, and it ends like an interpreter does
+(non-daemon threads joined, atexit handlers run, streams flushed).
 
-A command whose environment changes what torch reads at import (PYTHONPATH, TORCH_*, OMP_*, ...) runs in a fresh
-interpreter instead, and MIMO_TEST_FRESH_PROCESSES=1 runs every command that way."""
+A command whose environment changes what is read at import (PYTHONPATH aside, which the command puts first on its
+sys.path; TORCH_*, OMP_*, ...), or that shows the libraries' notices (--verbose, --log-file: the import-time ones
+were routed away in the server), runs in a fresh interpreter instead, and MIMO_TEST_FRESH_PROCESSES=1 runs every
+command that way."""
 
 from __future__ import annotations
 
@@ -24,21 +26,19 @@ import sys
 import threading
 import traceback
 
-# torch and its heavy parts, none of which prints a notice at import (megatron-core's and torch's cpp_extension's
-# notices come from modules the command imports itself)
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.tensor", "torch._dynamo", "torch._inductor.compile_fx",
-           "torch._inductor.lowering", "torch.distributed.elastic.multiprocessing", "torch.distributed.launcher.api",
-           "torch.utils.data", "numpy", "sympy", "networkx"]
-# environment variables read while those modules are imported (or by the interpreter at start)
-IMPORT_TIME_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "NVTE_", "TRITON", "LD_", "TQDM_")
+PRELOAD = ["mimo.cli.worker_imports"]
+# environment variables read while those modules are imported (or by the interpreter at start), or by the console
+IMPORT_TIME_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "CUDA", "NVTE_", "TRITON", "LD_", "TQDM_",
+                        "MIMO_VERBOSE", "MIMO_LOG_FILE")
+SHOWS_NOTICES = ("--verbose", "-v", "--log-file")
 
 _context: multiprocessing.context.ForkServerContext | None = None
 _fresh_path: list[str] = []  # a fresh interpreter's sys.path after its first entry, without PYTHONPATH
 
 
-def can_fork(environment: dict[str, str]) -> bool:
-    """Whether a command with this environment behaves the same forked from the server as in a fresh interpreter."""
-    if os.environ.get("MIMO_TEST_FRESH_PROCESSES") == "1":
+def can_fork(args: list[str], environment: dict[str, str]) -> bool:
+    """Whether this command behaves the same forked from the server as in a fresh interpreter."""
+    if os.environ.get("MIMO_TEST_FRESH_PROCESSES") == "1" or any(arg.split("=")[0] in SHOWS_NOTICES for arg in args):
         return False
     return all(environment.get(key) == os.environ.get(key) for key in set(environment) | set(os.environ)
                if key.startswith(IMPORT_TIME_PREFIXES) and key != "PYTHONPATH")  # the command's sys.path takes it

@@ -43,7 +43,7 @@ def run_mimo(*args: str, extra_path: list[Path] = (), timeout: int = 600, env: d
     # metadata (mimo.egg-info) that could shadow the installed distribution's entry points.
     cwd = tempfile.gettempdir()
     with tempfile.NamedTemporaryFile("w+") as out, tempfile.NamedTemporaryFile("w+") as err:
-        if forked_mimo.can_fork(environment):
+        if forked_mimo.can_fork(list(args), environment):
             process = forked_mimo.start(list(args), environment, cwd, out.name, err.name)
             command = ["mimo", *args]
             process.join(timeout)

@@ -14,8 +14,7 @@ import torch.distributed as dist
 
 from mimo.errors import UsageError
 
-from . import cpu_redirect
-
+from . import cpu_redirect, forked_workers
 
 # Set in the workers mimo's own launcher starts: they have RANK like torchrun's, but their parent speaks for them.
 LAUNCHED_BY_MIMO = "MIMO_LAUNCHED_WORKER"
@@ -27,9 +26,9 @@ def is_launched_worker() -> bool:
 
 
 def die_with_launcher() -> None:
-    """In a worker of mimo's launcher: get SIGTERM when the launcher dies, even by SIGKILL (torch starts workers in
-    sessions of their own, so nothing else would stop them): they then stop at the next boundary and save, or end
-    themselves `lifeline.ORPHAN_GRACE_S` seconds later."""
+    """In a worker of mimo's launcher: get SIGTERM when the launcher dies, even by SIGKILL (workers run in sessions
+    of their own, so nothing else would stop them): they then stop at the next boundary and save, or end themselves
+    `lifeline.ORPHAN_GRACE_S` seconds later."""
     launcher = os.environ.get(LAUNCHED_BY_MIMO)
     if not launcher or not launcher.isdigit() or not sys.platform.startswith("linux"):
         return
@@ -150,11 +149,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_workers(options, argv: list[str]) -> int:
+def start_workers(options, argv: list[str], device: str = "auto", preload: list[str] = ()) -> int:
     """Start `options.nproc_per_node` copies of `mimo ARGV` on this node with torch's elastic launcher.
 
     The workers join one world (nodes meet at `rdzv_endpoint`); if any worker fails, the launcher stops the
-    others. Returns the exit code for the parent: 0, or 1 after printing which rank failed.
+    others. On CPU they are forked from this process once it has imported `preload` (forked_workers.py); on
+    GPUs they are fresh interpreters. Returns the exit code for the parent: 0, or 1 after printing which rank failed.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -163,17 +163,24 @@ def start_workers(options, argv: list[str]) -> int:
     # Workers on one node share its cores; without a limit each would start a thread per core (torchrun does this).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.nproc_per_node)))
     os.environ[LAUNCHED_BY_MIMO] = str(os.getpid())  # the workers inherit it: their launcher's pid
+    forked = resolve_device(device).type == "cpu"
     config = LaunchConfig(
         min_nodes=options.nnodes, max_nodes=options.nnodes, nproc_per_node=options.nproc_per_node,
         run_id=options.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=options.rdzv_endpoint or "localhost:0",
-        max_restarts=0, monitor_interval=0.5, start_method="spawn",
+        max_restarts=0, monitor_interval=0.5, start_method="fork" if forked else "spawn",
     )
-    # The agent's warnings narrate a normal stop ("Sending process ... closing signal SIGTERM"); its errors stay.
+    # The agent's warnings narrate a normal stop ("Sending process ... closing signal SIGTERM"); its errors stay,
+    # but for the report of a failed worker, which mimo says in one line below (forked, with a traceback).
     # torch gives each of its modules' loggers a level of its own, so each is set.
     for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
         logging.getLogger(name).setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
     try:
-        elastic_launch(config, sys.executable)("-m", "mimo.cli", *argv)
+        if forked:
+            forked_workers.import_modules(list(preload))
+            elastic_launch(config, forked_workers.run_worker)(*argv)
+        else:
+            elastic_launch(config, sys.executable)("-m", "mimo.cli", *argv)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         print(f"error: worker rank {rank} failed first (exit code {failure.exitcode}); the launcher stopped the "
