@@ -18,7 +18,7 @@ or on a module another adapter lands on.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -47,10 +47,7 @@ class Adapter:
     layer: str
     weight: str
     a: str = ""
-    b: dict = None  # part number (0 when B is whole) -> key
-
-    def __post_init__(self):
-        self.b = {} if self.b is None else self.b
+    b: dict = field(default_factory=dict)  # part number (0 when B is whole) -> key
 
 
 def export_peft(checkpoint: Path, out: Path, assignments: list[str] = (),
@@ -133,6 +130,9 @@ def find_adapters(keys, tmap: TensorMap) -> list[Adapter]:
         else:
             adapter.b[int(match["part"] or 0)] = key
     for adapter in found.values():
+        if not adapter.a or not adapter.b:
+            raise UsageError(f"--adapter-only: the adapter on {adapter.layer} lacks its "
+                             f"{'A' if not adapter.a else 'B'} in the checkpoint")
         if adapter.weight not in tmap.tensors and not _weight_parts(adapter, tmap):
             raise UsageError(f"--adapter-only: the adapter on {adapter.layer} adapts {adapter.weight}, which the "
                              f"provider's Hugging Face map does not place")

@@ -28,7 +28,8 @@ PROJECTOR = {"mlp1.0.weight": "encoder.linear_fc1.layer_norm_weight", "mlp1.1.we
 
 
 # the projector's linears as transformers names them once loaded (its renaming of mlp1.1 and mlp1.3)
-LOADED_PROJECTOR = {"mlp1.1.weight": "multi_modal_projector.linear_1", "mlp1.3.weight": "multi_modal_projector.linear_2"}
+LOADED_PROJECTOR = {"mlp1.1.weight": "multi_modal_projector.linear_1",
+                    "mlp1.3.weight": "multi_modal_projector.linear_2"}
 
 
 def _vision_config(hf_config: dict) -> dict:
