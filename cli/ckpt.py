@@ -129,18 +129,26 @@ def export_hf(checkpoint: Path, out: Path,
                                                                  "tokenizer_path=DIR); one that changes the model "
                                                                  "is refused"),
               max_shard_size: str = typer.Option("5GB", help="largest safetensors shard (e.g. 500MB, 5GB); more "
-                                                             "than one shard gets model.safetensors.index.json")):
+                                                             "than one shard gets model.safetensors.index.json"),
+              adapter_only: bool = typer.Option(False, "--adapter-only", help="CHECKPOINT holds LoRA adapters: write "
+                                                "them as a PEFT adapter folder (adapter_config.json, "
+                                                "adapter_model.safetensors) for peft.PeftModel.from_pretrained on "
+                                                "the Hugging Face model of their base")):
     """Write the weights of a mimo checkpoint (CHECKPOINT: its save directory; any layout) as a Hugging Face
     model folder OUT that transformers loads (AutoModelForImageTextToText, AutoProcessor), with its tokenizer
-    and processor files. Streaming, in one process: no model is built."""
-    from mimo.core.checkpoint import hf_export
+    and processor files; with --adapter-only, a LoRA run's adapters as a PEFT adapter. Streaming, in one process:
+    no model is built."""
+    from mimo.core.checkpoint import hf_export, peft_export
     from mimo.core.run.lifeline import install as die_with_parent
 
     from .common import fail
 
     die_with_parent()
     try:
-        name, notes = hf_export.export_hf(checkpoint, out, assignments or [], parse_size(max_shard_size))
+        if adapter_only:
+            name, notes = peft_export.export_peft(checkpoint, out, assignments or [])
+        else:
+            name, notes = hf_export.export_hf(checkpoint, out, assignments or [], parse_size(max_shard_size))
     except UsageError as err:
         raise fail(str(err)) from None
     for note in notes:

@@ -160,7 +160,10 @@ def hf_export(settings):
     """Return a `mimo.plugins.kit.tensor_map.HFExport` for settings hf_export_check accepts: config.json, the
     TensorMap of the whole model (its keys all saved in the checkpoint; `derived` for tensors rebuilt rather than
     read), other files of the folder (tokenizer, processor) and notes. `mimo ckpt export-hf` streams the tensors
-    from the checkpoint through the map into shards. Optional.
+    from the checkpoint through the map into shards. Its `loaded_modules` (optional) names, for each linear's
+    weight, the modules of the model transformers loads from the folder (`LoadedModule`: after transformers'
+    load-time renaming and splitting): `export-hf --adapter-only` writes a LoRA run's adapters onto them as a PEFT
+    adapter. Optional.
     """
 
 

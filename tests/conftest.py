@@ -68,6 +68,7 @@ SLOW: dict[str, float] = {
     "test_first_contact.py::test_verbose_and_log_file_show_the_libraries_notices": 49,
     "test_scaffold.py::test_scaffolded_provider_installs_trains_and_passes_its_tests": 47,
     "test_hf_export.py::test_an_exportable_run_loads_and_generates_with_transformers_alone": 46,
+    "test_peft_export.py::test_a_peft_adapter_on_the_base_gives_the_merged_models_logits": 45,
     "test_data_formats.py::test_the_nemotron_vlm_trains_on_a_chat_dataset": 46,
     "test_data_skips.py": 45,
     "test_plan.py::test_mimo_plan_command": 45,

@@ -33,31 +33,14 @@ from .layout import TRACKER, iteration_dir, read_common, read_tracker
 def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), max_shard_bytes: int = DEFAULT_SHARD_BYTES,
               registry: Registry | None = None) -> tuple[str, list[str]]:
     """Write the checkpoint's weights as a Hugging Face folder `out`. Returns (provider, notes for the user)."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    registry = registry or Registry()
     checkpoint, out = Path(checkpoint), Path(out)
-    iteration = read_tracker(checkpoint)
-    if iteration is None:
-        raise UsageError(f"no checkpoint in {checkpoint} ({TRACKER} is missing; give the save directory)")
-    directory = iteration_dir(checkpoint, iteration)
-    check_output(out, checkpoint)
-    run = read_common(directory)["run"]
-    provider, _ = registry.get(run["provider"])
-    hooks = registry.hooks(run["provider"])
-    settings = export_settings(provider, hooks, run["settings"], list(assignments))
-    refused = hooks.hf_export_check(settings=settings)
-    if refused is None:
-        raise UsageError(f"provider '{run['provider']}' exports no Hugging Face models (no hf_export hook)")
-    if refused:
-        raise UsageError(f"{directory} cannot be exported to Hugging Face: {not_exportable(refused)}")
-    export = hooks.hf_export(settings=settings)
-
+    directory, common, export = open_export(checkpoint, out, assignments, registry)
+    run = common["run"]
+    if common["contents"].get("adapters"):
+        raise UsageError(f"{directory} holds LoRA adapters only: export them as a PEFT adapter with --adapter-only, "
+                         f"or the whole model after mimo ckpt merge-lora {checkpoint} MERGED")
     checksums.verify(directory)
-    metadata = FileSystemReader(str(directory)).read_metadata()
-    saved = {dist_key(k): (k, m) for k, m in metadata.state_dict_metadata.items()
-             if isinstance(m, TensorStorageMetadata)}
+    saved = saved_tensors(directory)
     tmap = export.tensors
     needed = set(tmap.tensors) | {k for keys, _ in tmap.derived.values() for k in keys}
     if missing := sorted(needed - set(saved)):
@@ -65,7 +48,7 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), max_shar
     shapes = hf_shapes(tmap, lambda key: tuple(saved[key][1].size))
     contrib = contributions(tmap, shapes.__getitem__)
     dtypes = {name: saved[pieces[0][0]][1].properties.dtype for name, pieces in contrib.items()}
-    reader = _Reader(directory, saved)
+    reader = Reader(directory, saved)
     derived = {name: fn(*(reader.load([k])[k] for k in keys)) for name, (keys, fn) in tmap.derived.items()}
     groups = components(contrib)
     plan = [(n, dtypes[n], shapes[n]) for group in groups for n in group]
@@ -92,7 +75,39 @@ def export_hf(checkpoint: Path, out: Path, assignments: list[str] = (), max_shar
     return run["provider"], list(export.notes)
 
 
-class _Reader:
+def open_export(checkpoint: Path, out: Path, assignments, registry: Registry | None):
+    """(iteration directory, common.pt, the provider's HFExport) of a checkpoint to export into `out`; every
+    refusal that needs no tensor read, one line each."""
+    registry = registry or Registry()
+    iteration = read_tracker(checkpoint)
+    if iteration is None:
+        raise UsageError(f"no checkpoint in {checkpoint} ({TRACKER} is missing; give the save directory)")
+    directory = iteration_dir(checkpoint, iteration)
+    check_output(out, checkpoint)
+    common = read_common(directory)
+    run = common["run"]
+    provider, _ = registry.get(run["provider"])
+    hooks = registry.hooks(run["provider"])
+    settings = export_settings(provider, hooks, run["settings"], list(assignments))
+    refused = hooks.hf_export_check(settings=settings)
+    if refused is None:
+        raise UsageError(f"provider '{run['provider']}' exports no Hugging Face models (no hf_export hook)")
+    if refused:
+        raise UsageError(f"{directory} cannot be exported to Hugging Face: {not_exportable(refused)}")
+    return directory, common, hooks.hf_export(settings=settings)
+
+
+def saved_tensors(directory: Path) -> dict:
+    """dist key -> (saved key, its DCP metadata) of every tensor the checkpoint holds."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    return {dist_key(k): (k, m) for k, m in metadata.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)}
+
+
+class Reader:
     """Whole global tensors of chosen keys, read with torch's DCP reader in this process alone."""
 
     def __init__(self, directory: Path, saved: dict):

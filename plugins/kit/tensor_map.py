@@ -108,16 +108,32 @@ class TensorMap:
         return {leaf.name for spec in self.tensors.values() for leaf in leaves(spec)}
 
 
+@dataclass(frozen=True)
+class LoadedModule:
+    """A linear module of the model transformers loads from the export (named as transformers names it after its
+    load-time renaming: what PEFT's `target_modules` match), whose weight is the rows [rows[0], rows[1]) of a
+    checkpoint tensor (None: all of it)."""
+
+    path: str
+    rows: tuple[int, int] | None = None
+
+
 @dataclass
 class HFExport:
     """What `hf_export` gives for a model's settings: config.json, the map of the exported tensors, other files of
     the folder (name -> text or bytes: tokenizer, processor, generation config) and notes for the user (one line
-    each: what the export had to make up)."""
+    each: what the export had to make up).
+
+    `loaded_modules` (optional) lets `export-hf --adapter-only` write LoRA adapters as a PEFT adapter: for the
+    name of a linear's weight among the exported tensors, the `LoadedModule`s that hold its rows once transformers
+    loaded the folder, or a sentence saying why no module PEFT adapts does (e.g. experts loaded as one 3-D tensor).
+    None: the provider's adapters are exported merged only (`mimo ckpt merge-lora`, then `export-hf`)."""
 
     config: dict
     tensors: TensorMap
     files: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    loaded_modules: Callable[[str], "tuple[LoadedModule, ...] | str"] | None = None
 
 
 def leaves(spec: Spec) -> Iterator[Src]:

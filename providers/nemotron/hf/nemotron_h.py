@@ -21,7 +21,7 @@ from collections.abc import Mapping
 import torch
 
 from mimo.errors import UsageError
-from mimo.plugins.kit.tensor_map import Cat, Src, Stack, TensorMap
+from mimo.plugins.kit.tensor_map import Cat, LoadedModule, Src, Stack, TensorMap
 
 # layers_block_type entries -> the provider's hybrid_pattern symbols (and the legacy spellings transformers remaps).
 LAYER_SYMBOLS = {"linear_attention": "M", "mamba": "M", "moe": "E", "full_attention": "*", "attention": "*",
@@ -216,6 +216,21 @@ def text_config(s) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ loaded models
+
+EXPERTS_LOADED = ("transformers loads nemotron_h's routed experts as one 3-D tensor per linear (mixer.experts."
+                  "up_proj, down_proj), which peft 0.21 has no per-expert LoRA conversion for")
+
+
+def loaded_module(name: str) -> tuple[LoadedModule, ...] | str:
+    """The module of transformers' NemotronHForCausalLM that holds the checkpoint weight `name` once loaded
+    (`backbone.` is `model.` there), or why none does (the routed experts)."""
+    if ".mixer.experts." in name:
+        return EXPERTS_LOADED
+    if not name.endswith(".weight"):
+        return "no linear's weight"
+    path = name.removesuffix(".weight")
+    return (LoadedModule("model." + path.removeprefix("backbone.") if path.startswith("backbone.") else path),)
+
 
 
 def _checkpoint_layout(hf_state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

@@ -18,13 +18,18 @@ does. The language model (`language_model.`) and the audio branch are not this m
 from __future__ import annotations
 
 from mimo.errors import UsageError
-from mimo.plugins.kit.tensor_map import Src, TensorMap
+from mimo.plugins.kit.tensor_map import LoadedModule, Src, TensorMap
 
 from . import radio
 
 VISION = "vision_model."
 PROJECTOR = {"mlp1.0.weight": "encoder.linear_fc1.layer_norm_weight", "mlp1.1.weight": "encoder.linear_fc1.weight",
              "mlp1.3.weight": "encoder.linear_fc2.weight"}
+
+
+# the projector's linears as transformers names them once loaded (its renaming of mlp1.1 and mlp1.3)
+LOADED_PROJECTOR = {"mlp1.1.weight": "multi_modal_projector.linear_1",
+                    "mlp1.3.weight": "multi_modal_projector.linear_2"}
 
 
 def _vision_config(hf_config: dict) -> dict:

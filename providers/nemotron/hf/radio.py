@@ -29,10 +29,12 @@ the settings `image_mean` / `image_std` that `config_fields` gives), `summary_id
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from mimo.errors import UsageError
-from mimo.plugins.kit.tensor_map import Cat, Src, Stack, TensorMap
+from mimo.plugins.kit.tensor_map import Cat, LoadedModule, Src, Stack, TensorMap
 
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -175,6 +177,28 @@ def _check(name: str, make, hf_config: dict | None):
         return None
 
     return check
+
+
+# transformers' load-time renaming of RADIO's linears (its conversion mapping for model type radio)
+LOADED = {MODEL + "patch_generator.embedder.": "embeddings.patch_projection",
+          MODEL + "patch_generator.video_embedder.": "embeddings.video_patch_projection"}
+_BLOCK_LINEAR = re.compile(rf"^{re.escape(MODEL)}blocks\.(\d+)\.(attn\.qkv|attn\.proj|mlp\.fc1|mlp\.fc2)\.weight$")
+
+
+def loaded_module(name: str, hidden: int) -> tuple[LoadedModule, ...] | str:
+    """The modules of transformers' RadioModel that hold the checkpoint weight `name` once loaded: the fused qkv
+    splits into q_proj, k_proj and v_proj (three row windows of `hidden`), blocks become encoder.layer."""
+    for prefix, module in LOADED.items():
+        if name == prefix + "weight":
+            return (LoadedModule(module),)
+    match = _BLOCK_LINEAR.match(name)
+    if match is None:
+        return "no linear module of transformers' RadioModel"
+    layer, linear = f"encoder.layer.{match[1]}.", match[2]
+    if linear == "attn.qkv":
+        return tuple(LoadedModule(f"{layer}attention.{p}_proj", (i * hidden, (i + 1) * hidden))
+                     for i, p in enumerate("qkv"))
+    return (LoadedModule(layer + {"attn.proj": "attention.o_proj"}.get(linear, linear)),)
 
 
 def vision_config(s) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from mimo import LANGUAGE, module_prefix
 from mimo.errors import UsageError
-from mimo.plugins.kit.tensor_map import HFExport, TensorMap
+from mimo.plugins.kit.tensor_map import HFExport, LoadedModule, TensorMap
 
 from . import nemotron_h, nemotron_h_omni, radio
 from ..settings import ENCODER, IMAGES, NemotronVLMSettings
@@ -106,7 +106,21 @@ def hf_export(settings: NemotronVLMSettings) -> HFExport:
                                         radio.inflated_video_embedder(INFLATED_FRAMES))
         notes.append(f"RADIO has no video patch embedder: the export makes one of {INFLATED_FRAMES} frames from the "
                      f"image embedder (video_temporal_patch_size {INFLATED_FRAMES}; images are unaffected)")
-    return HFExport(omni_config(settings), tmap, processor_files(settings), notes)
+    return HFExport(omni_config(settings), tmap, processor_files(settings), notes,
+                    lambda name: loaded_module(name, settings.vision_hidden_size))
+
+
+def loaded_module(name: str, vision_hidden: int) -> tuple[LoadedModule, ...] | str:
+    """The modules of the omni model transformers loads that hold the exported weight `name` (a PEFT adapter's
+    targets), or why none does: each part's own renaming under its prefix."""
+    if name in nemotron_h_omni.LOADED_PROJECTOR:
+        return (LoadedModule(nemotron_h_omni.LOADED_PROJECTOR[name]),)
+    for prefix, part in ((HF_LANGUAGE, nemotron_h.loaded_module),
+                         (HF_VISION, lambda n: radio.loaded_module(n, vision_hidden))):
+        if name.startswith(prefix):
+            held = part(name.removeprefix(prefix))
+            return held if isinstance(held, str) else tuple(LoadedModule(prefix + m.path, m.rows) for m in held)
+    return "no linear module of the omni model transformers loads"
 
 
 def omni_config(s: NemotronVLMSettings) -> dict:
