@@ -17,7 +17,7 @@ from ..checkpoint import hf
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from ..forward import encoder_pass
 from ..memory import fit
-from ..parallel import topology
+from ..parallel import context_parallel, topology
 from . import launch
 
 
@@ -64,6 +64,9 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
         world_size = launch.world_size(config.launch)  # a launcher's world (torchrun, srun), or the options
     parallelism = topology.plan(config.layout, world_size, shapes, t.micro_batch_size,
                                 config.performance.sequence_parallel)
+    context_parallel.check(parallelism[LANGUAGE], seq_length=getattr(settings, "seq_length", None),
+                           sequence_parallel=config.performance.sequence_parallel,
+                           pack_sequences=config.data.data is not None and config.data.pack_sequences)
     unknown = sorted(set(config.performance.recompute_modes()) - set(shapes) - {"*"})
     if unknown:
         raise UsageError(f"--recompute names module '{unknown[0]}', which provider '{config.provider}' does not "
