@@ -109,7 +109,11 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
 
 def _language_model_accepts(plan: Plan) -> None:
     """The provider's own refusal of the layout (under CP: a backend without it, heads that do not split), here
-    rather than in every worker: its language model's spec built once without process groups (no weights)."""
+    rather than in every worker: its language model's spec built once without process groups (no weights). Not for
+    a plan made for GPUs on a host without one (`mimo plan --device cuda` on a login node): a provider checks its
+    backend against this machine; the workers' build still refuses there."""
+    if plan.config.training.device == "cuda" and not torch.cuda.is_available():
+        return
     try:
         plan.hooks.build_language_model(settings=plan.settings, ctx=plan.build_context({}))
     except ValueError as err:
