@@ -59,6 +59,7 @@ SLOW: dict[str, float] = {
     "test_data_stops.py": 76,
     "test_orphans.py::test_kills_of_the_main_process_leave_nothing_behind": 66,
     "test_evaluation.py": 60,
+    "test_context_parallel.py::test_cp2_gives_the_losses_and_gradient_norms_of_one_process": 27,
     "test_checkpoint.py::test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable": 57,
     "test_checkpoint_compat.py::test_resuming_with_a_larger_train_iters_equals_an_uninterrupted_run": 55,
     "test_hf_import_export.py::test_a_dense_llm_imports_into_tensor_parallel_ranks_and_exports_from_them": 54,

@@ -174,7 +174,7 @@ class Checkpointer:
             payload = rng_state()
             state["rng_state"] = {
                 name: ShardedObject(f"rng_state.{name}", payload, (pgc.pp.size(), pgc.tp.size()),
-                                    (pgc.pp.rank(), pgc.tp.rank()), replica_id=pgc.dp.rank())
+                                    (pgc.pp.rank(), pgc.tp.rank()), replica_id=(pgc.dp.rank(), pgc.cp.rank()))
                 for name, pgc in held.items()
             }
         if LANGUAGE in held:  # one data state per LLM lane, with the number of lanes it was saved under

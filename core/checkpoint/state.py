@@ -24,7 +24,7 @@ def own_common(sub: dict, key: str, pgc) -> dict:
     # Local objects (param ids) are filled in from the running optimizer at load: leave them to megatron-core.
     sharded, common = extract_matching_values(sub, lambda v: isinstance(v, (ShardedBase, LocalNonpersistentObject)))
     sharded[_OWN_COMMON] = ShardedObject(f"{key}.{_OWN_COMMON}", common, (1,), (0,),
-                                         replica_id=(pgc.tp.rank(), pgc.pp.rank(), pgc.dp.rank()))
+                                         replica_id=(pgc.tp.rank(), pgc.pp.rank(), pgc.dp.rank(), pgc.cp.rank()))
     return sharded
 
 

@@ -229,5 +229,12 @@ class LayoutOptions(Options):
     encoder_tp: int = option(1, "tensor parallelism of the encoders")
     llm_tp: int = option(1, "tensor parallelism of the LLM")
     llm_pp: int = option(1, "pipeline parallelism of the LLM")
+    llm_cp: int = option(
+        1, "context parallelism of the LLM: each sample's merged sequence (text and encoder embeddings) is split "
+           "over this many ranks, load-balanced (colocated layouts; the encoders stay CP 1)")
     llm_ep: int = option(1, "expert parallelism of the LLM")
     llm_expt_tp: int = option(1, "tensor parallelism of the LLM's experts")
+
+    def check(self) -> None:
+        at_least_one(("--encoder-tp", self.encoder_tp), ("--llm-tp", self.llm_tp), ("--llm-pp", self.llm_pp),
+                     ("--llm-cp", self.llm_cp), ("--llm-ep", self.llm_ep), ("--llm-expt-tp", self.llm_expt_tp))

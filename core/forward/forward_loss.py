@@ -9,6 +9,7 @@ from functools import partial
 import torch
 from torch.profiler import record_function
 
+from ..parallel.context_parallel import check_row
 from ..parallel.embedding_merge import placeholder_rows
 from ..telemetry.timers import StepTimers
 from .batch_transfer import to_device
@@ -39,6 +40,7 @@ class ForwardLoss:
         embeddings = None
         if isinstance(batch, EncodedBatch):  # --encoder-pass step: the encoders ran for the whole step
             batch, embeddings = batch.batch, batch.embeddings
+        check_row(model, batch["input_ids"].shape[-1])
         with self._label("mimo/to-device"):
             model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
             # where each encoder's placeholders are, found on the host: the merge then never waits for the GPU

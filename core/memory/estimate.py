@@ -163,16 +163,18 @@ def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int,
     trainable = name not in options.frozen
     # bf16: Adam's fp32 main weights and two moments (12 bytes); fp32: the moments (8), the weights are the params
     state = (12 if options.bf16 else 8) if trainable else 0
+    # the distributed optimizer shards over data and context parallelism (megatron-core's dp_cp group)
     if options.distributed_optimizer:
-        optimizer = state * (dense / par.dp + experts / par.expt_dp)
+        optimizer = state * (dense / (par.dp * par.cp) + experts / par.expt_dp)
     else:
         optimizer = state * count
     lora = _adapters(name, memory, options.adapters)
     lora_state = 12 if options.bf16 else 8
-    optimizer += lora_state * lora / (par.dp if options.distributed_optimizer else 1)
+    optimizer += lora_state * lora / (par.dp * par.cp if options.distributed_optimizer else 1)
     mode = options.recompute.get(name, "none")
     per_sample = tokens_per_sample(name, memory, options.encoder_tokens)
     tokens = options.micro_batch_size * per_sample if rows is None else rows * per_sample
+    tokens /= par.cp  # the LLM's merged sequence is split over its CP ranks (encoders are CP 1)
     sp = options.sequence_parallel and par.tp > 1 and name == LANGUAGE
 
     def per_rank(b: TokenBytes) -> float:

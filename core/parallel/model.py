@@ -39,6 +39,15 @@ def _seeded_mimo_model_class():
             torch.manual_seed(self.init_seed + 1)
             super()._initialize_language_model()
 
+        def _build_colocated_communicators(self):
+            # Under the LLM's CP the encoders' grid has DP = LLM DP x CP, so megatron-core would make a fan-in
+            # bridge (and it refuses CP > 1 grids). Every colocated rank's encoder reads its LLM lane's samples
+            # (topology.data_positions): the whole merged sequence is on each CP rank before the split, and the
+            # embeddings pass through as they are. The CP ranks' encoder gradients add up in the encoders' DDP.
+            if _cp(self.mimo_config.module_to_grid_map[LANGUAGE]) > 1:
+                return
+            super()._build_colocated_communicators()
+
         def forward(self, *args, placeholder_rows=None, modality_embeddings=None, **kwargs):
             """`modality_embeddings` {modality: [placeholders, hidden]}: encoder outputs computed already (the
             encoders ran once for the step, core/forward/encoder_pass.py), merged in place of running the encoders;
@@ -82,6 +91,10 @@ def _dp(grid) -> int:
     return grid.shape[grid.dim_names.index("dp")]
 
 
+def _cp(grid) -> int:
+    return grid.shape[grid.dim_names.index("cp")]
+
+
 def build_model(performance, *, hooks, settings, provider: str, topology: Topology, context: BuildContext,
                 device: torch.device, seed: int, distributed_optimizer: bool = False, trainable: bool = True,
                 adapters: AdapterOptions | None = None, adapter_targets: dict | None = None):
@@ -117,9 +130,11 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
     )
     model_class = _seeded_mimo_model_class()
     model_class.init_seed = seed
-    # With sequence parallelism MimoModel scatters the LLM's combined embeddings over its TP group itself.
-    llm_tp = topology.pg_collections[LANGUAGE].tp if topology.holds(LANGUAGE) else None
-    model = model_class(config, tp_group=llm_tp).to(device)
+    # With sequence (context) parallelism MimoModel scatters the LLM's combined embeddings over its TP (CP) group
+    # itself; given explicitly, since no global parallel_state is set up.
+    llm_pgs = topology.pg_collections.get(LANGUAGE)
+    tp_group, cp_group = (llm_pgs.tp, llm_pgs.cp) if llm_pgs is not None else (None, None)
+    model = model_class(config, tp_group=tp_group, cp_group=cp_group).to(device)
     model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
     freeze(model, hooks.frozen_parameters(settings=settings), provider, device)
     if adapters is not None and adapters.enabled:

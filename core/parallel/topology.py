@@ -38,12 +38,16 @@ def plan(layout: LayoutOptions, world_size: int, shapes: dict[str, ModuleShape],
                          f"encoders ranks of their own with --encoder-ranks")
     if k == 0 and layout.llm_pp > 1:
         raise UsageError("--llm-pp > 1 needs the encoders on ranks of their own: set --encoder-ranks")
+    if k and layout.llm_cp > 1:
+        raise UsageError(f"--llm-cp {layout.llm_cp} with --encoder-ranks {k} is not supported yet: megatron-core "
+                         f"0.19.2's bridge between separate encoder and LLM grids asserts CP 1; use a colocated "
+                         f"layout (--encoder-ranks 0) for context parallelism")
     encoder_span, llm_span = ((0, world_size), (0, world_size)) if k == 0 else ((0, k), (k, world_size - k))
     parallelism = {
         name: ModuleParallelism(*encoder_span, tp=layout.encoder_tp) for name in shapes if name != LANGUAGE
     }
     parallelism[LANGUAGE] = ModuleParallelism(
-        *llm_span, tp=layout.llm_tp, pp=layout.llm_pp, ep=layout.llm_ep, expt_tp=layout.llm_expt_tp
+        *llm_span, tp=layout.llm_tp, pp=layout.llm_pp, ep=layout.llm_ep, expt_tp=layout.llm_expt_tp, cp=layout.llm_cp
     )
     for name, par in parallelism.items():
         _check_module(name, par, shapes[name], sequence_parallel)
@@ -104,6 +108,9 @@ def _check_module(name: str, par: ModuleParallelism, shape: ModuleShape, sequenc
             f"{who} has {par.num_ranks} ranks, not divisible by TP x PP = {par.tp} x {par.pp}: "
             f"choose {tp_opt}{' x --llm-pp' if is_llm else ''} among {_divisors(par.num_ranks)}"
         )
+    if par.num_ranks % (par.tp * par.cp * par.pp):
+        raise UsageError(f"{who} has {par.num_ranks} ranks, not divisible by TP x CP x PP = {par.tp} x {par.cp} x "
+                         f"{par.pp}: choose --llm-cp among {_divisors(par.num_ranks // (par.tp * par.pp))}")
     for count, what in ((shape.num_attention_heads, "attention heads"), (shape.num_query_groups, "query groups")):
         if count and count % par.tp:
             raise UsageError(f"{tp_opt} {par.tp} does not divide the {who}'s {count} {what}: use one of {_divisors(count)}")
@@ -141,9 +148,26 @@ class Topology:
 def is_token_source(topology: Topology) -> bool:
     """One rank per LLM data lane: the last pipeline stage's first TP (and CP) rank."""
     pgc = topology.pg_collections.get(LANGUAGE)
+    return pgc is not None and is_loss_source(topology) and pgc.cp.rank() == 0
+
+
+def is_loss_source(topology: Topology) -> bool:
+    """The ranks whose loss sums and token counts add up to their lane's: the last pipeline stage's first TP rank
+    of each CP rank (each holds the loss of its part of the sequence)."""
+    pgc = topology.pg_collections.get(LANGUAGE)
     if pgc is None:
         return False
-    return pgc.pp.rank() == pgc.pp.size() - 1 and pgc.tp.rank() == 0 and pgc.cp.rank() == 0
+    return pgc.pp.rank() == pgc.pp.size() - 1 and pgc.tp.rank() == 0
+
+
+def counted_once(totals, loss_source: bool, token_source: bool):
+    """This rank's part of a world sum of `totals` ([loss sum, tokens, *data counts]): the loss and tokens from
+    every loss source (under CP each holds its part of the lane's sequence), the data counts from the lane's token
+    source alone (every CP rank reads the same samples)."""
+    part = totals.clone() if loss_source and token_source else totals.new_zeros(totals.shape)
+    if loss_source and not token_source:
+        part[:2] = totals[:2]
+    return part
 
 
 def build(parallelism: dict[str, ModuleParallelism], backend: str) -> Topology:

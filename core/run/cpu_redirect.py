@@ -41,6 +41,8 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if "device" in kwargs and _is_cuda(kwargs["device"]):
             kwargs["device"] = _CPU
+        if kwargs.get("pin_memory"):  # pinning needs the driver (CP's rotary split pins its chunk indices)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from mimo.errors import UsageError
-from mimo.plugins import LANGUAGE, ModuleParallelism, Provider, Registry
+from mimo.plugins import LANGUAGE, BuildContext, ModuleParallelism, Provider, Registry
 from mimo.plugins.settings import build_settings, given_settings
 
 from .. import run_file
@@ -17,7 +17,7 @@ from ..checkpoint import hf
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from ..forward import encoder_pass
 from ..memory import fit
-from ..parallel import topology
+from ..parallel import context_parallel, topology
 from . import launch
 
 
@@ -47,6 +47,18 @@ class Plan:
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.config.training.precision == "bf16" else torch.float32
 
+    def build_context(self, pg_collections: dict) -> BuildContext:
+        """What `build_encoders` and `build_language_model` are told: layout, precision, groups (this rank's,
+        {} before any exists), performance options."""
+        perf = self.config.performance
+        return BuildContext(params_dtype=self.params_dtype, parallelism=self.parallelism,
+                            pg_collections=pg_collections,
+                            recompute={name: perf.recompute_for(name) for name in self.parallelism},
+                            sequence_parallel=perf.sequence_parallel, fp8=perf.fp8, cuda_graphs=perf.cuda_graphs,
+                            cuda_graph_modules=perf.graph_modules(),
+                            llm_input_packed=self.config.data.data is not None and self.config.data.pack_sequences,
+                            overlap_grad_reduce=perf.overlap_grad_reduce)
+
 
 def prepare(config: RunConfig, registry: Registry | None = None, world_size: int | None = None) -> Plan:
     """Check the options, the provider and its settings, and the layout; raise UsageError on the first problem."""
@@ -64,6 +76,9 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
         world_size = launch.world_size(config.launch)  # a launcher's world (torchrun, srun), or the options
     parallelism = topology.plan(config.layout, world_size, shapes, t.micro_batch_size,
                                 config.performance.sequence_parallel)
+    context_parallel.check(parallelism[LANGUAGE], seq_length=getattr(settings, "seq_length", None),
+                           sequence_parallel=config.performance.sequence_parallel,
+                           pack_sequences=config.data.data is not None and config.data.pack_sequences)
     unknown = sorted(set(config.performance.recompute_modes()) - set(shapes) - {"*"})
     if unknown:
         raise UsageError(f"--recompute names module '{unknown[0]}', which provider '{config.provider}' does not "
@@ -86,8 +101,23 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
                                        modalities, config.provider)
     plan = Plan(config, provider, hooks, settings, shapes, parallelism, world_size, global_batch,
                 global_batch // per_microbatch, train_iters, step, adapter_targets=lora)
+    if parallelism[LANGUAGE].cp > 1:
+        _language_model_accepts(plan)
     encoder_pass.fit_auto(plan, fit.fits)  # auto: the step's encoder activations must fit the GPU
     return plan
+
+
+def _language_model_accepts(plan: Plan) -> None:
+    """The provider's own refusal of the layout (under CP: a backend without it, heads that do not split), here
+    rather than in every worker: its language model's spec built once without process groups (no weights). Not for
+    a plan made for GPUs on a host without one (`mimo plan --device cuda` on a login node): a provider checks its
+    backend against this machine; the workers' build still refuses there."""
+    if plan.config.training.device == "cuda" and not torch.cuda.is_available():
+        return
+    try:
+        plan.hooks.build_language_model(settings=plan.settings, ctx=plan.build_context({}))
+    except ValueError as err:
+        raise UsageError(f"provider '{plan.config.provider}': {err}") from None
 
 
 def hf_base_settings(config: RunConfig, provider: Provider, hooks) -> dict:

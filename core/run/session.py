@@ -161,7 +161,7 @@ def describe_run(plan: Plan, held: dict[str, int], device: torch.device, precisi
 
     modules = " | ".join(
         f"{name}: ranks {p.first_rank}-{p.first_rank + p.num_ranks - 1} TP{p.tp} PP{p.pp} DP{p.dp}"
-        + (f" EP{p.ep}" if p.ep > 1 else "") + count(name)
+        + (f" CP{p.cp}" if p.cp > 1 else "") + (f" EP{p.ep}" if p.ep > 1 else "") + count(name)
         for name, p in plan.parallelism.items()
     )
     return (f"mimo run: provider {plan.config.provider} | {modules} | global batch {plan.global_batch_size} = "

@@ -21,7 +21,7 @@ from ..forward.encoder_pass import StepEncoderPass
 from ..forward.forward_loss import ForwardLoss
 from ..forward.schedule import schedule_for
 from ..parallel.model import held_modules
-from ..parallel.topology import is_token_source
+from ..parallel.topology import counted_once, is_loss_source, is_token_source
 from ..telemetry.timers import StepTimers
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class TrainStep:
         self.hooks, self.settings, self.topology = hooks, settings, topology
         self.device, self.params_dtype = device, params_dtype
         self.num_microbatches, self.global_batch_size = plan.num_microbatches, plan.global_batch_size
-        self._token_source = is_token_source(topology)
+        self._token_source, self._loss_source = is_token_source(topology), is_loss_source(topology)
         # [loss sum, tokens, *DataCounts, counted]: one all-reduce for the loss and the data's counts
         self._totals = torch.zeros(3 + len(DataCounts.names()), dtype=torch.float64, device=device)
         self._data_counts = data_counts
@@ -93,7 +93,7 @@ class TrainStep:
         if counts is not None:
             self._totals[2:-1] = torch.tensor(counts.vector(), dtype=torch.float64)
             self._totals[-1] = 1
-        totals = self._totals if self._token_source else torch.zeros_like(self._totals)
+        totals = counted_once(self._totals, self._loss_source, self._token_source)
         dist.all_reduce(totals)
         self._reduced_totals = totals  # read on the host where the optimizer has waited for the GPU anyway
         tokens = totals[1]

@@ -90,11 +90,4 @@ def join(plan: Plan, *, seed: int | None = None) -> World:
 
 def build_context(plan: Plan, topo: topology.Topology) -> BuildContext:
     """What `build_encoders` and `build_language_model` are told: layout, precision, groups, performance options."""
-    perf = plan.config.performance
-    return BuildContext(params_dtype=plan.params_dtype, parallelism=plan.parallelism,
-                        pg_collections=topo.pg_collections,
-                        recompute={name: perf.recompute_for(name) for name in plan.parallelism},
-                        sequence_parallel=perf.sequence_parallel, fp8=perf.fp8, cuda_graphs=perf.cuda_graphs,
-                        cuda_graph_modules=perf.graph_modules(),
-                        llm_input_packed=plan.config.data.data is not None and plan.config.data.pack_sequences,
-                        overlap_grad_reduce=perf.overlap_grad_reduce)
+    return plan.build_context(topo.pg_collections)

@@ -155,7 +155,8 @@ def _ring(n: int) -> float:
 def _module_work(name: str, inputs: StepInputs, work: Work) -> None:
     """Add module `name`'s share of an iteration on one of its ranks (of one pipeline stage for the LLM)."""
     module, par = inputs.modules[name], inputs.parallelism[name]
-    samples = inputs.global_batch / par.dp
+    # samples' worth of tokens on one rank: a lane's samples, each sequence split over CP (its ring not priced)
+    samples = inputs.global_batch / (par.dp * par.cp)
     flops = samples * module.forward_flops * _passes(inputs.recompute.get(name, "none")) / (par.tp * par.pp)
     work.tp_bytes += _tp_bytes(module, par, samples, module.layers / par.pp)
     if name == LANGUAGE:

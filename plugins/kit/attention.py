@@ -7,7 +7,9 @@ micro-batch into one THD sequence) and allocates its scratch buffer on the GPU. 
 (flash or memory-efficient attention on GPUs). This module has
 DotProductAttention's constructor, so a layer spec can name it as `core_attention`, and runs torch's
 scaled_dot_product_attention: once for sbhd, once per packed sequence for thd. It has no parameters, like TE's
-DotProductAttention.
+DotProductAttention. Under context parallelism (sbhd, causal) it gathers keys and values over the CP group, which
+megatron-core's local DotProductAttention cannot do: runs on the CPU and a local-backend GPU run can split a long
+sequence (TE's ring attention is the faster path on GPUs).
 """
 
 from __future__ import annotations
@@ -39,14 +41,13 @@ class SDPAttention(MegatronModule):
                  attention_dropout: float | None = None, softmax_scale: float | None = None,
                  cp_comm_type: str | None = None, pg_collection=None):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPAttention does not support context parallelism")
         if config.apply_query_key_layer_scaling or config.softmax_type != "vanilla" or config.window_size:
             raise NotImplementedError("SDPAttention supports plain softmax attention only (no query-key "
                                       "layer scaling, softmax offsets or sliding windows)")
         assert pg_collection is not None, "pg_collection must be provided for SDPAttention"
         self.layer_number, self.attn_mask_type, self.attention_type = layer_number, attn_mask_type, attention_type
         self.tp_group = pg_collection.tp  # read by MegatronModule.sharded_state_dict (no global parallel_state)
+        self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
         tp = self.tp_group.size()
         self.heads = divide(config.num_attention_heads, tp)
         self.groups = divide(config.num_query_groups, tp)
@@ -75,6 +76,11 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise NotImplementedError("SDPAttention does not support attention_bias")
         causal = (attn_mask_type or self.attn_mask_type) in _CAUSAL
+        if self.cp_group is not None:
+            if packed_seq_params is not None or attention_mask is not None:
+                raise NotImplementedError("SDPAttention under context parallelism takes sbhd causal attention only "
+                                          "(no packed sequences, no attention mask)")
+            return self._forward_cp(query, key, value, causal)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._forward_thd(query, key, value, packed_seq_params, causal)
         # sbhd: [s, b, n, d] -> [b, n, s, d]
@@ -82,6 +88,22 @@ class SDPAttention(MegatronModule):
         mask = None if attention_mask is None else ~attention_mask.bool()
         out = self._sdpa(q, k, v, mask, causal)
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)  # [s, b, n * d]
+
+    def _forward_cp(self, query, key, value, causal: bool):
+        """Context parallelism by gathering keys and values (megatron-core's `all_gather` CP kind): this rank holds
+        chunks r and 2 x CP - 1 - r of the sequence (megatron-core's load-balanced split); its queries attend the
+        whole gathered sequence, masked by their global positions."""
+        cp, rank = self.cp_group.size(), self.cp_group.rank()
+        k, v = (_GatherSequence.apply(t, self.cp_group) for t in (key, value))
+        q = query.permute(1, 2, 0, 3)
+        k, v = (t.permute(1, 2, 0, 3) for t in (k, v))
+        mask = None
+        if causal:
+            chunk = query.shape[0] // 2
+            positions = torch.cat([torch.arange(chunk, device=q.device) + c * chunk for c in (rank, 2 * cp - 1 - rank)])
+            mask = torch.arange(k.shape[-2], device=q.device)[None, :] <= positions[:, None]
+        out = self._sdpa(q, k, v, mask, causal=False)
+        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def _forward_thd(self, query, key, value, params, causal: bool):
         """query [t, heads, d], key/value [t, groups, d]; sequence i is tokens [start_i, start_i + len_i), where
@@ -99,6 +121,32 @@ class SDPAttention(MegatronModule):
                 v = value[ks:ks + kl].transpose(0, 1).unsqueeze(0)
                 out[qs:qs + ql] = self._sdpa(q, k, v, None, causal)[0].transpose(0, 1).flatten(1)
         return out
+
+
+class _GatherSequence(torch.autograd.Function):
+    """[s / CP, ...] per CP rank, in megatron-core's load-balanced chunk order -> the whole [s, ...] in order.
+    Backward: the gradient of the whole sequence summed over the CP ranks (each rank's queries reach every key),
+    this rank's chunks of it. An all-reduce rather than a reduce-scatter: gloo has none."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        ctx.group = group
+        cp = group.size()
+        parts = [torch.empty_like(local) for _ in range(cp)]
+        torch.distributed.all_gather(parts, local.contiguous(), group=group)
+        chunks = [None] * (2 * cp)
+        for r, part in enumerate(parts):
+            chunks[r], chunks[2 * cp - 1 - r] = part.chunk(2)
+        return torch.cat(chunks)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group = ctx.group
+        cp, rank = group.size(), group.rank()
+        grad = grad.contiguous().clone()
+        torch.distributed.all_reduce(grad, group=group)
+        chunks = grad.chunk(2 * cp)
+        return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]]), None
 
 
 def _bounds_of(params) -> tuple[list, list]:

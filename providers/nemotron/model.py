@@ -199,6 +199,7 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
     if ctx.sequence_parallel and ctx.parallelism[LANGUAGE].tp > 1 and backend != "te":
         raise ValueError("--sequence-parallel needs backend te (megatron-core's torch norms do not split the "
                          "sequence): --set backend=te, or leave sequence parallelism off")
+    _check_context_parallel(s, ctx.parallelism[LANGUAGE], backend)
     config = ctx.transformer_config(
         LANGUAGE, num_layers=s.num_layers, hidden_size=s.hidden_size, num_attention_heads=s.num_attention_heads,
         num_query_groups=s.num_query_groups, kv_channels=s.kv_channels, ffn_hidden_size=s.ffn_hidden_size,
@@ -219,6 +220,25 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
         pre_process=ctx.is_first_stage(LANGUAGE), post_process=ctx.is_last_stage(LANGUAGE),
         pg_collection=ctx.pg_collection(LANGUAGE),
     ))
+
+
+def _check_context_parallel(s: NemotronVLMSettings, llm, backend: str) -> None:
+    """--llm-cp: the Mamba layers split over CP by megatron-core's MambaContextParallel (heads and groups over
+    TP x CP, all-to-all with the sequence), which runs on mamba-ssm's kernels: backend te only."""
+    if llm.cp == 1:
+        return
+    if backend != "te":
+        raise ValueError(f"--llm-cp {llm.cp} needs backend te: the Mamba layers' context parallelism is "
+                         f"megatron-core's MambaContextParallel on mamba-ssm's GPU kernels, which the local backend "
+                         f"(and the CPU) lacks; --set backend=te on GPUs, or --llm-cp 1")
+    for count, what in ((s.mamba_num_heads, "mamba_num_heads"), (s.num_attention_heads, "num_attention_heads")):
+        if count % (llm.tp * llm.cp):
+            raise ValueError(f"--llm-cp {llm.cp}: {what} {count} must divide by TP x CP = {llm.tp * llm.cp} "
+                             f"(megatron-core splits the heads over both); use a smaller --llm-cp")
+    groups = s.mamba_num_groups // llm.tp
+    if max(groups, llm.cp) % min(groups, llm.cp):
+        raise ValueError(f"--llm-cp {llm.cp}: the Mamba groups per TP rank ({groups}) and CP must divide one "
+                         f"another (MambaContextParallel); use a smaller --llm-cp")
 
 
 def _recompute_graphs(s: NemotronVLMSettings, ctx, backend: str) -> dict | None:

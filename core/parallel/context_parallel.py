@@ -1,0 +1,50 @@
+"""What context parallelism of the LLM (`--llm-cp`) needs of a run, checked before any process exists.
+
+megatron-core's MimoModel merges the encoders' embeddings into the text sequence, then splits the merged sequence
+over the LLM's CP ranks with load balancing: the sequence is cut into 2 x CP chunks and CP rank r keeps chunks r and
+2 x CP - 1 - r (`get_batch_on_this_cp_rank`), so every rank gets as much of the causal attention's work. Hence a
+row must be a multiple of 2 x CP tokens (2 x CP x TP under sequence parallelism, which then scatters each CP rank's
+part over TP). Packed rows (THD) are split per segment by transformer-engine, each segment padded to a multiple of
+2 x CP, which mimo's packing does not do yet.
+"""
+
+from __future__ import annotations
+
+from mimo.errors import UsageError
+from mimo.plugins import ModuleParallelism
+
+
+def shard_multiple(llm: ModuleParallelism, sequence_parallel: bool) -> int:
+    """The multiple of tokens a row of the LLM's input must be for its CP (and SP) split; 1 without CP."""
+    if llm.cp == 1:
+        return 1
+    return 2 * llm.cp * (llm.tp if sequence_parallel and llm.tp > 1 else 1)
+
+
+def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: bool, pack_sequences: bool) -> None:
+    """UsageError, one line naming the option to change, when the run cannot split its LLM sequence over CP."""
+    if llm.cp == 1:
+        return
+    if pack_sequences:
+        raise UsageError(f"--llm-cp {llm.cp} with --pack-sequences is not supported yet: transformer-engine splits "
+                         f"packed rows per segment, each padded to a multiple of 2 x CP = {2 * llm.cp}, which mimo's "
+                         f"packing does not pad to; run without --pack-sequences")
+    multiple = shard_multiple(llm, sequence_parallel)
+    if seq_length is not None and seq_length % multiple:
+        what = f"2 x CP x TP = 2 x {llm.cp} x {llm.tp}" if multiple != 2 * llm.cp else f"2 x CP = 2 x {llm.cp}"
+        fits = -(-seq_length // multiple) * multiple
+        raise UsageError(f"--llm-cp {llm.cp}: the sequence length {seq_length} must be a multiple of {what} = "
+                         f"{multiple} (the load-balanced split); use --set seq_length={fits}")
+
+
+def check_row(model, width: int) -> None:
+    """A micro-batch's rows must split evenly over CP: one line here instead of megatron-core's assertion. `model`:
+    the MimoModel, whose partition adapter holds its CP (and SP) groups on LLM ranks."""
+    cfg = getattr(getattr(model, "partition_adapter", None), "cfg", None)
+    if cfg is None or not cfg.use_cp:
+        return
+    multiple = 2 * cfg.cp_group.size() * (cfg.tp_group.size() if cfg.seq_parallel else 1)
+    if width % multiple:
+        raise UsageError(f"a micro-batch row of {width} tokens does not split over context parallelism: rows must "
+                         f"be a multiple of {multiple} (2 x --llm-cp, x TP under --sequence-parallel); pad the data "
+                         f"to such a length")
