@@ -219,7 +219,7 @@ def worker(out: Path, timeout: float = 60) -> list[dict]:
     run = Run(out / "worker", *BASE, "--train-iters", "100000", "--nproc-per-node", "2")
     try:
         run.wait_for("iteration      2/")
-        victim = next(pid for pid in run.session_pids() if _env(pid).get("RANK") == "1")
+        victim = next(pid for pid in run.session_pids() if _name(pid) == "mimo rank 1")
         os.kill(victim, signal.SIGKILL)
         killed = time.perf_counter()
         while (run.proc.poll() is None or run.session_pids()) and time.perf_counter() - killed < timeout:
@@ -317,6 +317,14 @@ def orphans(out: Path, count: int, rng: random.Random, hf_folder: Path | None, k
 def mimo_command(where: Path, *args: str) -> tuple[int, Run]:
     run = Run(where, *args)
     return run.wait(), run
+
+
+def _name(pid: int) -> str:
+    """The process's name: mimo's workers name their rank ("mimo rank 1")."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
 
 
 def _env(pid: int) -> dict:

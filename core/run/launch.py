@@ -28,14 +28,17 @@ def is_launched_worker() -> bool:
 def die_with_launcher() -> None:
     """In a worker of mimo's launcher: get SIGTERM when the launcher dies, even by SIGKILL (workers run in sessions
     of their own, so nothing else would stop them): they then stop at the next boundary and save, or end themselves
-    `lifeline.ORPHAN_GRACE_S` seconds later."""
+    `lifeline.ORPHAN_GRACE_S` seconds later. The process takes its rank as its name ("mimo rank 1")."""
     launcher = os.environ.get(LAUNCHED_BY_MIMO)
     if not launcher or not launcher.isdigit() or not sys.platform.startswith("linux"):
         return
     import ctypes
 
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    PR_SET_NAME, PR_SET_PDEATHSIG = 15, 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    # `ps -o comm`, top and /proc/PID/comm name the rank (a forked worker's environ there is its launcher's)
+    libc.prctl(PR_SET_NAME, f"mimo rank {os.environ.get('RANK', '?')}".encode()[:15])
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
     if os.getppid() != int(launcher):  # it died before the request took effect
         os.kill(os.getpid(), signal.SIGTERM)
     from .lifeline import ORPHAN_GRACE_S, watch_parent

@@ -17,9 +17,9 @@ from mimo.core.run.plan import prepare
 from mimo.errors import UsageError
 
 
-def plan(world, provider="mock-vlm", settings=(), performance=None, data=None, **layout):
+def plan(world, provider="mock-vlm", settings=(), performance=None, data=None, precision="fp32", **layout):
     config = RunConfig(provider=provider, provider_settings=list(settings),
-                       launch=LaunchOptions(nproc_per_node=world), training=TrainingOptions(micro_batch_size=2),
+                       launch=LaunchOptions(nproc_per_node=world), training=TrainingOptions(micro_batch_size=2, precision=precision),
                        layout=LayoutOptions(**layout), performance=performance or PerformanceOptions(),
                        data=data or DataOptions())
     return prepare(config, world_size=world)
@@ -42,6 +42,8 @@ def test_llm_cp_below_one_is_refused_by_the_options():
      "must be a multiple of 2 x CP x TP = 2 x 2 x 2 = 8"),
     (2, {"llm_cp": 2, "data": DataOptions(data=Path(__file__).parent, pack_sequences=True)},
      "--llm-cp 2 with --pack-sequences is not supported yet"),
+    (2, {"llm_cp": 2, "performance": PerformanceOptions(cuda_graphs=True), "precision": "bf16"},
+     "--llm-cp 2 with --cuda-graphs is not supported yet"),
     # the provider's refusal, at plan time: Nemotron's Mamba layers split over CP on mamba-ssm's kernels only
     (2, {"llm_cp": 2, "provider": "nemotron-moe-vlm-tiny"}, "--llm-cp 2 needs backend te: the Mamba layers'"),
 ])

@@ -28,7 +28,8 @@ def estimates(record: dict, images: str = "max") -> dict[str, float]:
     max_memory_allocated measures; the allowance covers what the allocator reserves besides)."""
     plan = fit_script().plan_of(record["provider"], record["settings"], record["gpus"], record["layout_options"],
                                 record["micro_batch_size"], record.get("num_microbatches"),
-                                record.get("global_batch_size"), record["gpu_memory_gib"], True)
+                                record.get("global_batch_size"), record["gpu_memory_gib"],
+                                record.get("cuda_graphs", True))
     options = dataclasses.replace(memory.options_of(plan), encoder_tokens=images)
     rows = fit.encoder_rows(plan.parallelism, plan.config.training.micro_batch_size)
     ranks = memory.estimate(plan.hooks.module_memory(settings=plan.settings), plan.parallelism, options, rows)
@@ -67,3 +68,22 @@ EXACT_IMAGES = [(run, kind) for run, r in RECORDS.items() if r["settings"].get("
 def test_runs_with_images_of_one_size_within_5_percent_on_every_rank(run, kind):
     assert len(EXACT_IMAGES) >= 7  # two colocated runs with EP and without, two splits' encoder and LLM ranks
     assert estimates(RECORDS[run])[kind] == pytest.approx(RECORDS[run]["peak_memory_gib"][kind], rel=0.05)
+
+
+CONTEXT_PARALLEL = json.loads((REPO / "docs/benchmarks/context_parallel_gpu.json").read_text())
+
+
+@pytest.mark.parametrize("record", CONTEXT_PARALLEL["runs"], ids=lambda r: r["id"])
+def test_the_slice_at_32k_tokens_with_and_without_context_parallelism_within_5_percent(record):
+    """The plan counts the LLM's activations per CP rank: CP 2 and CP 1 at sequence 32768 (context_parallel_gpu.json)."""
+    assert estimates(record)["all ranks"] == pytest.approx(record["peak_memory_gib"]["all ranks"], rel=0.05)
+
+
+def test_cp_2_matched_cp_1_on_two_gpus():
+    """The recorded CP 2 runs gave CP 1's losses and gradient norms: fp32 within 1e-6, bf16 within bf16's noise."""
+    tolerance = {"mock_local_fp32": (1e-6, 1e-6), "mock_te_bf16": (1e-4, 1e-2), "nemotron_tiny_te_bf16": (1e-4, 1e-2)}
+    for check in CONTEXT_PARALLEL["checks"]:
+        loss, grad = tolerance[check["id"]]
+        assert len(check["cp1"]) == len(check["cp2"]) == 10
+        for (i, loss1, grad1), (j, loss2, grad2) in zip(check["cp1"], check["cp2"]):
+            assert i == j and loss2 == pytest.approx(loss1, rel=loss) and grad2 == pytest.approx(grad1, rel=grad)
