@@ -98,8 +98,24 @@ def build_optimizer(options: OptimizerOptions, *, model, params_dtype: torch.dty
     built = get_mimo_optimizer(model, config)
     for name in _frozen_everywhere(model, sorted(built.module_infos)):
         built.module_infos[name].optimizer = None  # nothing to step, no state to keep or checkpoint
+    for info in built.module_infos.values():
+        info.optimizer = _without_stub_parts(info.optimizer)
     _copy_main_params_in_one_kernel(info.optimizer for info in built.module_infos.values())
     return _recording_optimizer_class()(built.module_infos, built.config)
+
+
+def _without_stub_parts(optimizer):
+    """A module whose trainable parameters are all routed experts' (adapters on the experts alone) gets a stub for
+    its empty dense part from megatron-core, beside the experts' optimizer; their chain then fails at the first save
+    (it reads the stub's missing param_groups to align the steps). The chain keeps its parts that have parameters:
+    the same on every rank, as a part is empty where its parameters are frozen in the whole run."""
+    from megatron.core.optimizer import ChainedOptimizer
+
+    parts = getattr(optimizer, "chained_optimizers", None)
+    if not parts or len(parts) < 2:
+        return optimizer
+    kept = [part for part in parts if not getattr(part, "is_stub_optimizer", False)]
+    return ChainedOptimizer(kept) if kept and len(kept) < len(parts) else optimizer
 
 
 def _copy_main_params_in_one_kernel(module_optimizers) -> None:
