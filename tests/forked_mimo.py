@@ -15,16 +15,14 @@ command that way."""
 
 from __future__ import annotations
 
-import atexit
 import importlib
 import json
 import multiprocessing
 import os
-import runpy
 import subprocess
 import sys
-import threading
-import traceback
+
+from mimo.core.run import forked_workers
 
 PRELOAD = ["mimo.cli.worker_imports"]
 # environment variables read while those modules are imported (or by the interpreter at start), or by the console
@@ -75,31 +73,4 @@ def _run_mimo(args, environment, cwd, stdout_path, stderr_path, fresh_path) -> N
     # the pytest worker's sys.path (the repository, tests/) is not the command's
     sys.path[:] = [cwd] + [entry for entry in environment.get("PYTHONPATH", "").split(os.pathsep) if entry] + fresh_path
     importlib.invalidate_caches()
-    sys.argv = ["mimo", *args]  # runpy puts the module's file first, as `python -m` does
-    code = 0
-    try:
-        runpy.run_module("mimo.cli", run_name="__main__", alter_sys=True)
-    except SystemExit as stop:
-        code = _exit_code(stop.code)
-    except BaseException:  # what the interpreter prints for an uncaught exception
-        traceback.print_exc()
-        code = 1
-    try:
-        threading._shutdown()  # the interpreter's own order at exit: threads, then atexit handlers
-        atexit._run_exitfuncs()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except (OSError, ValueError):
-                pass
-        os._exit(code)
-
-
-def _exit_code(code) -> int:
-    if code is None:
-        return 0
-    if isinstance(code, int):
-        return code
-    print(code, file=sys.stderr)
-    return 1
+    os._exit(forked_workers.run_cli(list(args)))

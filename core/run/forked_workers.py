@@ -21,6 +21,7 @@ import runpy
 import signal
 import sys
 import threading
+import traceback
 
 
 def import_modules(names: list[str]) -> None:
@@ -36,12 +37,23 @@ def run_worker(*argv: str) -> None:
     for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(number, signal.SIG_DFL)  # the agent's raise its SignalException; mimo sets its own
     os.setsid()
-    sys.argv = ["mimo", *argv]
+    code = run_cli(list(argv))
+    if code:
+        raise SystemExit(code)  # the process's exit code, which the launcher reports
+
+
+def run_cli(argv: list[str]) -> int:
+    """Run `mimo ARGV` in this (forked) process as `python -m mimo.cli` would, and end as an interpreter does: non-daemon
+    threads joined, then atexit handlers, streams flushed. Returns the exit code."""
+    sys.argv = ["mimo", *argv]  # runpy puts the module's file first, as `python -m` does
     code = 0
     try:
         runpy.run_module("mimo.cli", run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         code = _exit_code(stop.code)
+    except BaseException:  # what the interpreter prints for an uncaught exception
+        traceback.print_exc()
+        code = 1
     finally:
         threading._shutdown()  # the interpreter's own order at exit: threads, then atexit handlers
         atexit._run_exitfuncs()
@@ -50,8 +62,7 @@ def run_worker(*argv: str) -> None:
                 stream.flush()
             except (OSError, ValueError):
                 pass
-    if code:
-        raise SystemExit(code)  # the process's exit code, which the launcher reports
+    return code
 
 
 def _exit_code(code) -> int:
