@@ -66,7 +66,7 @@ def test_sdpa_aligns_the_causal_mask_to_the_last_key():
     attention = SDPAttention.__new__(SDPAttention)
     torch.nn.Module.__init__(attention)
     attention.softmax_scale, attention.dropout, attention.heads, attention.groups = 0.5, 0.0, 2, 2
-    attention.attn_mask_type = AttnMaskType.causal
+    attention.attn_mask_type, attention.cp_group = AttnMaskType.causal, None
     whole = attention(q, k, v, None)
     last_two = attention(q[4:], k, v, None)  # the last two queries against all six keys
     torch.testing.assert_close(last_two, whole[4:])
