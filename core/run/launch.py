@@ -18,6 +18,8 @@ from . import cpu_redirect, forked_workers
 
 # Set in the workers mimo's own launcher starts: they have RANK like torchrun's, but their parent speaks for them.
 LAUNCHED_BY_MIMO = "MIMO_LAUNCHED_WORKER"
+# spawn: CPU workers start as fresh interpreters too (a library that cannot be forked; or to check the GPU path)
+WORKER_START = "MIMO_WORKER_START"
 
 
 def is_launched_worker() -> bool:
@@ -166,7 +168,11 @@ def start_workers(options, argv: list[str], device: str = "auto", preload: list[
     # Workers on one node share its cores; without a limit each would start a thread per core (torchrun does this).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // options.nproc_per_node)))
     os.environ[LAUNCHED_BY_MIMO] = str(os.getpid())  # the workers inherit it: their launcher's pid
-    forked = resolve_device(device).type == "cpu"
+    start = os.environ.get(WORKER_START, "fork")
+    if start not in ("fork", "spawn"):
+        raise UsageError(f"{WORKER_START}={start}: choose fork (CPU workers forked from the launcher, the default) "
+                         f"or spawn (fresh interpreters, as on GPUs)")
+    forked = start == "fork" and resolve_device(device).type == "cpu"
     config = LaunchConfig(
         min_nodes=options.nnodes, max_nodes=options.nnodes, nproc_per_node=options.nproc_per_node,
         run_id=options.rdzv_id, rdzv_backend="c10d", rdzv_endpoint=options.rdzv_endpoint or "localhost:0",

@@ -53,3 +53,21 @@ def test_srun_without_a_meeting_point_is_one_line():
     assert result.returncode == 2 and result.stderr.strip().splitlines() == [
         "error: under srun, set MASTER_ADDR and MASTER_PORT (e.g. the first host of $SLURM_JOB_NODELIST and a free "
         "port) so the tasks can meet"]
+
+
+def test_spawned_cpu_workers_train_as_forked_ones(tmp_path):
+    """GPU runs spawn their workers; CPU runs fork them from the launcher unless MIMO_WORKER_START=spawn: the two
+    start paths give the same losses (the spawned one is the GPU path, checked here on CPU)."""
+    args = ("run", "--provider", "mock-vlm", "--device", "cpu", "--nproc-per-node", "2", "--train-iters", "2",
+            "--log-interval", "1", "--seed", "7")
+    losses = {}
+    for start in ("fork", "spawn"):
+        metrics = tmp_path / f"{start}.jsonl"
+        result = run_mimo(*args, "--metrics-file", str(metrics), env={"MIMO_WORKER_START": start})
+        assert result.returncode == 0 and result.stderr == "", result.stderr[-3000:]
+        losses[start] = [(m["lm_loss"], m["grad_norm"]) for m in read_metrics(metrics)]
+    assert len(losses["fork"]) == 2 and losses["spawn"] == losses["fork"]
+    refused = run_mimo(*args, env={"MIMO_WORKER_START": "thread"})
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        "error: MIMO_WORKER_START=thread: choose fork (CPU workers forked from the launcher, the default) or spawn "
+        "(fresh interpreters, as on GPUs)"]
