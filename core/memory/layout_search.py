@@ -3,9 +3,10 @@ estimate fits (`fitting`); `suggest` orders them cheapest communication first, t
 core/step_time/advisor.py keeps where the provider's FLOPs cannot time them.
 
 Every split is tried: colocated and each number of encoder ranks, the encoders' TP, the LLM's TP (with sequence
-parallelism for an MoE LLM), PP and EP, and for colocated layouts the LLM's CP (where core/parallel/context_parallel.py
-accepts it: the sequence a multiple of 2 x CP (x TP under SP), no --pack-sequences, no --cuda-graphs). Each layout takes the first of these option sets that fits: as given,
-then with the distributed optimizer, then recomputing the LLM selectively, then fully.
+parallelism for an MoE LLM), PP and EP, and for colocated layouts the LLM's CP (where
+core/parallel/context_parallel.py accepts it: the sequence a multiple of 2 x CP (x TP under SP), no
+--pack-sequences, no --cuda-graphs). Each layout takes the first of these option sets that fits: as given, then
+with the distributed optimizer, then recomputing the LLM selectively, then fully.
 """
 
 from __future__ import annotations

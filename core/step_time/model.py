@@ -1,11 +1,11 @@
 """A training iteration's time for one layout, from the provider's FLOPs and the calibration (calibration.py).
 
 Each kind of rank is a stage: every rank of a colocated layout runs every module one after the other; a
-heterogeneous layout has an encoder stage and one stage per LLM pipeline stage, which megatron-core's
-multimodule 1F1B schedule overlaps. A stage's work per iteration is a few quantities (`Work`): FLOPs per module
-kind, bytes each GPU sends in tensor-parallel collectives, in CP's key/value ring and in the experts' all-to-all,
-encoder passes beyond the first, split micro-batches. Its seconds are those quantities times the calibration's rates, so the fit
-(fit.py) and the estimate read the same terms.
+heterogeneous layout has an encoder stage and one stage per LLM pipeline stage, which megatron-core's multimodule
+1F1B schedule overlaps. A stage's work per iteration is a few quantities (`Work`): FLOPs per module kind, bytes
+each GPU sends in tensor-parallel collectives, in CP's key/value ring and in the experts' all-to-all, encoder
+passes beyond the first, split micro-batches. Its seconds are those quantities times the calibration's rates, so
+the fit (fit.py) and the estimate read the same terms.
 
 - colocated: the encoders then the LLM on every rank, then the gradient reduce and the optimizer;
 - heterogeneous: with t_s a stage's time per micro-batch and m micro-batches, (m - 1) x max t_s + sum t_s
