@@ -3,8 +3,10 @@ estimate fits (`fitting`); `suggest` orders them cheapest communication first, t
 core/step_time/advisor.py keeps where the provider's FLOPs cannot time them.
 
 Every split is tried: colocated and each number of encoder ranks, the encoders' TP, the LLM's TP (with sequence
-parallelism for an MoE LLM), PP and EP. Each layout takes the first of these option sets that fits: as given,
-then with the distributed optimizer, then recomputing the LLM selectively, then fully.
+parallelism for an MoE LLM), PP and EP, and for colocated layouts the LLM's CP (where
+core/parallel/context_parallel.py accepts it: the sequence a multiple of 2 x CP (x TP under SP), no
+--pack-sequences, no --cuda-graphs). Each layout takes the first of these option sets that fits: as given, then
+with the distributed optimizer, then recomputing the LLM selectively, then fully.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field
 from mimo.errors import UsageError
 
 from . import estimate as memory
-from ..parallel import topology
+from ..parallel import context_parallel, topology
 from ..config import LayoutOptions
 from .estimate import GIB
 from .fit import encoder_rows
@@ -37,13 +39,15 @@ class Suggestion:
     cost: float  # a rough communication cost: TP and PP over EP, recomputation's extra forward
     parallelism: dict = field(default_factory=dict)  # each module's grid
     options: memory.Options | None = None  # what the estimate that fits was made with
+    reason: str = ""  # why this layout's less usual choice (CP), one line
 
     def flags(self) -> str:
         lo, parts = self.layout, []
         if lo.encoder_ranks:
             parts += [f"--encoder-ranks {lo.encoder_ranks}"] + ([f"--encoder-tp {lo.encoder_tp}"]
                                                                 if lo.encoder_tp > 1 else [])
-        parts += [f"--llm-{k} {getattr(lo, 'llm_' + k)}" for k in ("tp", "pp", "ep") if getattr(lo, "llm_" + k) > 1]
+        parts += [f"--llm-{k} {getattr(lo, 'llm_' + k)}" for k in ("tp", "cp", "pp", "ep")
+                  if getattr(lo, "llm_" + k) > 1]
         if self.sequence_parallel:
             parts.append("--sequence-parallel")
         if self.distributed_optimizer:
@@ -57,7 +61,8 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(world: int, shapes: dict) -> list[LayoutOptions]:
+def candidates(world: int, shapes: dict, context_parallel: bool = False) -> list[LayoutOptions]:
+    """Every layout of `world` ranks the shapes allow; LLM CP > 1 (colocated only) where `context_parallel`."""
     llm = shapes[topology.LANGUAGE]
     experts = llm.num_experts or 0
     encoder = next((s for n, s in shapes.items() if n != topology.LANGUAGE), None)
@@ -70,10 +75,12 @@ def candidates(world: int, shapes: dict) -> list[LayoutOptions]:
             encoder_tps = [tp] if k == 0 else [t for t in _divisors(k)
                                                if not encoder or encoder.num_attention_heads % t == 0]
             pps = [1] if k == 0 else [p for p in _divisors(llm_ranks // tp) if llm.num_layers % p == 0]
+            cps = _divisors(llm_ranks // tp) if k == 0 and context_parallel else [1]  # megatron's bridge: CP 1
             for etp in encoder_tps:
                 for pp in pps:
                     for ep in ([e for e in _divisors(experts) if (llm_ranks // pp) % e == 0] if experts else [1]):
-                        out.append(LayoutOptions(encoder_ranks=k, encoder_tp=etp, llm_tp=tp, llm_pp=pp, llm_ep=ep))
+                        out += [LayoutOptions(encoder_ranks=k, encoder_tp=etp, llm_tp=tp, llm_pp=pp, llm_ep=ep,
+                                              llm_cp=cp) for cp in cps]
     return out
 
 
@@ -97,10 +104,15 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
     base = memory.options_of(plan)
     is_moe = bool(plan.shapes[topology.LANGUAGE].num_experts)
     found = []
-    for layout in candidates(world, plan.shapes):
+    seq_length = getattr(plan.settings, "seq_length", None)
+    packed = config.data.data is not None and config.data.pack_sequences  # as core/run/plan.py checks it
+    for layout in candidates(world, plan.shapes, not (packed or config.performance.cuda_graphs)):
         sp = config.performance.sequence_parallel or (is_moe and layout.llm_tp > 1)
         try:
             parallelism = topology.plan(layout, world, plan.shapes, t.micro_batch_size, sp)
+            context_parallel.check(parallelism[topology.LANGUAGE], seq_length=seq_length, sequence_parallel=sp,
+                                   pack_sequences=packed,
+                                   cuda_graphs=config.performance.cuda_graphs)
         except UsageError:
             continue
         lanes = parallelism[topology.LANGUAGE].dp
@@ -121,12 +133,30 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
             options = dataclasses.replace(base, sequence_parallel=sp, num_microbatches=microbatches, recompute=modes,
                                           distributed_optimizer=base.distributed_optimizer or bool(distopt),
                                           step_encoders=base.step_encoders and not apart)
-            largest = max(r.total for r in memory.estimate(described, parallelism, options, rows)) / GIB
+            ranks = memory.estimate(described, parallelism, options, rows)
+            largest = max(r.total for r in ranks) / GIB
             if largest <= limit_gib:
                 mode = modes.get(topology.LANGUAGE, "none")
                 cost = (4 * (layout.llm_tp - 1) + 2 * (layout.llm_pp - 1) + 2 * (layout.encoder_tp - 1)
-                        + (1 if layout.llm_ep > 1 else 0) + RECOMPUTE_COST[mode])
+                        + 2 * (layout.llm_cp - 1) + (1 if layout.llm_ep > 1 else 0) + RECOMPUTE_COST[mode])
                 found.append(Suggestion(layout, sp, options.distributed_optimizer, mode, microbatches, largest,
-                                        limit_gib - largest, cost, parallelism, options))
+                                        limit_gib - largest, cost, parallelism, options,
+                                        _cp_reason(described, parallelism, options, rows, ranks)))
                 break
     return found
+
+
+def _cp_reason(described, parallelism: dict, options, rows: dict, ranks: list) -> str:
+    """One line for a CP layout: the sequence it splits and the activations per GPU with and without the split."""
+    llm = parallelism[topology.LANGUAGE]
+    if llm.cp == 1:
+        return ""
+    whole = {**parallelism, topology.LANGUAGE: dataclasses.replace(llm, cp=1)}  # the same ranks as DP
+    without = max(r.term("activations") for r in memory.estimate(described, whole, options, rows)) / GIB
+    with_cp = max(r.term("activations") for r in ranks) / GIB
+    tokens = described[topology.LANGUAGE].tokens_per_sample
+    def gib(x: float) -> str:
+        return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
+
+    return (f"splits the {tokens:,.0f}-token sequence over {llm.cp} ranks: activations per GPU {gib(with_cp)} GiB "
+            f"instead of {gib(without)}")

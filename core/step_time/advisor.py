@@ -39,7 +39,7 @@ def advise(plan, world: int, limit_gib: float, top: int = 10) -> Advised:
     if flops is None:
         note = (f"provider '{plan.config.provider}' reports no FLOPs per module (model_flops), so nothing is timed: "
                 f"ordered by least communication, then most headroom")
-        return Advised([Advice(s) for s in layout_search.best_first(found)[:top]], note)
+        return Advised([Advice(s, why=s.reason) for s in layout_search.best_first(found)[:top]], note)
     cal = calibration.load()
     described = plan.hooks.module_memory(settings=plan.settings)
     advised = []
@@ -50,7 +50,7 @@ def advise(plan, world: int, limit_gib: float, top: int = 10) -> Advised:
     advised.sort(key=lambda a: (-a.tokens_per_s_per_gpu, -a.suggestion.headroom_gib))
     advised = advised[:top]
     for a in advised:
-        a.why = why(a.estimate)
+        a.why = "; ".join(filter(None, [why(a.estimate), a.suggestion.reason]))
     note = (f"times estimated for an {cal.reference_gpu} from measured efficiencies and overheads "
             f"(core/step_time/calibration.json), bf16")
     return Advised(advised, note, verdict(advised))

@@ -26,7 +26,7 @@ def row(inputs: StepInputs, known: Calibration) -> tuple[list[float], float]:
         raise ValueError("only colocated runs are fitted: a split's time is not linear in the rates")
     stage = est.stages[0]
     w = stage.work
-    coefficients = [w.encoder_flops, w.language_flops, w.ep_bytes, w.tp_bytes + stage.reduce_bytes]
+    coefficients = [w.encoder_flops, w.language_flops, w.ep_bytes, w.tp_bytes + w.cp_bytes + stage.reduce_bytes]
     known_s = est.optimizer_s + w.extra_encoder_passes * known.encoder_pass_overhead_s
     return coefficients, known_s
 

@@ -1,11 +1,11 @@
 """A training iteration's time for one layout, from the provider's FLOPs and the calibration (calibration.py).
 
 Each kind of rank is a stage: every rank of a colocated layout runs every module one after the other; a
-heterogeneous layout has an encoder stage and one stage per LLM pipeline stage, which megatron-core's
-multimodule 1F1B schedule overlaps. A stage's work per iteration is a few quantities (`Work`): FLOPs per module
-kind, bytes each GPU sends in tensor-parallel collectives and in the experts' all-to-all, encoder passes beyond
-the first, split micro-batches. Its seconds are those quantities times the calibration's rates, so the fit
-(fit.py) and the estimate read the same terms.
+heterogeneous layout has an encoder stage and one stage per LLM pipeline stage, which megatron-core's multimodule
+1F1B schedule overlaps. A stage's work per iteration is a few quantities (`Work`): FLOPs per module kind, bytes
+each GPU sends in tensor-parallel collectives, in CP's key/value ring and in the experts' all-to-all, encoder
+passes beyond the first, split micro-batches. Its seconds are those quantities times the calibration's rates, so
+the fit (fit.py) and the estimate read the same terms.
 
 - colocated: the encoders then the LLM on every rank, then the gradient reduce and the optimizer;
 - heterogeneous: with t_s a stage's time per micro-batch and m micro-batches, (m - 1) x max t_s + sum t_s
@@ -25,6 +25,10 @@ GRAD_BYTES = 4  # mimo reduces gradients in fp32 (grad_reduce_in_fp32)
 ACTIVATION_BYTES = 2  # what tensor-parallel collectives carry (bf16; fp32 runs are not calibrated)
 TP_COLLECTIVES_PER_LAYER = 4  # forward: the attention's and the MLP's output; backward: their inputs' gradients
 ALL_TO_ALLS_PER_MOE_LAYER = 4  # dispatch and combine, forward and backward
+# CP's ring (transformer-engine): each attention layer sends its local keys and values CP - 1 times forward, and
+# backward the keys and values again and their gradients. An estimate, not fitted to records (no CP run has been
+# timed): priced at the calibration's collective bandwidth and not overlapped with the attention, which it is in part
+CP_RING_PASSES = 3
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,8 @@ class ModuleWork:
     layers: int
     trainable: bool = True
     routed_copies: float = 0.0  # MoE layers x experts per token: the hidden vectors a token sends to experts
+    attention_layers: int = 0  # layers whose keys and values CP's ring exchanges
+    kv_values: float = 0.0  # keys and values per token in one attention layer (2 x query groups x head size)
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class Work:
     language_flops: float = 0.0
     ep_bytes: float = 0.0  # what this GPU sends in the experts' all-to-all
     tp_bytes: float = 0.0
+    cp_bytes: float = 0.0  # what this GPU sends in CP's key/value ring
     extra_encoder_passes: int = 0
     split_micro_batches: int = 0  # LLM micro-batches that arrive over the bridge
 
@@ -80,6 +87,7 @@ class Work:
                 "LLM compute": self.language_flops * cal.seconds_per_flop("language"),
                 "EP all-to-all": self.ep_bytes / cal.all_to_all_bytes_per_s,
                 "TP collectives": self.tp_bytes / cal.collective_bytes_per_s,
+                "CP key/value ring": self.cp_bytes / cal.collective_bytes_per_s,
                 "encoder passes": self.extra_encoder_passes * cal.encoder_pass_overhead_s,
                 "split overhead": self.split_micro_batches * cal.split_stage_overhead_s}
 
@@ -155,12 +163,17 @@ def _ring(n: int) -> float:
 def _module_work(name: str, inputs: StepInputs, work: Work) -> None:
     """Add module `name`'s share of an iteration on one of its ranks (of one pipeline stage for the LLM)."""
     module, par = inputs.modules[name], inputs.parallelism[name]
-    # samples' worth of tokens on one rank: a lane's samples, each sequence split over CP (its ring not priced)
-    samples = inputs.global_batch / (par.dp * par.cp)
+    llm = inputs.parallelism[LANGUAGE]
+    # samples' worth of tokens on one rank: a lane's samples, the LLM's sequence split over CP; the encoders (CP 1,
+    # colocated with the LLM) run the whole lane's samples on each of its CP ranks
+    samples = inputs.global_batch / (par.dp * par.cp if name == LANGUAGE else par.dp // llm.cp)
     flops = samples * module.forward_flops * _passes(inputs.recompute.get(name, "none")) / (par.tp * par.pp)
     work.tp_bytes += _tp_bytes(module, par, samples, module.layers / par.pp)
     if name == LANGUAGE:
         work.language_flops += flops
+        if par.cp > 1:  # the local sequence's keys and values, split over TP by heads
+            local_kv = samples * module.tokens_per_sample * module.kv_values / par.tp * ACTIVATION_BYTES
+            work.cp_bytes += CP_RING_PASSES * (par.cp - 1) * module.attention_layers / par.pp * local_kv
         if par.ep > 1:  # balanced routing: (EP - 1) / EP of the routed copies go to other ranks
             tokens = samples * module.tokens_per_sample / par.pp
             work.ep_bytes += (ALL_TO_ALLS_PER_MOE_LAYER * tokens * module.routed_copies * module.hidden_size

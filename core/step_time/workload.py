@@ -34,8 +34,18 @@ def modules_of(plan, flops: dict[str, float], described: dict | None, frozen=fro
             dense, experts, tokens = shape.num_parameters or 0, 0, 0
         out[name] = ModuleWork(forward_flops=flops[name], dense_parameters=dense, expert_parameters=experts,
                                tokens_per_sample=tokens, hidden_size=shape.hidden_size, layers=shape.num_layers,
-                               trainable=name not in frozen, routed_copies=routed_copies(shape, memory))
+                               trainable=name not in frozen, routed_copies=routed_copies(shape, memory),
+                               attention_layers=attention_layers(shape, memory),
+                               kv_values=2 * shape.hidden_size * (shape.num_query_groups or shape.num_attention_heads)
+                               / shape.num_attention_heads)
     return out
+
+
+def attention_layers(shape, memory) -> int:
+    """The layers with attention: module_memory's of kind attention or transformer, else every layer."""
+    if memory is None:
+        return shape.num_layers
+    return sum(1 for layer in memory.layers if layer.kind in ("attention", "transformer"))
 
 
 def routed_copies(shape, memory) -> float:

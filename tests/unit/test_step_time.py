@@ -168,3 +168,68 @@ def test_without_model_flops_the_order_is_least_communication_and_says_so():
     assert [a.suggestion.flags() for a in untimed.layouts] == expected
     assert all(a.estimate is None for a in untimed.layouts)
     assert [a.suggestion.flags() for a in timed.layouts] != expected  # the time changes the order here
+
+
+# --- context parallelism: proposed where the sequence's activations need it, priced by its key/value ring
+
+LONG = ["seq_length=65536", "hidden_size=1024", "num_layers=4", "num_attention_heads=1"]  # no TP: 1 head
+
+
+def mock_plan(gpus, settings=()):
+    from mimo.core.config import LaunchOptions, RunConfig, TrainingOptions
+    from mimo.core.run.plan import prepare
+
+    return prepare(RunConfig(provider="mock-vlm", provider_settings=list(settings),
+                             launch=LaunchOptions(nproc_per_node=gpus),
+                             training=TrainingOptions(device="cuda", precision="bf16", micro_batch_size=1)),
+                   world_size=gpus)
+
+
+def test_cp_ring_sends_the_local_keys_and_values_per_attention_layer():
+    cp = {"images": ModuleParallelism(0, 4), LANGUAGE: ModuleParallelism(0, 4, cp=2)}
+    base = inputs(cp)
+    modules = {**base.modules, LANGUAGE: dataclasses.replace(base.modules[LANGUAGE], attention_layers=4,
+                                                             kv_values=256)}
+    est = estimate(dataclasses.replace(base, modules=modules), CAL)
+    # 4 micro-batches x 2 lanes = 8 samples, 2 a lane's CP rank pair shares: 2 samples' worth of 1000 tokens a rank
+    local_kv = 2 * 1000 * 256 * 2
+    assert est.slowest.terms["CP key/value ring"] == pytest.approx(3 * 1 * 4 * local_kv / 1e9)
+    # the encoders are not split over CP: each rank runs its lane's 4 samples
+    assert est.slowest.terms["encoder compute"] == pytest.approx(4 * 3 * 1.0)
+
+
+def test_a_sequence_that_fits_only_with_cp_gets_a_cp_layout_first():
+    from mimo.core.step_time.advisor import advise
+
+    advised = advise(mock_plan(2, LONG), 2, 5.5)
+    first = advised.layouts[0]
+    assert first.suggestion.layout.llm_cp == 2 and "--llm-cp 2" in first.suggestion.flags()
+    assert "splits the 65,536-token sequence over 2 ranks: activations per GPU" in first.why
+    assert "CP key/value ring" in first.estimate.slowest.terms
+    assert all(a.suggestion.layout.llm_cp > 1 for a in advised.layouts)  # nothing else fits 5.5 GiB
+
+
+def test_a_short_sequence_keeps_its_layout_without_cp_first():
+    from mimo.core.step_time.advisor import advise
+
+    layouts = advise(mock_plan(4), 4, 80, top=100).layouts
+    assert layouts[0].suggestion.layout.llm_cp == 1
+    assert any(a.suggestion.layout.llm_cp > 1 for a in layouts)  # considered, and slower
+
+
+def test_cp_is_never_proposed_split_packed_or_with_cuda_graphs():
+    from pathlib import Path
+
+    from mimo.core.memory import layout_search
+
+    plan = mock_plan(4, LONG)
+    found = layout_search.fitting(plan, 4, 80)
+    assert any(s.layout.llm_cp > 1 for s in found)
+    assert any(s.layout.encoder_ranks for s in found)
+    assert all(s.layout.llm_cp == 1 for s in found if s.layout.encoder_ranks)
+    config = plan.config
+    plan.config = dataclasses.replace(config, data=dataclasses.replace(config.data, data=Path("rows.jsonl"),
+                                                                         pack_sequences=True))
+    assert all(s.layout.llm_cp == 1 for s in layout_search.fitting(plan, 4, 80))
+    plan.config = dataclasses.replace(config, performance=dataclasses.replace(config.performance, cuda_graphs=True))
+    assert all(s.layout.llm_cp == 1 for s in layout_search.fitting(plan, 4, 80))
