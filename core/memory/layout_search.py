@@ -106,6 +106,7 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
     found = []
     seq_length = getattr(plan.settings, "seq_length", None)
     packed = config.data.data is not None and config.data.pack_sequences  # as core/run/plan.py checks it
+    accepted: dict = {}  # (LLM TP, CP) -> whether the provider builds its language model so split
     for layout in candidates(world, plan.shapes, not (packed or config.performance.cuda_graphs)):
         sp = config.performance.sequence_parallel or (is_moe and layout.llm_tp > 1)
         try:
@@ -114,6 +115,8 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
                                    pack_sequences=packed,
                                    cuda_graphs=config.performance.cuda_graphs)
         except UsageError:
+            continue
+        if not _language_model_accepts(plan, parallelism, accepted):
             continue
         lanes = parallelism[topology.LANGUAGE].dp
         if t.global_batch_size:
@@ -144,6 +147,30 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
                                         _cp_reason(described, parallelism, options, rows, ranks)))
                 break
     return found
+
+
+def _language_model_accepts(plan, parallelism: dict, accepted: dict) -> bool:
+    """Under CP, whether the provider builds its language model so split (its own refusals: nemotron's local Mamba
+    mixer has no CP; heads that do not split over TP x CP), as `mimo plan` checks a layout given to it: the spec
+    built once per (TP, CP) without process groups. A plan for GPUs made on a host without one skips it, as there."""
+    llm = parallelism[topology.LANGUAGE]
+    if llm.cp == 1 or (plan.config.training.device == "cuda" and not _cuda_visible()):
+        return True
+    key = (llm.tp, llm.cp)
+    if key not in accepted:
+        as_laid_out = dataclasses.replace(plan, parallelism=parallelism)
+        try:
+            plan.hooks.build_language_model(settings=plan.settings, ctx=as_laid_out.build_context({}))
+            accepted[key] = True
+        except ValueError:
+            accepted[key] = False
+    return accepted[key]
+
+
+def _cuda_visible() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _cp_reason(described, parallelism: dict, options, rows: dict, ranks: list) -> str:

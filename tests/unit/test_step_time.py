@@ -233,3 +233,17 @@ def test_cp_is_never_proposed_split_packed_or_with_cuda_graphs():
     assert all(s.layout.llm_cp == 1 for s in layout_search.fitting(plan, 4, 80))
     plan.config = dataclasses.replace(config, performance=dataclasses.replace(config.performance, cuda_graphs=True))
     assert all(s.layout.llm_cp == 1 for s in layout_search.fitting(plan, 4, 80))
+
+
+def test_cp_is_not_proposed_where_the_provider_refuses_it():
+    """nemotron's local Mamba mixer has no CP: on this CPU the search builds its spec per (TP, CP) as `mimo plan`
+    does for a given layout, and proposes no CP layout the plan would refuse."""
+    from mimo.core.config import LaunchOptions, RunConfig, TrainingOptions
+    from mimo.core.memory import layout_search
+    from mimo.core.run.plan import prepare
+
+    plan = prepare(RunConfig(provider="nemotron-moe-vlm-tiny", provider_settings=["seq_length=65536"],
+                             launch=LaunchOptions(nproc_per_node=2),
+                             training=TrainingOptions(device="cpu", micro_batch_size=1)), world_size=2)
+    found = layout_search.fitting(plan, 2, 80)
+    assert found and all(s.layout.llm_cp == 1 for s in found)
