@@ -11,8 +11,9 @@
 #      2. mock-vlm, backend te, bf16 (transformer-engine's ring attention; TE runs CP only in its flash and fused
 #         attention, which take no fp32): within bf16 tolerance (about 1e-2 relative on the loss).
 #      3. nemotron-moe-vlm-tiny, backend te, bf16 (Mamba layers through megatron-core's MambaContextParallel).
-# slice: the full-width Nemotron slice at seq_length 32768, CP 2 on both GPUs (ms/iteration, peak memory), and the
-#        same with CP 1 (DP 2), which may not fit: the memory check then refuses it in one line.
+# slice: the full-width Nemotron slice at seq_length 32768 with two 4096-patch images a sample, CP 2 on both GPUs
+#        (ms/iteration, peak memory), then the same with CP 1 (DP 2), which may not fit: the memory check then
+#        refuses it in one line (docs/benchmarks/context_parallel_gpu.json's runs: 8 iterations, 2 H200s).
 # Results: logs and metrics under $OUT; the comparisons are the last output. ITERATIONS (10) overrides.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TORCH_COMPILE_DISABLE=1
@@ -79,9 +80,11 @@ if [ "$1" = run ]; then
   compare mock_local_fp32 mock_te_bf16 nemotron_tiny_te_bf16
 else
   limit=280
+  # two 4096-patch images a sample: every image of one size, so the peaks can be held to the plan's estimate
   slice=(run --device cuda --provider nemotron-moe-vlm-52l --set 'hybrid_pattern=MEMEM*EMEM' --set num_experts=16
          --set backend=te --precision bf16 --micro-batch-size 1 --num-microbatches 4 --set seq_length=32768
-         --train-iters "$iterations" --log-interval 1 --seed 5 --nproc-per-node 2)
+         --set images_per_sample=2 --set patches_per_image=4096
+         --train-iters "${ITERATIONS:-8}" --log-interval 1 --seed 5 --nproc-per-node 2)
   mimo "${slice[@]}" --llm-cp 2 --metrics-file "$out/slice_cp2.jsonl" > "$out/slice_cp2.log" 2>&1
   echo "slice cp2 exit $?"; grep -E "^(iteration|error)" "$out/slice_cp2.log" | tail -4 | cut -c1-250
   mimo "${slice[@]}" --metrics-file "$out/slice_dp2.jsonl" > "$out/slice_dp2.log" 2>&1
