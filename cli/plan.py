@@ -64,12 +64,12 @@ def print_plan(summary: dict, as_json: bool) -> None:
         total = f"{m['parameters']:,}" if m["parameters"] else "?"
         if m["active_parameters"]:
             total += f"\n({m['active_parameters']:,} active)"
-        rows.append([m["module"], f"{m['ranks'][0]}-{m['ranks'][1]}", str(m["tp"]), str(m["cp"]), str(m["dp"]), str(m["pp"]),
-                     str(m["ep"]), str(m["layers"]), total,
+        rows.append([m["module"], f"{m['ranks'][0]}-{m['ranks'][1]}", str(m["tp"]), str(m["cp"]), str(m["dp"]),
+                     str(m["pp"]), str(m["ep"]), str(m["layers"]), total,
                      f"{m['parameters_per_rank']:,}" if m["parameters_per_rank"] else "?"])
     console = _console()
-    console.print(fitted(["module", "ranks", "TP", "CP", "DP", "PP", "EP", "layers", "parameters", "per rank (≈)"], rows,
-                         console.width,
+    console.print(fitted(["module", "ranks", "TP", "CP", "DP", "PP", "EP", "layers", "parameters", "per rank (≈)"],
+                         rows, console.width,
                          f"{summary['provider']}: {summary['layout']} layout on {summary['world_size']} ranks"))
     if summary.get("memory"):
         console.print(memory_table(summary["memory"], console.width))

@@ -150,27 +150,15 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
 
 
 def _language_model_accepts(plan, parallelism: dict, accepted: dict) -> bool:
-    """Under CP, whether the provider builds its language model so split (its own refusals: nemotron's local Mamba
-    mixer has no CP; heads that do not split over TP x CP), as `mimo plan` checks a layout given to it: the spec
-    built once per (TP, CP) without process groups. A plan for GPUs made on a host without one skips it, as there."""
+    """Under CP, whether the provider builds its language model so split, as `mimo plan` checks a layout given to
+    it; asked once per (LLM TP, CP)."""
     llm = parallelism[topology.LANGUAGE]
-    if llm.cp == 1 or (plan.config.training.device == "cuda" and not _cuda_visible()):
+    if llm.cp == 1:
         return True
     key = (llm.tp, llm.cp)
     if key not in accepted:
-        as_laid_out = dataclasses.replace(plan, parallelism=parallelism)
-        try:
-            plan.hooks.build_language_model(settings=plan.settings, ctx=as_laid_out.build_context({}))
-            accepted[key] = True
-        except ValueError:
-            accepted[key] = False
+        accepted[key] = context_parallel.provider_refusal(plan, parallelism) is None
     return accepted[key]
-
-
-def _cuda_visible() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
 
 
 def _cp_reason(described, parallelism: dict, options, rows: dict, ranks: list) -> str:

@@ -164,8 +164,10 @@ def counted_once(totals, loss_source: bool, token_source: bool):
     """This rank's part of a world sum of `totals` ([loss sum, tokens, *data counts]): the loss and tokens from
     every loss source (under CP each holds its part of the lane's sequence), the data counts from the lane's token
     source alone (every CP rank reads the same samples)."""
-    part = totals.clone() if loss_source and token_source else totals.new_zeros(totals.shape)
-    if loss_source and not token_source:
+    if token_source:  # a lane's token source is one of its loss sources
+        return totals
+    part = totals.new_zeros(totals.shape)
+    if loss_source:
         part[:2] = totals[:2]
     return part
 

@@ -43,8 +43,8 @@ def run_worker(*argv: str) -> None:
 
 
 def run_cli(argv: list[str]) -> int:
-    """Run `mimo ARGV` in this (forked) process as `python -m mimo.cli` would, and end as an interpreter does: non-daemon
-    threads joined, then atexit handlers, streams flushed. Returns the exit code."""
+    """Run `mimo ARGV` in this (forked) process as `python -m mimo.cli` would, and end as an interpreter does:
+    non-daemon threads joined, then atexit handlers, streams flushed. Returns the exit code."""
     sys.argv = ["mimo", *argv]  # runpy puts the module's file first, as `python -m` does
     code = 0
     try:

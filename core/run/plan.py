@@ -102,23 +102,10 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
                                        modalities, config.provider)
     plan = Plan(config, provider, hooks, settings, shapes, parallelism, world_size, global_batch,
                 global_batch // per_microbatch, train_iters, step, adapter_targets=lora)
-    if parallelism[LANGUAGE].cp > 1:
-        _language_model_accepts(plan)
+    if parallelism[LANGUAGE].cp > 1 and (refused := context_parallel.provider_refusal(plan)):
+        raise UsageError(f"provider '{plan.config.provider}': {refused}")
     encoder_pass.fit_auto(plan, fit.fits)  # auto: the step's encoder activations must fit the GPU
     return plan
-
-
-def _language_model_accepts(plan: Plan) -> None:
-    """The provider's own refusal of the layout (under CP: a backend without it, heads that do not split), here
-    rather than in every worker: its language model's spec built once without process groups (no weights). Not for
-    a plan made for GPUs on a host without one (`mimo plan --device cuda` on a login node): a provider checks its
-    backend against this machine; the workers' build still refuses there."""
-    if plan.config.training.device == "cuda" and not torch.cuda.is_available():
-        return
-    try:
-        plan.hooks.build_language_model(settings=plan.settings, ctx=plan.build_context({}))
-    except ValueError as err:
-        raise UsageError(f"provider '{plan.config.provider}': {err}") from None
 
 
 def hf_base_settings(config: RunConfig, provider: Provider, hooks) -> dict:

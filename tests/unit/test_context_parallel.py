@@ -19,7 +19,8 @@ from mimo.errors import UsageError
 
 def plan(world, provider="mock-vlm", settings=(), performance=None, data=None, precision="fp32", **layout):
     config = RunConfig(provider=provider, provider_settings=list(settings),
-                       launch=LaunchOptions(nproc_per_node=world), training=TrainingOptions(micro_batch_size=2, precision=precision),
+                       launch=LaunchOptions(nproc_per_node=world),
+                       training=TrainingOptions(micro_batch_size=2, precision=precision),
                        layout=LayoutOptions(**layout), performance=performance or PerformanceOptions(),
                        data=data or DataOptions())
     return prepare(config, world_size=world)

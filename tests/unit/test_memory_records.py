@@ -75,7 +75,8 @@ CONTEXT_PARALLEL = json.loads((REPO / "docs/benchmarks/context_parallel_gpu.json
 
 @pytest.mark.parametrize("record", CONTEXT_PARALLEL["runs"], ids=lambda r: r["id"])
 def test_the_slice_at_32k_tokens_with_and_without_context_parallelism_within_5_percent(record):
-    """The plan counts the LLM's activations per CP rank: CP 2 and CP 1 at sequence 32768 (context_parallel_gpu.json)."""
+    """The plan counts the LLM's activations per CP rank: CP 2 and CP 1 at sequence 32768
+    (context_parallel_gpu.json)."""
     assert estimates(record)["all ranks"] == pytest.approx(record["peak_memory_gib"]["all ranks"], rel=0.05)
 
 
