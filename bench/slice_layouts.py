@@ -1,10 +1,13 @@
-"""The Nemotron slice on two GPUs of one machine, one layout after another in one call: colocated data parallelism
-(16 experts), colocated expert parallelism (EP2, 32 experts: the same experts per GPU, so the same FLOPs) and the
-heterogeneous split (RADIO on GPU 0, the LLM on GPU 1). Rows as docs/benchmarks/layouts_gpu.json keeps them:
+"""The Nemotron slice on two or four GPUs of one machine, one layout after another in one call: colocated data
+parallelism (16 experts), colocated expert parallelism (EP2/EP4 with 32/64 experts: the same experts per GPU, so the
+same FLOPs), heterogeneous splits (RADIO on GPU 0 and the LLM on GPU 1; RADIO on 1 or 2 of 4 GPUs), and the whole
+model (`full-ep4`: the released LLM with RADIO-H on four GPUs, EP4, full recompute, the distributed precision-aware
+optimizer). Rows as docs/benchmarks/layouts_gpu.json keeps them:
 tokens/s/GPU and TFLOP/s/GPU min-median-max over the steady iterations, the first iteration's seconds, every
 rank's peak memory beside `mimo plan`'s estimate for that rank, and the command.
 
     python bench/slice_layouts.py --out results/slice_layouts                 # a machine with 2 GPUs
+    python bench/slice_layouts.py --layouts colocated-dp4 colocated-ep4 full-ep4 ...   # with 4 GPUs
     python bench/slice_layouts.py --out /tmp/smoke --quick                    # the script itself: tiny, 2 CPU ranks
     python bench/slice_layouts.py --set images_per_sample=2 ...               # provider settings for every layout
 
@@ -19,17 +22,41 @@ import json
 import re
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import Results, device_description, mimo_run, settings_args, spread
 
 SLICE = dict(hybrid_pattern="MEMEM*EMEM", num_experts=16, backend="te")
 QUICK = dict(backend="local")
-# name -> (extra `mimo run` options, settings over the workload's)
+# full size: the released LLM's 52 layers and 128 experts with RADIO-H, one 4096-patch image a sample (the memory
+# plan's largest image, so its estimate and the measured peak see the same work)
+FULL = dict(backend="te", images_per_sample=1, patches_per_image=4096)
+FULL_OPTIONS = ("--use-distributed-optimizer", "--recompute", "full")
+
+
+@dataclass(frozen=True)
+class Layout:
+    gpus: int
+    options: tuple = ()  # `mimo run` options
+    settings: dict = field(default_factory=dict)  # over the workload's
+    full_size: bool = False  # the whole model (FULL) instead of the slice, without --cuda-graphs
+    gpu_options: tuple = ()  # left out by --quick (the CPU refuses them)
+
+
+# Experts scale with expert parallelism where the layout compares against data parallelism (the same experts per GPU,
+# so the same FLOPs and GEMM shapes); the splits keep the colocated run's model where they are the advisor's choice.
 LAYOUTS = {
-    "colocated-dp2": ([], {}),
-    "colocated-ep2": (["--llm-ep", "2"], {"num_experts": 32}),
-    "split-1+1": (["--encoder-ranks", "1", "--log-timers"], {}),
+    "colocated-dp2": Layout(2),
+    "colocated-ep2": Layout(2, ("--llm-ep", "2"), {"num_experts": 32}),
+    "split-1+1": Layout(2, ("--encoder-ranks", "1", "--log-timers")),
+    "colocated-dp4": Layout(4),
+    "colocated-ep4": Layout(4, ("--llm-ep", "4"), {"num_experts": 64}),
+    "colocated-ep4-overlap": Layout(4, ("--llm-ep", "4", "--overlap-grad-reduce"), {"num_experts": 64}),
+    "split-1+3": Layout(4, ("--encoder-ranks", "1", "--log-timers")),
+    "split-2+2-ep2": Layout(4, ("--encoder-ranks", "2", "--llm-ep", "2", "--log-timers")),
+    "full-ep4": Layout(4, ("--llm-ep", "4", *FULL_OPTIONS), full_size=True,
+                       gpu_options=("--optimizer-precision", "bf16")),
 }
 
 
@@ -72,19 +99,22 @@ def main() -> None:
         ("peaks", "peak GiB per rank (plan)", ""), ("timers", "ms per iteration by module", ""),
     ])
     for name in args.layouts:
-        options, settings = LAYOUTS[name]
-        settings = {**workload, **settings, **extra_settings}
+        layout = LAYOUTS[name]
+        base = FULL if layout.full_size and not args.quick else workload
+        settings = {**base, **layout.settings, **({} if layout.full_size else extra_settings)}
         common = ["--provider", provider, *settings_args(settings), "--device", device, "--precision", precision,
-                  "--nproc-per-node", "2", "--micro-batch-size", str(micro), "--num-microbatches",
-                  str(microbatches), *[o for o in options if o != "--log-timers"]]
-        if not args.quick:
+                  "--nproc-per-node", str(layout.gpus), "--micro-batch-size", str(micro), "--num-microbatches",
+                  str(microbatches), *[o for o in layout.options if o != "--log-timers"],
+                  *(() if args.quick else layout.gpu_options)]
+        if not args.quick and not layout.full_size:
             common.append("--cuda-graphs")
+        options = layout.options
         timers = ["--log-timers"] if "--log-timers" in options else []
         run = mimo_run([*common, *timers, "--train-iters", str(args.iterations), "--log-interval", "1", "--seed", "5"],
                        args.out, name, timeout=args.timeout)
         kept = [r for r in run.records if r.get("split") == "train" and r["iteration"] > args.warmup]
         row = {"layout": name, "grids": layout_line(run.output), "status": run.status, "command": run.printed(),
-               "provider": provider, "settings": settings, "gpus": 2, "first_iteration_s": run.to_first_iteration_s}
+               "provider": provider, "settings": settings, "gpus": layout.gpus, "first_iteration_s": run.to_first_iteration_s}
         for key, short in (("elapsed_ms", "ms_per_iter"), ("tflops_per_gpu", "tflops"),
                            ("tokens_per_sec_per_gpu", "tokens_per_s_per_gpu")):
             row[short + "_spread"] = spread(kept, key)

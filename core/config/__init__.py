@@ -86,6 +86,15 @@ class RunConfig:
             raise UsageError("--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce")
         if p.fp8 != "none" and precision != "bf16":
             raise UsageError(f"--fp8 {p.fp8} needs --precision bf16 (FP8 keeps bf16 weights and activations)")
+        o = self.optimizer
+        if o.optimizer_precision != "fp32":
+            needs = [need for need, missing in (("--precision bf16", precision != "bf16"),
+                                                ("--use-distributed-optimizer", not o.use_distributed_optimizer),
+                                                ("a GPU (--device cuda)", self.training.device == "cpu")) if missing]
+            if needs:
+                raise UsageError(f"--optimizer-precision {o.optimizer_precision} needs {' and '.join(needs)} "
+                                 "(megatron-core's precision-aware optimizer: transformer-engine's FusedAdam on a "
+                                 "GPU, state sharded by the distributed optimizer)")
         if p.cuda_graphs and precision != "bf16":
             raise UsageError("--cuda-graphs needs --precision bf16 (megatron-core captures the layers with bf16 "
                              "inputs)")

@@ -4,8 +4,9 @@ activations of the micro-batches in flight, and an allowance for the CUDA contex
 Each kind of rank gets its own estimate: all ranks of a colocated layout (every module, summed), the encoder
 ranks and each pipeline stage of the LLM ranks of a heterogeneous one. Inputs are the provider's
 `module_memory` description and what mimo configures megatron-core with (core/parallel/model.py, core/parallel/optim.py): DDP
-gradient buffers in fp32 (`grad_reduce_in_fp32`), Adam with fp32 main weights under bf16, the distributed
-optimizer sharding main weights and moments over data parallelism (experts over expert data parallelism).
+gradient buffers in fp32 (`grad_reduce_in_fp32`), Adam with fp32 main weights under bf16 (or the precision-aware
+optimizer's bf16 moments and gradients, --optimizer-precision), the distributed optimizer sharding main weights and
+moments over data parallelism (experts over expert data parallelism).
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class Options:
     step_encoders: bool = False  # --encoder-pass step: the encoders hold every micro-batch's activations at once
     # --lora-rank: every base weight frozen; (rank, per expert, ((module, hidden, experts, body, projection), ...))
     adapters: tuple = ()
+    optimizer_precision: str = "fp32"  # --optimizer-precision: fp32, bf16-moments or bf16
 
 
 def options_of(plan) -> Options:
@@ -101,7 +103,7 @@ def options_of(plan) -> Options:
                    recompute={name: config.performance.recompute_for(name) for name in plan.parallelism},
                    frozen=frozenset(name for name in plan.parallelism if _frozen(name, frozen)),
                    encoder_tokens=config.memory.encoder_tokens(), step_encoders=plan.step_encoders,
-                   adapters=adapters)
+                   adapters=adapters, optimizer_precision=config.optimizer.optimizer_precision)
 
 
 def _frozen(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -161,15 +163,15 @@ def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int,
     count = dense + experts
     value = 2 if options.bf16 else 4
     trainable = name not in options.frozen
-    # bf16: Adam's fp32 main weights and two moments (12 bytes); fp32: the moments (8), the weights are the params
-    state = (12 if options.bf16 else 8) if trainable else 0
+    state_bytes, grad_bytes = optimizer_bytes(options)
+    state = state_bytes if trainable else 0
     # the distributed optimizer shards over data and context parallelism (megatron-core's dp_cp group)
     if options.distributed_optimizer:
         optimizer = state * (dense / (par.dp * par.cp) + experts / par.expt_dp)
     else:
         optimizer = state * count
     lora = _adapters(name, memory, options.adapters)
-    lora_state = 12 if options.bf16 else 8
+    lora_state = state_bytes
     optimizer += lora_state * lora / (par.dp * par.cp if options.distributed_optimizer else 1)
     mode = options.recompute.get(name, "none")
     per_sample = tokens_per_sample(name, memory, options.encoder_tokens)
@@ -183,8 +185,17 @@ def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int,
     kept = sum(per_rank(layer.kept(mode, value)) for layer in layers + ends)
     working = max([per_rank(layer.working(mode, value)) for layer in layers + ends] or [0.0])
     return ModuleTerms(name, stage, len(layers), mode, tokens, in_flight, parameters=value * (count + lora),
-                       gradients=(4 * count if trainable else 0) + 4 * lora, optimizer=optimizer,
+                       gradients=grad_bytes * ((count if trainable else 0) + lora), optimizer=optimizer,
                        activations=in_flight * kept + working, parameter_count=count + lora)
+
+
+def optimizer_bytes(options: Options) -> tuple[int, int]:
+    """(optimizer state, gradient buffer) bytes per trainable parameter. fp32 runs: Adam's two fp32 moments, the
+    weights are the main weights. bf16 runs: fp32 main weights and moments (12); --optimizer-precision
+    bf16-moments: bf16 moments and the main weights' 16-bit remainders (6); bf16 also halves the gradients."""
+    if not options.bf16:
+        return 8, 4
+    return {"fp32": (12, 4), "bf16-moments": (6, 4), "bf16": (6, 2)}[options.optimizer_precision]
 
 
 def _adapters(name: str, memory: ModuleMemory, adapters: tuple) -> float:

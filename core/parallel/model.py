@@ -97,12 +97,14 @@ def _cp(grid) -> int:
 
 def build_model(performance, *, hooks, settings, provider: str, topology: Topology, context: BuildContext,
                 device: torch.device, seed: int, distributed_optimizer: bool = False, trainable: bool = True,
-                adapters: AdapterOptions | None = None, adapter_targets: dict | None = None):
+                adapters: AdapterOptions | None = None, adapter_targets: dict | None = None,
+                grads_in_fp32: bool = True):
     """The provider's MimoModel for the modules this rank holds: built from its hooks' specs with `context`,
     seeded per module with `seed`, frozen where it says, on `device`, each module wrapped in DDP over its grid
     (with the overlap options of `performance`, a PerformanceOptions, or none); `trainable` False freezes every
     module (no gradient buffers: a model that only converts). With `adapters` enabled, LoRA adapters on the layers
-    `adapter_targets` names and every base weight frozen (core/adapters/). Collective over the world."""
+    `adapter_targets` names and every base weight frozen (core/adapters/). `grads_in_fp32` False: gradient buffers
+    and their reduction in the run's precision (--optimizer-precision bf16). Collective over the world."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.enums import ModelType
     from megatron.core.models.mimo import MimoModelConfig
@@ -145,7 +147,7 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
     _attach_tp_groups(model, topology)
     overlap_grads = bool(performance and performance.overlap_grad_reduce)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grads, use_distributed_optimizer=distributed_optimizer,
+        grad_reduce_in_fp32=grads_in_fp32, overlap_grad_reduce=overlap_grads, use_distributed_optimizer=distributed_optimizer,
         overlap_param_gather=bool(performance and performance.overlap_param_gather),
         # buckets let the reduction of late layers start while early layers still run backward
         bucket_size=40_000_000 if overlap_grads else None)

@@ -8,6 +8,8 @@ import math
 import torch
 from torch.profiler import record_function
 
+from mimo.errors import UsageError
+
 from ..config import OptimizerOptions, SchedulerOptions
 
 
@@ -92,7 +94,7 @@ def build_optimizer(options: OptimizerOptions, *, model, params_dtype: torch.dty
         optimizer="adam", lr=options.lr, min_lr=options.min_lr, weight_decay=options.weight_decay,
         adam_beta1=options.adam_beta1, adam_beta2=options.adam_beta2, adam_eps=options.adam_eps,
         clip_grad=options.clip_grad, bf16=params_dtype == torch.bfloat16, params_dtype=params_dtype,
-        use_distributed_optimizer=options.use_distributed_optimizer,
+        use_distributed_optimizer=options.use_distributed_optimizer, **precision_aware(options.optimizer_precision),
     )
     # megatron-core builds one optimizer per module grid; the global grad norm and clipping span all of them.
     built = get_mimo_optimizer(model, config)
@@ -102,6 +104,23 @@ def build_optimizer(options: OptimizerOptions, *, model, params_dtype: torch.dty
         info.optimizer = _without_stub_parts(info.optimizer)
     _copy_main_params_in_one_kernel(info.optimizer for info in built.module_infos.values())
     return _recording_optimizer_class()(built.module_infos, built.config)
+
+
+def precision_aware(optimizer_precision: str) -> dict:
+    """OptimizerConfig's fields for --optimizer-precision: megatron-core's precision-aware optimizer keeps Adam's
+    moments (and with "bf16" the gradients) in bf16, and the fp32 main weights as the bf16 weights plus 16-bit
+    remainders (store_param_remainders), inside transformer-engine's FusedAdam."""
+    if optimizer_precision == "fp32":
+        return {}
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam  # noqa: F401
+    except ImportError:
+        raise UsageError(f"--optimizer-precision {optimizer_precision} needs transformer-engine's FusedAdam, which "
+                         "is not importable here: install mimo's te extra (pip install '.[te]') or use "
+                         "--optimizer-precision fp32") from None
+    bf16 = torch.bfloat16
+    return dict(use_precision_aware_optimizer=True, store_param_remainders=True, exp_avg_dtype=bf16,
+                exp_avg_sq_dtype=bf16, main_grads_dtype=bf16 if optimizer_precision == "bf16" else torch.float32)
 
 
 def _without_stub_parts(optimizer):

@@ -41,6 +41,9 @@ def configure(options, device: torch.device) -> None:
     --compile-cache overrides TRITON_CACHE_DIR and TORCHINDUCTOR_CACHE_DIR; otherwise those win where set."""
     import torch._dynamo
 
+    seconds = os.environ.get(STACK_DUMP_ENV)
+    if seconds and float(seconds) > 0:  # a start-up that hangs says where, rank by rank (cancelled after iteration 2)
+        faulthandler.dump_traceback_later(float(seconds), repeat=True, file=sys.stderr)
     torch._dynamo.config.disable = options.torch_compile != "on"
     if device.type != "cuda":
         return

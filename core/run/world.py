@@ -45,7 +45,8 @@ class World:
                            provider=config.provider, topology=self.topology, context=self.context, device=self.device,
                            seed=self.seed if seed is None else seed,
                            distributed_optimizer=config.optimizer.use_distributed_optimizer, trainable=trainable,
-                           adapters=config.adapters, adapter_targets=self.plan.adapter_targets)
+                           adapters=config.adapters, adapter_targets=self.plan.adapter_targets,
+                           grads_in_fp32=config.optimizer.optimizer_precision != "bf16")
 
     def data_context(self, start_sample: int = 0) -> DataContext:
         """What this rank's data iterator reads: its positions of every micro-batch, from `start_sample` on."""
@@ -76,8 +77,10 @@ def join(plan: Plan, *, seed: int | None = None) -> World:
     compilation.configure(config.compile, device)  # before the model: torch.compile off, the caches' places
     if dist.get_world_size() != plan.world_size:
         raise UsageError(f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} joined")
-    if device.type != "cuda" and (perf.fp8 != "none" or perf.cuda_graphs):
-        raise UsageError(f"--{'fp8' if perf.fp8 != 'none' else 'cuda-graphs'} needs a GPU; this run is on the CPU")
+    gpu_only = [f"--{name}" for name, on in (("fp8", perf.fp8 != "none"), ("cuda-graphs", perf.cuda_graphs), (
+        "optimizer-precision", config.optimizer.optimizer_precision != "fp32")) if on]
+    if device.type != "cuda" and gpu_only:
+        raise UsageError(f"{gpu_only[0]} needs a GPU; this run is on the CPU")
     if perf.cuda_graphs:
         train_on_capture_stream()
     topo = topology.build(plan.parallelism, backend="nccl" if device.type == "cuda" else "gloo")

@@ -1,0 +1,76 @@
+#!/usr/bin/env bash
+# Four GPUs of one machine (bench/slice_layouts.py): the whole model and the slice's layouts, two run calls.
+#   here, once:                                                bash scripts/gpu/four_gpus.sh prepare
+#   device call 1, carry [".whl-te"], kind nvidia-h200-x4:     bash scripts/gpu/four_gpus.sh install
+#   device call 2, carry [".whl"], right after call 1:         bash scripts/gpu/four_gpus.sh run-a
+#   device call 3, carry [".whl"], right after call 2:         bash scripts/gpu/four_gpus.sh run-b
+# run-a: mock-vlm on 2 GPUs with each --optimizer-precision (losses, and a bf16 save resumed), then
+#        nemotron-moe-vlm-52l at full size (RADIO-H + the released 52-layer LLM, 128 experts) with EP4, full
+#        recompute and the distributed optimizer with bf16 moments and gradients (--optimizer-precision bf16),
+#        then the slice (MEMEM*EMEM) colocated DP4 (16 experts) and EP4 (64 experts: 16 a GPU) on its default data.
+# run-b: the slice with two 4096-patch images a sample (RADIO about half the FLOPs): colocated DP4 against the
+#        split `mimo plan --suggest --gpus 4` ranks first (RADIO on ranks 0-1, the LLM EP2 on ranks 2-3), then on the
+#        default data colocated DP4 again against its first split there (RADIO on rank 0, the LLM DP3 on ranks 1-3).
+# run-full: the whole model alone (each rank's Python stacks every 90 s in its log, the GPUs' memory every 20 s),
+#        then the slice's EP4 and DP4 while the call's time lasts.
+# Results: $OUT/four_gpus.tgz: <part>/slice_layouts.json (rows), logs and metrics; the table is each part's last
+# output.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/common.sh"
+WORK=/tmp/four_gpus  # results gather here; $OUT gets one archive of them after each part (a call brings back
+                    # few files, and a call stopped at its time limit keeps what the parts before wrote)
+pack() { mkdir -p "${OUT:-runs}"; tar czf "${OUT:-runs}/four_gpus.tgz" -C "$WORK" .; }
+layouts() {  # OUT_SUBDIR ITERATIONS TIMEOUT LAYOUT... [-- SETTINGS...]
+  local out="$WORK/$1" iterations=$2 timeout=$3; shift 3
+  local names=() settings=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do names+=("$1"); shift; done
+  [ $# -gt 0 ] && shift && settings=("$@")
+  python3 bench/slice_layouts.py --out "$out" --iterations "$iterations" --warmup 5 --timeout "$timeout" \
+    --layouts "${names[@]}" "${settings[@]}"
+  pack
+}
+optimizer_precision() {  # OUT_DIR: mock-vlm on 2 GPUs, bf16, the three --optimizer-precision choices' losses, and
+  # a bf16 run saved at iteration 6 and resumed to 12 against the same run uninterrupted
+  local out="$WORK/$1"; mkdir -p "$out"
+  local run=(timeout -k 10 120 python3 -m mimo.cli run --provider mock-vlm --device cuda --precision bf16
+             --nproc-per-node 2 --use-distributed-optimizer --train-iters 12 --log-interval 1 --seed 5
+             --micro-batch-size 4 --global-batch-size 32)
+  for p in fp32 bf16-moments bf16; do
+    CUDA_VISIBLE_DEVICES=0,1 "${run[@]}" --optimizer-precision "$p" --metrics-file "$out/$p.jsonl" > "$out/$p.log" 2>&1
+    echo "optimizer-precision $p: exit $? $(grep -c '^ *iteration' "$out/$p.log") iterations"
+  done
+  CUDA_VISIBLE_DEVICES=0,1 "${run[@]}" --optimizer-precision bf16 --train-iters 6 --save "$out/ckpt" \
+    --metrics-file "$out/bf16_first.jsonl" > "$out/bf16_first.log" 2>&1
+  CUDA_VISIBLE_DEVICES=0,1 "${run[@]}" --optimizer-precision bf16 --load "$out/ckpt" \
+    --metrics-file "$out/bf16_resumed.jsonl" > "$out/bf16_resumed.log" 2>&1
+  echo "resume: exit $? $(grep -c '^ *iteration' "$out/bf16_resumed.log") iterations"; rm -rf "$out/ckpt"
+  python3 scripts/compare_losses.py "$out/fp32.jsonl" "$out/bf16-moments.jsonl" "$out/bf16.jsonl" | tail -14
+  python3 scripts/compare_losses.py "$out/bf16.jsonl" "$out/bf16_resumed.jsonl" | tail -1
+  pack
+}
+case "${1:-}" in
+  prepare) prepare ;;
+  install) install_te ;;
+  run-a|run-b|run-full)
+    use_wheels te
+    export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache  # the first layout compiles, the others reuse it
+    mkdir -p "$WORK"; versions "$WORK/versions.txt"
+    if [ "$1" = run-full ]; then  # the whole model alone, each rank's stacks every 90 s and the GPUs' memory
+      (while sleep 20; do nvidia-smi --query-gpu=timestamp,index,memory.used,utilization.gpu --format=csv,noheader
+       done) > "$WORK/gpu_samples.csv" 2>&1 &
+      sampler=$!
+      MIMO_STACK_DUMP_S=90 layouts full 10 ${FULL_TIMEOUT:-380} full-ep4
+      kill $sampler; pack
+      layouts slice 10 140 colocated-ep4 colocated-dp4
+    elif [ "$1" = run-a ]; then
+      optimizer_precision optimizer_precision
+      layouts full 10 280 full-ep4
+      layouts slice 12 150 colocated-dp4 colocated-ep4
+    else
+      layouts two_images 14 160 colocated-dp4 split-2+2-ep2 -- --set images_per_sample=2 --set patches_per_image=4096
+      layouts slice_b 14 150 colocated-dp4 split-1+3
+    fi
+    ;;
+  *) echo "usage: four_gpus.sh prepare | install | run-a | run-b | run-full"; exit 2 ;;
+esac
