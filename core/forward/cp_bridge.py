@@ -12,15 +12,23 @@ One module with one job, replaceable when a megatron-core release bridges CP its
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch.distributed as dist
 
 
 def pipeline_communicator(grids: dict, topology: dict, config, *, dim_mapping: dict, module_output_ndim: dict):
     """megatron-core's MultiModulePipelineCommunicator for `grids` and `topology` (module -> modules it feeds),
     its bridges accepting a destination grid with CP > 1."""
+    return _communicator_class()(grids, topology, config, dim_mapping=dim_mapping,
+                                 module_output_ndim=module_output_ndim)
+
+
+@cache
+def _communicator_class():
     from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
 
-    bridge_class = _context_parallel_bridge_class()
+    bridge_class = _bridge_class()
 
     class ContextParallelCommunicator(MultiModulePipelineCommunicator):
         def _build_bridge_comms(self):
@@ -31,11 +39,11 @@ def pipeline_communicator(grids: dict, topology: dict, config, *, dim_mapping: d
                         comm_dtype=self.config.pipeline_dtype, src_module_name=source, dest_module_name=dest,
                         tensor_ndim=self.module_output_ndim.get(source, 3)))
 
-    return ContextParallelCommunicator(grids, topology, config, dim_mapping=dim_mapping,
-                                       module_output_ndim=module_output_ndim)
+    return ContextParallelCommunicator
 
 
-def _context_parallel_bridge_class():
+@cache
+def _bridge_class():
     from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
 
     class ContextParallelBridge(BridgeCommunicator):
