@@ -54,9 +54,12 @@ SLOW: dict[str, float] = {
     "test_api_contract.py::test_builtin_provider_builds_trains_and_checkpoints": 23,
     "test_hf_generate_parity.py": 22,
     "test_first_contact.py::test_a_whole_run_in_one_file": 22,
+    # scaled from 5.3 s and 4.7 s on idle cores as the CP 2 test's 27 from its 6.6 s there
+    "test_context_parallel.py::test_heterogeneous_cp2_gives_the_losses_and_gradient_norms_of_one_process": 22,
     "test_nemotron_checkpoint.py::test_nemotron_checkpoints_load_strictly_in_any_layout": 21,
     "test_hf_train_parity.py::test_the_first_training_loss_from_hugging_face_weights_is_transformers_loss": 21,
     "test_scaffold.py::test_scaffolded_provider_installs_trains_and_passes_its_tests": 20,
+    "test_context_parallel.py::test_a_heterogeneous_cp2_checkpoint_resumes_exactly": 19,
     "test_bench.py::test_data_loader_benchmark_packs_what_training_reads": 18,
     "test_save_interrupt.py::test_two_ctrl_c_during_a_save_finish_the_save_and_stop_in_one_line": 16,
     "test_first_contact.py::test_verbose_and_log_file_show_the_libraries_notices": 16,

@@ -13,16 +13,26 @@ One module with one job, replaceable when a megatron-core release routes the siz
 from __future__ import annotations
 
 from collections import deque
+from functools import cache
 
 
 def split_gradients_by_received_rows(communicator) -> None:
     """Make every bridge of a MultiModulePipelineCommunicator split its backward by the received rows."""
-    from megatron.core.pipeline_parallel.bridge_communicator import BridgeCommunicator
+    for bridge in communicator.bridge_comms:
+        bridge.__class__ = _splitting_by_received_rows(type(bridge))  # only methods are added
+        bridge._received_rows = deque(maxlen=_IN_FLIGHT)
 
-    class FanInBridge(BridgeCommunicator):
-        # 1F1B holds at most the warm-up micro-batches in flight; forward-only evaluation never takes its sizes
-        _IN_FLIGHT = 4096
 
+# 1F1B holds at most the warm-up micro-batches in flight; forward-only evaluation never takes its sizes
+_IN_FLIGHT = 4096
+
+
+@cache
+def _splitting_by_received_rows(bridge_class):
+    """`bridge_class` (megatron-core's bridge, or a narrowing of it such as cp_bridge's) that also splits its
+    backward by the rows each source sent."""
+
+    class FanInBridge(bridge_class):
         def _communicate_shapes(self, tensor_to_send_next=None, recv_next=False, recv_prev=False,
                                 tensor_to_send_prev=None):
             forward_shapes, grad_shapes = super()._communicate_shapes(
@@ -40,7 +50,4 @@ def split_gradients_by_received_rows(communicator) -> None:
                     aggregated_tensor._mimo_bridge_split_sizes = rows
             return super()._split_tensor_at_batch_dim(aggregated_tensor, num_splits)
 
-    for bridge in communicator.bridge_comms:
-        if type(bridge) is BridgeCommunicator:  # built by the communicator: only methods are added
-            bridge.__class__ = FanInBridge
-            bridge._received_rows = deque(maxlen=FanInBridge._IN_FLIGHT)
+    return FanInBridge

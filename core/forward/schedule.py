@@ -7,6 +7,7 @@ from functools import partial
 from mimo.plugins import LANGUAGE
 
 from ..parallel.topology import Topology
+from .cp_bridge import pipeline_communicator
 from .fan_in import split_gradients_by_received_rows
 
 
@@ -19,11 +20,10 @@ def schedule_for(topology: Topology, config):
     if topology.colocated:
         return partial(schedules.forward_backward_no_pipelining,
                        pg_collection=topology.pg_collections[LANGUAGE]), None
-    from megatron.core.pipeline_parallel.multimodule_communicator import MultiModulePipelineCommunicator
     from megatron.core.process_groups_config import MultiModuleProcessGroupCollection
 
     encoders = [name for name in topology.parallelism if name != LANGUAGE]
-    communicator = MultiModulePipelineCommunicator(
+    communicator = pipeline_communicator(  # megatron-core's, its bridges taking the LLM's CP (cp_bridge.py)
         topology.grids, {**{name: [LANGUAGE] for name in encoders}, LANGUAGE: []}, config,
         dim_mapping={"s": 0, "b": 1, "h": 2},  # MimoModel's LLM activations are [s, b, h]
         module_output_ndim={name: 2 for name in encoders},  # encoder outputs are [tokens, h]

@@ -75,7 +75,8 @@ def candidates(world: int, shapes: dict, context_parallel: bool = False) -> list
             encoder_tps = [tp] if k == 0 else [t for t in _divisors(k)
                                                if not encoder or encoder.num_attention_heads % t == 0]
             pps = [1] if k == 0 else [p for p in _divisors(llm_ranks // tp) if llm.num_layers % p == 0]
-            cps = _divisors(llm_ranks // tp) if k == 0 and context_parallel else [1]  # megatron's bridge: CP 1
+            # CP runs with --encoder-ranks too (core/forward/cp_bridge.py); the search proposes it colocated only
+            cps = _divisors(llm_ranks // tp) if k == 0 and context_parallel else [1]
             for etp in encoder_tps:
                 for pp in pps:
                     for ep in ([e for e in _divisors(experts) if (llm_ranks // pp) % e == 0] if experts else [1]):

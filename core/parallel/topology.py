@@ -38,10 +38,6 @@ def plan(layout: LayoutOptions, world_size: int, shapes: dict[str, ModuleShape],
                          f"encoders ranks of their own with --encoder-ranks")
     if k == 0 and layout.llm_pp > 1:
         raise UsageError("--llm-pp > 1 needs the encoders on ranks of their own: set --encoder-ranks")
-    if k and layout.llm_cp > 1:
-        raise UsageError(f"--llm-cp {layout.llm_cp} with --encoder-ranks {k} is not supported yet: megatron-core "
-                         f"0.19.2's bridge between separate encoder and LLM grids asserts CP 1; use a colocated "
-                         f"layout (--encoder-ranks 0) for context parallelism")
     encoder_span, llm_span = ((0, world_size), (0, world_size)) if k == 0 else ((0, k), (k, world_size - k))
     parallelism = {
         name: ModuleParallelism(*encoder_span, tp=layout.encoder_tp) for name in shapes if name != LANGUAGE
@@ -63,8 +59,9 @@ def _check_bridge(parallelism: dict[str, ModuleParallelism], micro_batch_size: i
     e, l = encoder.dp, llm.dp
     if max(e, l) % min(e, l):
         total = encoder.num_ranks + llm.num_ranks
-        fits = [n for n in range(1, total) if n % encoder.tp == 0 and (total - n) % (llm.tp * llm.pp) == 0
-                and _divide(n // encoder.tp, (total - n) // (llm.tp * llm.pp))]
+        block = llm.tp * llm.cp * llm.pp  # an LLM lane's ranks
+        fits = [n for n in range(1, total) if n % encoder.tp == 0 and (total - n) % block == 0
+                and _divide(n // encoder.tp, (total - n) // block)]
         hint = f"try --encoder-ranks {fits[0]}" if fits else "change --encoder-ranks or the TP/PP sizes"
         raise UsageError(f"encoder DP {e} and LLM DP {l} must divide one another for the bridge: {hint}")
     if e > l and micro_batch_size % (e // l):

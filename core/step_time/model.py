@@ -164,9 +164,10 @@ def _module_work(name: str, inputs: StepInputs, work: Work) -> None:
     """Add module `name`'s share of an iteration on one of its ranks (of one pipeline stage for the LLM)."""
     module, par = inputs.modules[name], inputs.parallelism[name]
     llm = inputs.parallelism[LANGUAGE]
-    # samples' worth of tokens on one rank: a lane's samples, the LLM's sequence split over CP; the encoders (CP 1,
-    # colocated with the LLM) run the whole lane's samples on each of its CP ranks
-    samples = inputs.global_batch / (par.dp * par.cp if name == LANGUAGE else par.dp // llm.cp)
+    # samples' worth of tokens on one rank: a lane's samples, the LLM's sequence split over CP; the encoders (CP 1)
+    # colocated with the LLM run the whole lane's samples on each of its CP ranks, on ranks of their own their DP's
+    colocated = (par.first_rank, par.num_ranks) == (llm.first_rank, llm.num_ranks)
+    samples = inputs.global_batch / (par.dp * par.cp if name == LANGUAGE else par.dp // llm.cp if colocated else par.dp)
     flops = samples * module.forward_flops * _passes(inputs.recompute.get(name, "none")) / (par.tp * par.pp)
     work.tp_bytes += _tp_bytes(module, par, samples, module.layers / par.pp)
     if name == LANGUAGE:

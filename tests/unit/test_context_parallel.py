@@ -32,8 +32,8 @@ def test_llm_cp_below_one_is_refused_by_the_options():
 
 
 @pytest.mark.parametrize("world, kwargs, message", [
-    (3, {"encoder_ranks": 1, "llm_cp": 2}, "--llm-cp 2 with --encoder-ranks 1 is not supported yet: megatron-core "
-                                           "0.19.2's bridge between separate encoder and LLM grids asserts CP 1"),
+    (4, {"encoder_ranks": 1, "llm_cp": 2}, "LLM has 3 ranks, not divisible by TP x CP x PP = 1 x 2 x 1: choose "
+                                           "--llm-cp among 1, 3"),
     (3, {"llm_cp": 2}, "LLM has 3 ranks, not divisible by TP x CP x PP = 1 x 2 x 1: choose --llm-cp among 1, 3"),
     (2, {"llm_cp": 2, "settings": ["seq_length=66"]},
      "the sequence length 66 must be a multiple of 2 x CP = 2 x 2 = 4 (the load-balanced split); use --set "
@@ -59,6 +59,33 @@ def test_colocated_cp_splits_the_llm_ranks_and_keeps_the_encoders_at_cp_1():
     llm, images = p.parallelism["language"], p.parallelism["images"]
     assert (llm.cp, llm.dp, images.cp, images.dp) == (2, 2, 1, 4)
     assert p.num_lanes == 2 and p.global_batch_size == 4  # two lanes of micro-batch 2
+
+
+def test_heterogeneous_cp_splits_the_llm_ranks_and_feeds_each_lane_from_the_encoder_ranks():
+    p = plan(5, encoder_ranks=1, llm_cp=2)  # fan-out: one encoder rank feeds 2 lanes of 2 CP ranks each
+    llm, images = p.parallelism["language"], p.parallelism["images"]
+    assert (llm.first_rank, llm.cp, llm.dp, images.cp, images.dp) == (1, 2, 2, 1, 1)
+    assert p.num_lanes == 2
+    fan_in = plan(4, encoder_ranks=2, llm_cp=2).parallelism  # 2 encoder ranks feed one lane of 2 CP ranks
+    assert (fan_in["images"].dp, fan_in["language"].dp, fan_in["language"].cp) == (2, 1, 2)
+
+
+def test_the_bridge_sees_the_same_rank_blocks_with_cp_folded_into_tp(monkeypatch):
+    from megatron.core.hyper_comm_grid import HyperCommGrid
+
+    from mimo.core.forward.cp_bridge import cp_folded_into_tp
+
+    monkeypatch.setenv("WORLD_SIZE", "17")
+    grid = HyperCommGrid([2, 2, 2, 2], ["tp", "cp", "dp", "pp"], rank_offset=1)
+    folded = cp_folded_into_tp(grid)
+    assert folded.shape == [4, 1, 2, 2] and (folded.rank_offset, folded.size) == (1, 16)
+    # what megatron-core's bridge enumerates: each stage's TP x CP block (a broadcast group: order within it does
+    # not matter) and each lane's ranks, whose first is the destination's leader
+    for dims in (["tp", "cp"], ["tp", "cp", "pp"]):
+        assert [sorted(g) for g in folded._gen_rank_enum(dims)] == [sorted(g) for g in grid._gen_rank_enum(dims)]
+        assert [g[0] for g in folded._gen_rank_enum(dims)] == [g[0] for g in grid._gen_rank_enum(dims)]
+    cp1 = HyperCommGrid([2, 1, 2, 1], ["tp", "cp", "dp", "pp"])
+    assert cp_folded_into_tp(cp1) is cp1
 
 
 def _language_terms(p, distributed_optimizer=False):
