@@ -69,6 +69,9 @@ def adapt_experts(experts: torch.nn.Module, layout: str, make_lora, name: str, h
             for fc in FC:
                 linear = getattr(expert, fc)
                 linears.attach(linear, _lora_for(linear, make_lora, f"{name}.{offset + i}.{fc}", True))
+        if grouped_experts.is_grouped(experts):  # the grouped forward stacks them: back to back, no copy
+            for fc in FC:
+                grouped_experts.pack([getattr(e, fc).lora for e in local])
         count = len(local) * len(FC)
     else:
         for fc in FC:

@@ -78,10 +78,15 @@ def hold_per_expert(experts: torch.nn.Module, make_lora, name: str) -> int:
         sharding, weight = expert_sharding(experts, fc)
         loras = torch.nn.ModuleList(make_lora(sharding, weight, f"{name}.{offset + i}.{fc}")
                                     for i in range(experts.num_local_experts))
-        for matrix in ("a", "b"):
-            pack_contiguously([getattr(lora, matrix) for lora in loras])
+        pack(list(loras))
         experts.add_module(f"lora_{fc}", loras)
     return experts.num_local_experts * len(FC)
+
+
+def pack(loras: list[LoRA]) -> None:
+    """The experts' A and B each back to back in one tensor: the grouped GEMMs take them with no copy."""
+    for matrix in ("a", "b"):
+        pack_contiguously([getattr(lora, matrix) for lora in loras])
 
 
 def adapters_of(experts: torch.nn.Module, fc: str):
