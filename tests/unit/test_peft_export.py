@@ -1,7 +1,7 @@
 """How `export-hf --adapter-only` places one adapter (core/checkpoint/peft_export.py), on tensor maps of the kinds
 providers declare: each loaded module's B A is exactly the rows of the adapter's B A that the map gives its weight
 (fused outputs split, stacked layers and experts one module each, an adapter shared by experts on every one), and
-a weight no module holds is one line naming the way out."""
+a weight no module holds is one line naming the way out; experts' adapters in PEFT's layout for 3-D parameters."""
 
 from __future__ import annotations
 
