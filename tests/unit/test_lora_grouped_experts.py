@@ -177,3 +177,15 @@ def test_experts_off_the_grouped_path_are_refused_in_one_line(world):
                                          r"because of FP8/FP4 \(no --fp8\); change that") as err:
         grouped_experts.check_grouped(experts, "layer 2")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("expert_gemm", ["grouped_mm", "megatron"])
+def test_decoding_leaves_adapted_experts_on_their_own_forward(world, expert_gemm):
+    """The decoder's one-token MoE path multiplies stacked base expert weights: layers whose experts have adapters
+    keep their own forward (which adds them); without adapters on the experts the path takes every layer."""
+    from mimo.core.generation.one_token_moe import OneTokenMoE
+
+    _, adapted, _ = _build(expert_gemm, "per-expert")
+    _, plain, _ = _build(expert_gemm, "shared", "language:linear_qkv")
+    assert _experts(adapted) and not OneTokenMoE(adapted).layers
+    assert OneTokenMoE(plain).complete and len(OneTokenMoE(plain).layers) == len(_experts(plain))
