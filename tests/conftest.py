@@ -57,6 +57,7 @@ SLOW: dict[str, float] = {
     "test_nemotron_checkpoint.py::test_nemotron_checkpoints_load_strictly_in_any_layout": 21,
     "test_hf_train_parity.py::test_the_first_training_loss_from_hugging_face_weights_is_transformers_loss": 21,
     "test_scaffold.py::test_scaffolded_provider_installs_trains_and_passes_its_tests": 20,
+    "test_lora.py::test_expert_parallel_adapters_give_the_single_process_losses": 23,
     "test_bench.py::test_data_loader_benchmark_packs_what_training_reads": 18,
     "test_save_interrupt.py::test_two_ctrl_c_during_a_save_finish_the_save_and_stop_in_one_line": 16,
     "test_first_contact.py::test_verbose_and_log_file_show_the_libraries_notices": 16,
