@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mimo.core.checkpoint.peft_experts import expert_tensors
 from mimo.core.checkpoint.peft_export import Adapter, place
 from mimo.errors import UsageError
 from mimo.plugins.kit.tensor_map import Cat, LoadedModule, Src, Stack, TensorMap, to_hf
@@ -92,8 +93,6 @@ def test_expert_adapters_take_pefts_layout_for_3d_parameters():
     from transformers import NemotronHConfig
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
 
-    from mimo.core.checkpoint.peft_experts import expert_tensors
-
     experts, hidden, ffn, alpha = 3, 8, 12, 6.0
     holder = torch.nn.Module()
     holder.mixer = torch.nn.Module()
@@ -118,3 +117,12 @@ def test_expert_adapters_take_pefts_layout_for_3d_parameters():
         assert layer.parameter_name == parameter
         want = torch.stack([alpha / RANK * b @ a for a, b in pairs[parameter]])
         torch.testing.assert_close(layer.get_delta_weight("default"), want)
+
+
+def test_a_3d_parameter_adapted_for_some_experts_only_is_one_line():
+    pair = (torch.randn(RANK, HIDDEN), torch.randn(4, RANK))
+    rows = {LoadedModule("mixer.experts", parameter="up_proj", expert=e): pair for e in (0, 2)}
+    with pytest.raises(UsageError) as refused:
+        expert_tensors(rows)
+    assert str(refused.value) == ("--adapter-only: mixer.experts.up_proj has adapters for some experts only (none for "
+                                  "expert 1); PEFT adapts every expert of a 3-D parameter")
