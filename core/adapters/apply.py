@@ -23,12 +23,11 @@ def add_adapters(model, options: AdapterOptions, targets: dict[str, tuple[str, .
         if hasattr(module, "frozen_expert_bias"):
             module.frozen_expert_bias = True
 
-    def make_lora(linear, name: str, expert: bool) -> LoRA:
+    def make_lora(sharding, weight, name: str, expert: bool, linear=None) -> LoRA:
         # the base's weight (megatron-core's output layer may take the embedding's instead: then any parameter)
-        weight = getattr(linear, "weight", None)
         weight = weight if weight is not None else next(model.parameters())
-        lora = LoRA(linears.sharding_of(linear), options.lora_rank, options.scale, options.lora_dropout,
-                    weight.dtype, weight.device, expert=expert, row_parts=_row_parts(linear, weight, name))
+        lora = LoRA(sharding, options.lora_rank, options.scale, options.lora_dropout, weight.dtype, weight.device,
+                    expert=expert, row_parts=_row_parts(linear, weight, name) if linear is not None else None)
         lora.initialize(seed, name)
         return lora
 
@@ -42,7 +41,9 @@ def add_adapters(model, options: AdapterOptions, targets: dict[str, tuple[str, .
         if target.experts:
             count += expert_adapters.adapt_experts(target.module, options.lora_experts, make_lora, name)
         else:
-            linears.attach(target.module, make_lora(target.module, name, False))
+            linear = target.module
+            linears.attach(linear, make_lora(linears.sharding_of(linear), getattr(linear, "weight", None), name, False,
+                                             linear))
             count += 1
     return count
 
@@ -73,10 +74,12 @@ def is_adapter_name(name: str) -> bool:
 def merge_adapters(model) -> int:
     """Fold every adapter into its base weight (fp32 arithmetic, stored in the weight's dtype) and remove it: the
     model computes what base + adapters computed, with the layers and keys it was built with. Returns how many
-    linears changed."""
+    linears (or grouped experts' expert weights) changed."""
     adapted = [m for m in model.modules() if linears.is_adapted(m)]
     for linear in adapted:
         linears.merge(linear)
+    changed = len(adapted)
     for module in list(model.modules()):
-        expert_adapters.drop_shared(module)
-    return len(adapted)
+        changed += expert_adapters.merge_experts(module)
+        expert_adapters.drop_adapters(module)
+    return changed

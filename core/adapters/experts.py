@@ -1,5 +1,6 @@
 """Adapters on a MoE layer's routed experts: megatron-core's `SequentialMLP` (one MLP per expert, its fc1 and fc2
-megatron-core linears), in one of two layouts (`--lora-experts`):
+megatron-core linears) and mimo's grouped-GEMM experts (grouped_experts.py), in one of two layouts
+(`--lora-experts`):
 
 * shared: one adapter for fc1 and one for fc2 per layer, used by every expert of the layer on every
   expert-parallel rank. Their parameters are dense ones (reduced over the whole data-parallel group, which spans
@@ -8,8 +9,8 @@ megatron-core linears), in one of two layouts (`--lora-experts`):
 * per-expert: one adapter per expert and linear, an expert parameter like the expert's weights (reduced over the
   expert-data-parallel group, saved under the expert's global index).
 
-Grouped-GEMM experts (transformer-engine's TEGroupedMLP, megatron-core's GroupedMLP) run no per-expert linear and
-are refused; mimo's own grouped-GEMM SequentialMLP runs megatron-core's per-expert path under adapters.
+transformer-engine's TEGroupedMLP and megatron-core's GroupedMLP run their own grouped linears, which take no
+adapter: refused, as is expert tensor parallelism.
 """
 
 from __future__ import annotations
@@ -18,18 +19,20 @@ import torch
 
 from mimo.errors import UsageError
 
-from . import linears
+from . import grouped_experts, linears
 
 FC = ("linear_fc1", "linear_fc2")
-_shared_classes: dict[type, type] = {}
+_adapted_classes: dict[tuple, type] = {}
 
 
 class _SharedAdapters:
-    """Mixed in before a SequentialMLP's class: its checkpoint also holds the experts' shared adapters."""
+    """Mixed in before an experts class: its checkpoint also holds the experts' shared adapters."""
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         for fc in FC:
+            for key in [k for k in state if k.startswith(f"{prefix}lora_{fc}.")]:
+                del state[key]  # a parent that walks its children (TEGroupedMLP) saw them as replicated tensors
             state.update(self._modules[f"lora_{fc}"].sharded_state_dict(f"{prefix}lora_{fc}.", sharded_offsets,
                                                                         metadata))
         return state
@@ -39,43 +42,77 @@ def check_experts(experts: torch.nn.Module, where: str) -> None:
     """UsageError unless adapters can wrap these experts."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    if not isinstance(experts, SequentialMLP):
+    if grouped_experts.is_grouped(experts):
+        grouped_experts.check_grouped(experts, where)
+    elif not isinstance(experts, SequentialMLP):
         raise UsageError(f"--lora-targets experts: the routed experts of {where} are {type(experts).__name__} "
-                         f"(grouped GEMMs), which adapters do not wrap; build megatron-core's SequentialMLP experts "
-                         f"(a provider setting may choose them) or leave experts out of the targets")
+                         f"(transformer-engine's or megatron-core's grouped linears), which adapters do not wrap; "
+                         f"build mimo's grouped-GEMM experts or megatron-core's SequentialMLP (Nemotron: "
+                         f"expert_gemm=grouped_mm or megatron) or leave experts out of the targets")
     if experts.tp_group is not None and experts.tp_group.size() > 1:
         raise UsageError(f"--lora-targets experts: {where} splits its experts over {experts.tp_group.size()} expert "
                          f"tensor-parallel ranks, which expert adapters do not support; use --llm-expt-tp 1")
 
 
-def adapt_experts(experts: torch.nn.Module, layout: str, make_lora, name: str) -> int:
-    """Give every local expert of `experts` (a SequentialMLP) adapters on fc1 and fc2. `make_lora(linear, name,
-    expert)` builds one for a linear, `name` layout-independent; returns how many adapters this rank built."""
-    if hasattr(experts, "grouped_mm"):  # mimo's grouped-GEMM SequentialMLP: megatron-core's per-expert forward
-        experts.grouped_mm = False
-    local = experts.local_experts
-    if layout == "per-expert":
+def adapt_experts(experts: torch.nn.Module, layout: str, make_lora, name: str, hold: bool | None = None) -> int:
+    """Give every local expert of `experts` adapters on fc1 and fc2. `make_lora(sharding, weight, name, expert)`
+    builds one for an expert linear's sharding and weight, `name` layout-independent. Per-expert adapters go on
+    the experts' linears, or (`hold`; by default where there are no per-expert linears) into the experts module.
+    Returns how many adapters this rank built."""
+    hold = grouped_experts.holds_per_expert(experts) if hold is None else hold
+    if layout == "per-expert" and hold:
+        count = grouped_experts.hold_per_expert(experts, lambda s, w, n: make_lora(s, w, n, True), name)
+    elif layout == "per-expert":
+        local = experts.local_experts
         offset = experts.ep_group.rank() * experts.num_local_experts
         for i, expert in enumerate(local):
             for fc in FC:
                 linear = getattr(expert, fc)
-                linears.attach(linear, make_lora(linear, f"{name}.{offset + i}.{fc}", True))
-        return len(local) * len(FC)
-    for fc in FC:
-        lora = make_lora(getattr(local[0], fc), f"{name}.shared.{fc}", False)
-        experts.add_module(f"lora_{fc}", lora)
-        for expert in local:
-            linears.attach(getattr(expert, fc), lora, owned=False)
-    if type(experts) not in _shared_classes:
-        base = type(experts)
-        _shared_classes[base] = type(f"LoRAShared{base.__name__}", (_SharedAdapters, base), {"__module__": __name__})
-    experts.__class__ = _shared_classes[type(experts)]
-    return len(FC)
-
-
-def drop_shared(experts: torch.nn.Module) -> None:
-    """After merging: the experts module without its shared adapters, in its own class again."""
-    if isinstance(experts, _SharedAdapters):
+                linears.attach(linear, _lora_for(linear, make_lora, f"{name}.{offset + i}.{fc}", True))
+        if grouped_experts.is_grouped(experts):  # the grouped forward stacks them: back to back, no copy
+            for fc in FC:
+                grouped_experts.pack([getattr(e, fc).lora for e in local])
+        count = len(local) * len(FC)
+    else:
         for fc in FC:
-            del experts._modules[f"lora_{fc}"]
-        experts.__class__ = next(c for c in type(experts).__mro__[1:] if not issubclass(c, _SharedAdapters))
+            linear = getattr(experts.local_experts[0], fc) if hasattr(experts, "local_experts") else None
+            lora = (_lora_for(linear, make_lora, f"{name}.shared.{fc}", False) if linear is not None else
+                    make_lora(*grouped_experts.expert_sharding(experts, fc), f"{name}.shared.{fc}", False))
+            experts.add_module(f"lora_{fc}", lora)
+            for expert in getattr(experts, "local_experts", ()):
+                linears.attach(getattr(expert, fc), lora, owned=False)
+        count = len(FC)
+    mixins = ((grouped_experts.GroupedAdapters,) if grouped_experts.is_grouped(experts) else ()) + (
+        (_SharedAdapters,) if layout == "shared" else ())
+    if mixins:
+        experts.__class__ = _adapted_class(type(experts), mixins)
+    return count
+
+
+def _lora_for(linear, make_lora, name: str, expert: bool):
+    return make_lora(linears.sharding_of(linear), linear.weight, name, expert, linear)
+
+
+def _adapted_class(base: type, mixins: tuple) -> type:
+    key = (base, mixins)
+    if key not in _adapted_classes:
+        cls = type(f"LoRA{base.__name__}", (*mixins, base), {"__module__": __name__})
+        cls._experts_base = base
+        _adapted_classes[key] = cls
+    return _adapted_classes[key]
+
+
+@torch.no_grad()
+def merge_experts(experts: torch.nn.Module) -> int:
+    """Fold the adapters an experts module applies itself (grouped experts without per-expert linears) into its
+    expert weights; the linears' adapters are linears.merge's. Returns how many weights changed."""
+    return grouped_experts.merge_held(experts) if grouped_experts.is_grouped(experts) else 0
+
+
+def drop_adapters(experts: torch.nn.Module) -> None:
+    """After merging: the experts module without the adapters it holds, in its own class again."""
+    base = getattr(type(experts), "_experts_base", None)
+    if base is not None:
+        for fc in FC:
+            experts._modules.pop(f"lora_{fc}", None)
+        experts.__class__ = base

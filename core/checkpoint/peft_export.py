@@ -10,9 +10,13 @@ rows (named after transformers' load-time renaming: PEFT's target_modules match 
 the weight's rows are; A is the input side, the same for every part of a fused linear: each part's module gets the
 whole A and its rows of B, so that its B A is exactly its rows of the fused B A.
 
+Routed experts that transformers loads as 3-D parameters (the export's loaded module names the parameter and the
+expert's row) go into PEFT's `target_parameters` (peft_experts.py): per-expert adapters exactly, shared ones
+repeated for every expert.
+
 Refused, one line each: a checkpoint of a whole model; a provider whose export names no loaded modules; an adapter
-whose weight lands in no module PEFT adapts (Nemotron-H's routed experts: one 3-D tensor per linear once loaded),
-or on a module another adapter lands on.
+whose weight lands in no module PEFT adapts, or on a module another adapter lands on; a 3-D parameter adapted for
+some of its experts only.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from mimo.plugins.kit.tensor_map import Stack, TensorMap, contributions, hf_shap
 from ..config import AdapterOptions
 from . import atomic_dir, checksums
 from .hf_export import Reader, open_export, saved_tensors
+from .peft_experts import expert_tensors
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # a linear's own adapter (`...linear_qkv.lora.a`; B saved part by part where the weight is: `.lora.b.part0`), and
@@ -73,25 +78,29 @@ def export_peft(checkpoint: Path, out: Path, assignments: list[str] = (),
         raise UsageError(f"--adapter-only: {directory} holds no adapter tensors")
     tensors = Reader(directory, saved).load(sorted({k for a in adapters for k in (a.a, *a.b.values())}))
 
-    modules: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    owner: dict[str, str] = {}
+    placed: dict = {}  # module path, or an expert's row of a 3-D parameter (a LoadedModule) -> (A, B)
+    owner: dict = {}
     for adapter in adapters:
         b_parts = [tensors[adapter.b[i]] for i in sorted(adapter.b)]
-        for path, pair in place(adapter, tmap, export.loaded_modules, tensors[adapter.a], b_parts, merge).items():
-            if path in owner:
-                raise UsageError(f"--adapter-only: the adapters on {owner[path]} and {adapter.layer} both land on "
-                                 f"the Hugging Face module {path}, which holds one PEFT adapter; export the merged "
+        for target, pair in place(adapter, tmap, export.loaded_modules, tensors[adapter.a], b_parts, merge).items():
+            if target in owner:
+                where = target if isinstance(target, str) else f"{target.path}.{target.parameter}[{target.expert}]"
+                raise UsageError(f"--adapter-only: the adapters on {owner[target]} and {adapter.layer} both land on "
+                                 f"the Hugging Face module {where}, which holds one PEFT adapter; export the merged "
                                  f"model instead: {merge}")
-            modules[path], owner[path] = pair, adapter.layer
+            placed[target], owner[target] = pair, adapter.layer
+    modules = {t: pair for t, pair in placed.items() if isinstance(t, str)}
+    parameters, weights = expert_tensors({t: pair for t, pair in placed.items() if not isinstance(t, str)})
 
     options = AdapterOptions(**run["options"]["adapters"])
     base = common.get("adapters", {}).get("folders", {}).get("pretrained", {}).get("path")
     base = base if base and is_hf_folder(base) else None
     config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": base, "inference_mode": True,
               "r": options.lora_rank, "lora_alpha": options.scale * options.lora_rank,
-              "lora_dropout": options.lora_dropout, "target_modules": sorted(modules), "bias": "none",
-              "fan_in_fan_out": False, "use_rslora": False, "init_lora_weights": True, "modules_to_save": None}
-    weights = {}
+              # PEFT runs no dropout on adapted parameters (experts) and refuses any: inference is the same
+              "lora_dropout": 0.0 if parameters else options.lora_dropout, "target_modules": sorted(modules),
+              "target_parameters": parameters or None, "bias": "none", "fan_in_fan_out": False,
+              "use_rslora": False, "init_lora_weights": True, "modules_to_save": None}
     for path in sorted(modules):
         a, b = modules[path]
         weights[f"base_model.model.{path}.lora_A.weight"] = a.contiguous()
@@ -106,7 +115,11 @@ def export_peft(checkpoint: Path, out: Path, assignments: list[str] = (),
         readable_by_all(scratch)
     notes = _derived_notes(tmap, adapters, export.loaded_modules)
     onto = base or "the Hugging Face export of the adapters' base (mimo ckpt export-hf BASE)"
-    notes.append(f"{len(adapters)} adapters on {len(modules)} Hugging Face modules: load them with "
+    if parameters and options.lora_dropout:
+        notes.append(f"lora_dropout is 0 in the adapter config (the run's {options.lora_dropout}): PEFT takes no "
+                     f"dropout where it adapts parameters (the experts)")
+    experts = f" and {len(parameters)} expert parameters" if parameters else ""
+    notes.append(f"{len(adapters)} adapters on {len(modules)} Hugging Face modules{experts}: load them with "
                  f"peft.PeftModel.from_pretrained(model, '{out}') on {onto}")
     return run["provider"], notes
 
@@ -147,8 +160,9 @@ def _weight_parts(adapter: Adapter, tmap: TensorMap) -> list[str]:
 
 
 def place(adapter: Adapter, tmap: TensorMap, loaded_modules, a: torch.Tensor, b_parts: list[torch.Tensor],
-          merge: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Loaded module path -> (A, B) of one adapter: A [.., rank, in] and B's parts [.., rows, rank], global."""
+          merge: str) -> dict:
+    """Loaded module path (or, for an expert's row of a 3-D parameter, its LoadedModule) -> (A, B) of one
+    adapter: A [.., rank, in] and B's parts [.., rows, rank], global."""
     keys = _weight_parts(adapter, tmap)
     if len(keys) != len(b_parts):
         raise UsageError(f"--adapter-only: the adapter on {adapter.layer} has B in {len(b_parts)} parts, its weight "
@@ -169,9 +183,9 @@ def place(adapter: Adapter, tmap: TensorMap, loaded_modules, a: torch.Tensor, b_
         for key, path, (first, last), hf_rows in pieces:
             source = b_of[key][tuple(path[:own])]
             (b if hf_rows is None else b[hf_rows[0]:hf_rows[1]]).copy_(source[first:last])
-        for module in held:
-            out[module.path] = (a[index].clone(), (b if module.rows is None else b[module.rows[0]:module.rows[1]])
-                                .clone())
+        for module in held:  # a module's path, or the expert row of a 3-D parameter (peft_experts.py)
+            out[module.path if module.parameter is None else module] = (
+                a[index].clone(), (b if module.rows is None else b[module.rows[0]:module.rows[1]]).clone())
     return out
 
 

@@ -29,7 +29,7 @@ MAX_EXPERTS_PER_CHOICE = 8
 
 def eligible(moe) -> bool:
     """Layers whose routed experts are all local and whole: no expert or tensor parallelism, no latent projection,
-    no FP8/FP4 padding of expert inputs, probabilities applied after the activation."""
+    no FP8/FP4 padding of expert inputs, probabilities applied after the activation, no adapters."""
     from megatron.core import utils
 
     config = moe.config
@@ -41,7 +41,8 @@ def eligible(moe) -> bool:
             and not config.moe_apply_probs_on_input and config.moe_expert_capacity_factor is None
             and not hasattr(moe, "_inference_token_dispatcher")
             and config.num_moe_experts <= MAX_EXPERTS_PER_CHOICE * config.moe_router_topk
-            and config.moe_mlp_glu_interleave_size is None and not _has_bias(moe.experts))
+            and config.moe_mlp_glu_interleave_size is None and not _has_bias(moe.experts)
+            and not _has_adapters(moe.experts))
 
 
 def stacked_expert_weights(experts) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,6 +50,12 @@ def stacked_expert_weights(experts) -> tuple[torch.Tensor, torch.Tensor]:
     SequentialMLP's modules."""
     fc1, fc2 = expert_weights(experts)
     return torch.stack([w.detach() for w in fc1]), torch.stack([w.detach() for w in fc2])
+
+
+def _has_adapters(experts) -> bool:
+    """LoRA adapters on the experts (core/adapters): the stacked base weights would leave them out."""
+    return any(part == "lora" or part.startswith("lora_") for name, _ in experts.named_parameters()
+               for part in name.split("."))
 
 
 def _has_bias(experts) -> bool:

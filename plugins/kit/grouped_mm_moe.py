@@ -71,13 +71,17 @@ def _grouped_linear(x: torch.Tensor, weight, offsets: torch.Tensor) -> torch.Ten
 
 
 def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, fc1, fc2, activation,
-                    recompute=None) -> torch.Tensor:
+                    recompute=None, adapters=(None, None)) -> torch.Tensor:
     """[tokens, H] sorted by expert -> [tokens, H]: `fc1` [E, ffn, H] and `fc2` [E, H, ffn] (megatron's [out, in]
     weights stacked; or each a list of the E weights, whose gradients then go into their main_grads from one grouped
     GEMM), `counts` [E] tokens per expert (any device), `probs` [tokens] routing weights applied after the
-    activation. `recompute`: a megatron-core CheckpointWithoutOutput for the activation (selective recompute)."""
+    activation. `recompute`: a megatron-core CheckpointWithoutOutput for the activation (selective recompute).
+    `adapters`: for fc1 and fc2, None or `term(x, offsets)`, added to that linear's output as a low-rank adapter
+    beside each expert's linear adds it (fc1's before the activation, fc2's to the probs-weighted output)."""
     offsets = counts.to(device=hidden.device, dtype=torch.int32, non_blocking=True).cumsum(0, dtype=torch.int32)
     up = _grouped_linear(hidden, fc1, offsets)
+    if adapters[0] is not None:
+        up = up + adapters[0](hidden, offsets).to(up.dtype)
 
     def act(up, probs):
         if activation is squared_relu:  # one fused kernel each way on a GPU
@@ -86,7 +90,9 @@ def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Ten
 
     inner = recompute.checkpoint(act, up, probs) if recompute is not None else act(up, probs)
     out = _grouped_linear(inner, fc2, offsets)
-    if recompute is not None:
+    if adapters[1] is not None:
+        out = out + adapters[1](inner, offsets).to(out.dtype)
+    if recompute is not None:  # on the sum: `inner` is back before either term's backward reads it
         recompute.discard_output_and_register_recompute(out)
     return out
 
@@ -105,12 +111,25 @@ def expert_weights(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 class _GroupedMMForward:
     """The forward both expert classes share."""
 
-    def _grouped_mm_eligible(self) -> bool:
+    def grouped_mm_obstacle(self) -> str | None:
+        """Why these experts cannot run as grouped GEMMs (what to change), or None."""
         config = self.config
-        return (self.tp_group.size() == 1 and not config.fp8 and not config.fp4 and not config.gated_linear_unit
-                and not config.moe_apply_probs_on_input and not config.add_bias_linear
-                and not getattr(self, "_with_fused_impl", False)
-                and not getattr(self, "offload_expert_fc1", False) and not getattr(self, "offload_moe_act", False))
+        obstacles = ((self.tp_group.size() > 1, "expert tensor parallelism (--llm-expt-tp 1)"),
+                     (config.fp8 or config.fp4, "FP8/FP4 (no --fp8)"),
+                     (config.gated_linear_unit, "gated experts"), (config.add_bias_linear, "biases"),
+                     (config.moe_apply_probs_on_input, "routing probabilities on the input"),
+                     (getattr(self, "_with_fused_impl", False), "transformer-engine's fused expert ops"),
+                     (getattr(self, "offload_expert_fc1", False) or getattr(self, "offload_moe_act", False),
+                      "activation offloading"))
+        return next((what for present, what in obstacles if present), None)
+
+    def _grouped_mm_eligible(self) -> bool:
+        return self.grouped_mm_obstacle() is None
+
+    def adapter_terms(self) -> tuple:
+        """Low-rank adapter terms for fc1 and fc2 (`grouped_experts`' `adapters`); mimo's adapters
+        (core/adapters/grouped_experts.py) give their experts a subclass with some."""
+        return None, None
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs, *args, **kwargs):
         if not self.grouped_mm or args or any(v is not None for v in kwargs.values()):
@@ -122,7 +141,7 @@ class _GroupedMMForward:
         if not (permuted_local_hidden_states.is_cuda and fused_wgrad_enabled() and adds_into_main_grad(fc1 + fc2)):
             fc1, fc2 = stacked(fc1), stacked(fc2)
         out = grouped_experts(permuted_local_hidden_states, tokens_per_expert, permuted_probs, fc1, fc2,
-                              self.config.activation_func, recompute)
+                              self.config.activation_func, recompute, self.adapter_terms())
         return out, None
 
     def _pack_weights(self) -> None:

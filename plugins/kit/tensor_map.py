@@ -112,10 +112,16 @@ class TensorMap:
 class LoadedModule:
     """A linear module of the model transformers loads from the export (named as transformers names it after its
     load-time renaming: what PEFT's `target_modules` match), whose weight is the rows [rows[0], rows[1]) of a
-    checkpoint tensor (None: all of it)."""
+    checkpoint tensor (None: all of it). Or, with `parameter`, a module holding experts' weights as 3-D parameters
+    [experts, out, in] (what PEFT's `target_parameters` adapt): the checkpoint tensor is row `expert` of
+    `parameter`; `parameters` lists the module's 3-D parameters in their registration order (PEFT nests its
+    wrappers in that order, which names their adapter tensors)."""
 
     path: str
     rows: tuple[int, int] | None = None
+    parameter: str | None = None
+    expert: int | None = None
+    parameters: tuple[str, ...] = ()
 
 
 @dataclass

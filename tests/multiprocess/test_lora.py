@@ -1,6 +1,7 @@
 """LoRA runs end to end (CPU, gloo): the loss falls; TP 2, a heterogeneous layout, PP 2, the step encoder pass and
-(Nemotron's experts, both adapter layouts) EP 2 give the single process's losses; the checkpoint holds the adapters alone and names the
-base; a resume is exact; merge-lora's whole model evaluates as base + adapters."""
+(Nemotron's experts, both adapter layouts, SequentialMLP and grouped-GEMM experts) EP 2 give the single process's
+losses; the checkpoint holds the adapters alone and names the base; a resume is exact; merge-lora's whole model
+evaluates as base + adapters."""
 
 from __future__ import annotations
 
@@ -50,17 +51,22 @@ def test_layouts_give_the_single_process_losses(mock_runs, layout):
 
 def test_expert_parallel_adapters_give_the_single_process_losses(tmp_path):
     """The base saved once (expert weights are drawn per expert-parallel rank: layouts start alike from a
-    checkpoint), then adapters on attention, Mamba and experts in one process and over EP 2."""
+    checkpoint), then adapters on attention, Mamba and experts in one process and over EP 2, on megatron-core's
+    SequentialMLP experts and on mimo's grouped-GEMM experts (their adapter terms in the grouped GEMMs)."""
     result = run_mimo(*NEMOTRON, "--train-iters", "1", "--save", str(tmp_path / "base"), env=NO_COMPILE)
     assert result.returncode == 0, result.stderr[-3000:]
     for layout in ("shared", "per-expert"):
         common = (*NEMOTRON, "--train-iters", "3", "--pretrained", str(tmp_path / "base"), *LORA,
                   "--lora-experts", layout)
         single, _ = _losses(tmp_path, f"{layout}-1", *common, env=NO_COMPILE)
-        ep2, _ = _losses(tmp_path, f"{layout}-ep2", *common, "--nproc-per-node", "2", "--llm-ep", "2",
-                         env=NO_COMPILE)
-        for (loss, norm), (ref_loss, ref_norm) in zip(ep2, single):
-            assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4), layout
+        ep2 = ("--nproc-per-node", "2", "--llm-ep", "2")
+        for name, args in {"ep2": ep2, "grouped": ("--set", "expert_gemm=grouped_mm"),
+                           "grouped-ep2": ("--set", "expert_gemm=grouped_mm", *ep2)}.items():
+            losses, _ = _losses(tmp_path, f"{layout}-{name}", *common, *args, env=NO_COMPILE)
+            assert len(losses) == len(single) == 3
+            for (loss, norm), (ref_loss, ref_norm) in zip(losses, single):
+                assert loss == pytest.approx(ref_loss, rel=1e-5) and norm == pytest.approx(ref_norm, rel=1e-4), (
+                    layout, name)
 
 
 def test_adapter_checkpoints_resume_exactly_and_merge(tmp_path):

@@ -1,6 +1,7 @@
 """`mimo ckpt export-hf CK OUT --adapter-only` (docs/lora.md): adapters trained on the tiny omni folder, written as a
 PEFT adapter, loaded by peft onto that folder with transformers give the logits of mimo's merged model exported
-whole (merge-lora, then export-hf); what cannot be exported is one line each."""
+whole (merge-lora, then export-hf), routed experts' adapters included (PEFT's target_parameters); what cannot be
+exported is one line each."""
 
 from __future__ import annotations
 
@@ -30,22 +31,12 @@ def _refused(*args: str) -> str:
     return result.stderr.strip()
 
 
-def test_a_peft_adapter_on_the_base_gives_the_merged_models_logits(tmp_path, omni_folder):
-    adapters, peft_dir, merged, whole = (tmp_path / n for n in ("adapters", "peft", "merged", "whole"))
-    _mimo(*RUN, "--pretrained", str(omni_folder), "--lora-targets", TARGETS, "--train-iters", "2",
-          "--save", str(adapters))
-    printed = _mimo("ckpt", "export-hf", str(adapters), str(peft_dir), "--adapter-only")
-    assert f"on {omni_folder}" in printed  # the base it names: the Hugging Face folder trained on
-    assert sorted(p.name for p in peft_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+def _logits_check(tmp_path, omni_folder, adapters, peft_dir):
+    """Merge and export `adapters` whole; PEFT's adapter `peft_dir` on the base gives the whole export's logits,
+    each adapter tensor where the file says. Returns the adapter config."""
+    merged, whole = tmp_path / "merged", tmp_path / "whole"
     _mimo("ckpt", "merge-lora", str(adapters), str(merged))
     _mimo("ckpt", "export-hf", str(merged), str(whole))
-
-    # each checkpoint kind given to the other export: one line
-    assert _refused("ckpt", "export-hf", str(adapters), str(tmp_path / "x")) == (
-        f"error: {adapters}/iter_0000002 holds LoRA adapters only: export them as a PEFT adapter with "
-        f"--adapter-only, or the whole model after mimo ckpt merge-lora {adapters} MERGED")
-    assert _refused("ckpt", "export-hf", str(merged), str(tmp_path / "x"), "--adapter-only").startswith(
-        f"error: --adapter-only: {merged}/iter_0000000 holds a whole model, no LoRA adapters")
 
     import torch
     from peft import PeftModel
@@ -72,23 +63,49 @@ def test_a_peft_adapter_on_the_base_gives_the_merged_models_logits(tmp_path, omn
     # every adapter tensor landed where the file says (none dropped as an unexpected key)
     config = json.loads((peft_dir / "adapter_config.json").read_text())
     saved = load_file(peft_dir / "adapter_model.safetensors")
-    assert len(saved) == 2 * len(config["target_modules"]) == 2 * 29
-    for path in config["target_modules"]:
-        layer = model.base_model.model.get_submodule(path)
-        for matrix in ("A", "B"):
-            assert torch.equal(getattr(layer, f"lora_{matrix}")["default"].weight,
-                               saved[f"base_model.model.{path}.lora_{matrix}.weight"]), (path, matrix)
+    from peft.utils import get_peft_model_state_dict
+
+    loaded = get_peft_model_state_dict(model)
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+    return config, saved
 
 
-def test_expert_adapters_are_refused_with_the_way_out(tmp_path, omni_folder):
-    """transformers loads Nemotron-H's routed experts as one 3-D tensor per linear: no module PEFT adapts."""
-    adapters = tmp_path / "adapters"
-    _mimo(*RUN, "--pretrained", str(omni_folder), "--lora-targets", "language:experts", "--train-iters", "1",
+def test_a_peft_adapter_on_the_base_gives_the_merged_models_logits(tmp_path, omni_folder):
+    adapters, peft_dir = tmp_path / "adapters", tmp_path / "peft"
+    _mimo(*RUN, "--pretrained", str(omni_folder), "--lora-targets", TARGETS, "--train-iters", "2",
           "--save", str(adapters))
-    assert _refused("ckpt", "export-hf", str(adapters), str(tmp_path / "peft"), "--adapter-only") == (
-        "error: --adapter-only: the adapter on language_model.decoder.layers.2.mlp.experts.linear_fc1 (shared by the "
-        "experts) cannot be exported to PEFT (language_model.backbone.layers.2.mixer.experts.0.up_proj.weight: "
-        "transformers loads nemotron_h's routed experts as one 3-D tensor per linear (mixer.experts.up_proj, "
-        f"down_proj), which peft 0.21 has no per-expert LoRA conversion for); export the merged model instead: mimo "
-        f"ckpt merge-lora {adapters} MERGED, then mimo ckpt export-hf MERGED {tmp_path / 'peft'}")
-    assert not (tmp_path / "peft").exists()
+    printed = _mimo("ckpt", "export-hf", str(adapters), str(peft_dir), "--adapter-only")
+    assert f"on {omni_folder}" in printed  # the base it names: the Hugging Face folder trained on
+    assert sorted(p.name for p in peft_dir.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+
+    config, saved = _logits_check(tmp_path, omni_folder, adapters, peft_dir)
+    assert len(saved) == 2 * len(config["target_modules"]) == 2 * 29 and not config["target_parameters"]
+
+    # each checkpoint kind given to the other export: one line
+    merged = tmp_path / "merged"
+    assert _refused("ckpt", "export-hf", str(adapters), str(tmp_path / "x")) == (
+        f"error: {adapters}/iter_0000002 holds LoRA adapters only: export them as a PEFT adapter with "
+        f"--adapter-only, or the whole model after mimo ckpt merge-lora {adapters} MERGED")
+    assert _refused("ckpt", "export-hf", str(merged), str(tmp_path / "x"), "--adapter-only").startswith(
+        f"error: --adapter-only: {merged}/iter_0000000 holds a whole model, no LoRA adapters")
+
+
+@pytest.mark.parametrize("layout, expert_gemm, targets", [("per-expert", "grouped_mm", "language:experts"),
+                                                            ("shared", "megatron", "language:experts,in_proj")])
+def test_expert_adapters_export_as_target_parameters(tmp_path, omni_folder, layout, expert_gemm, targets):
+    """Routed-expert adapters (trained on mimo's grouped-GEMM experts, or megatron's SequentialMLP; alone, so that
+    the logits show them, or with Mamba's): the experts' 3-D up_proj and down_proj as PEFT's target_parameters,
+    the logits of the merged export."""
+    adapters, peft_dir = tmp_path / "adapters", tmp_path / "peft"
+    _mimo(*RUN, "--pretrained", str(omni_folder), "--lora-targets", targets,
+          "--lora-experts", layout, "--set", f"expert_gemm={expert_gemm}", "--train-iters", "2",
+          "--save", str(adapters))
+    printed = _mimo("ckpt", "export-hf", str(adapters), str(peft_dir), "--adapter-only")
+    config, saved = _logits_check(tmp_path, omni_folder, adapters, peft_dir)
+    moe_layers = sorted({p.rpartition(".mixer.")[0] for p in config["target_parameters"]})
+    assert moe_layers and config["target_parameters"] == [f"{layer}.mixer.experts.{p}" for layer in moe_layers
+                                                          for p in ("down_proj", "up_proj")]
+    assert f"{len(config['target_parameters'])} expert parameters" in printed
+    assert len(saved) == 2 * len(config["target_modules"]) + 2 * len(config["target_parameters"])
+    assert bool(config["target_modules"]) == ("in_proj" in targets)

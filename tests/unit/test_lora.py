@@ -119,8 +119,9 @@ def test_only_adapters_train_and_the_base_stays_bit_identical(world):
     ("mock-vlm", MOCK, "shared"),
     ("nemotron-moe-vlm-tiny", [], "shared"),
     ("nemotron-moe-vlm-tiny", [], "per-expert"),
-    # mimo's grouped-GEMM SequentialMLP runs megatron-core's per-expert forward under adapters
+    # mimo's grouped-GEMM SequentialMLP: the adapters' terms in its grouped forward (test_lora_grouped_experts.py)
     ("nemotron-moe-vlm-tiny", ["expert_gemm=grouped_mm"], "per-expert"),
+    ("nemotron-moe-vlm-tiny", ["expert_gemm=grouped_mm"], "shared"),
 ])
 def test_merged_logits_equal_base_plus_adapters(world, provider, settings, layout):
     targets = "language:all;images:all;projection:all"

@@ -1,13 +1,14 @@
 """How `export-hf --adapter-only` places one adapter (core/checkpoint/peft_export.py), on tensor maps of the kinds
 providers declare: each loaded module's B A is exactly the rows of the adapter's B A that the map gives its weight
 (fused outputs split, stacked layers and experts one module each, an adapter shared by experts on every one), and
-a weight no module holds is one line naming the way out."""
+a weight no module holds is one line naming the way out; experts' adapters in PEFT's layout for 3-D parameters."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from mimo.core.checkpoint.peft_experts import expert_tensors
 from mimo.core.checkpoint.peft_export import Adapter, place
 from mimo.errors import UsageError
 from mimo.plugins.kit.tensor_map import Cat, LoadedModule, Src, Stack, TensorMap, to_hf
@@ -81,3 +82,47 @@ def test_a_weight_no_module_holds_is_one_line_with_the_way_out():
     assert str(refused.value) == (
         "--adapter-only: the adapter on layer 2's experts cannot be exported to PEFT (experts.0.up.weight: loaded as "
         "one 3-D tensor); export the merged model instead: mimo ckpt merge-lora A M, then export-hf M O")
+
+
+def test_expert_adapters_take_pefts_layout_for_3d_parameters():
+    """Per-expert adapters of a layer's two expert linears, written as peft_experts.expert_tensors writes them, load
+    into PEFT's ParamWrappers on transformers' NemotronHExperts under the names PEFT gives them, and PEFT's delta
+    for each expert is that expert's scale * B_e A_e."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    experts, hidden, ffn, alpha = 3, 8, 12, 6.0
+    holder = torch.nn.Module()
+    holder.mixer = torch.nn.Module()
+    holder.mixer.experts = NemotronHExperts(NemotronHConfig(hidden_size=hidden, moe_intermediate_size=ffn,
+                                                            n_routed_experts=experts))
+    generator = torch.Generator().manual_seed(0)
+    shapes = {"up_proj": (ffn, hidden), "down_proj": (hidden, ffn)}
+    pairs = {p: [(torch.randn(RANK, i, generator=generator), torch.randn(o, RANK, generator=generator))
+                 for _ in range(experts)] for p, (o, i) in shapes.items()}
+    rows = {LoadedModule("mixer.experts", parameter=p, expert=e, parameters=("up_proj", "down_proj")): pairs[p][e]
+            for p in shapes for e in range(experts)}
+    targets, tensors = expert_tensors(rows)
+    assert targets == ["mixer.experts.down_proj", "mixer.experts.up_proj"]
+
+    model = get_peft_model(holder, LoraConfig(r=RANK, lora_alpha=alpha, target_parameters=targets))
+    names = set(get_peft_model_state_dict(model))
+    assert names == set(tensors)  # the nesting PEFT builds names them as written
+    result = set_peft_model_state_dict(model, tensors)
+    assert not result.unexpected_keys
+    wrapper = model.base_model.model.mixer.experts
+    for parameter, layer in (("down_proj", wrapper), ("up_proj", wrapper.base_layer)):
+        assert layer.parameter_name == parameter
+        want = torch.stack([alpha / RANK * b @ a for a, b in pairs[parameter]])
+        torch.testing.assert_close(layer.get_delta_weight("default"), want)
+
+
+def test_a_3d_parameter_adapted_for_some_experts_only_is_one_line():
+    pair = (torch.randn(RANK, HIDDEN), torch.randn(4, RANK))
+    rows = {LoadedModule("mixer.experts", parameter="up_proj", expert=e): pair for e in (0, 2)}
+    with pytest.raises(UsageError) as refused:
+        expert_tensors(rows)
+    assert str(refused.value) == ("--adapter-only: mixer.experts.up_proj has adapters for some experts only (none for "
+                                  "expert 1); PEFT adapts every expert of a 3-D parameter")

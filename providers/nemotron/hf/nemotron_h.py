@@ -16,6 +16,7 @@ megatron's norm fused into the layer's first linear (`...in_proj.layer_norm_weig
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import torch
@@ -217,20 +218,22 @@ def text_config(s) -> dict:
 
 # ------------------------------------------------------------------------------------------------ loaded models
 
-EXPERTS_LOADED = ("transformers loads nemotron_h's routed experts as one 3-D tensor per linear (mixer.experts."
-                  "up_proj, down_proj), which peft 0.21 has no per-expert LoRA conversion for")
+EXPERT_PARAMETERS = ("up_proj", "down_proj")  # NemotronHExperts' 3-D parameters [E, out, in], in its order
+_EXPERT_WEIGHT = re.compile(r"backbone\.(layers\.\d+\.mixer\.experts)\.(\d+)\.(up_proj|down_proj)\.weight")
 
 
 def loaded_module(name: str) -> tuple[LoadedModule, ...] | str:
     """The module of transformers' NemotronHForCausalLM that holds the checkpoint weight `name` once loaded
-    (`backbone.` is `model.` there), or why none does (the routed experts)."""
-    if ".mixer.experts." in name:
-        return EXPERTS_LOADED
+    (`backbone.` is `model.` there); a routed expert's weight is a row of its layer's 3-D `mixer.experts.up_proj`
+    or `down_proj`."""
+    expert = _EXPERT_WEIGHT.fullmatch(name)
+    if expert is not None:
+        return (LoadedModule(f"model.{expert[1]}", parameter=expert[3], expert=int(expert[2]),
+                             parameters=EXPERT_PARAMETERS),)
     if not name.endswith(".weight"):
         return "no linear's weight"
     path = name.removesuffix(".weight")
     return (LoadedModule("model." + path.removeprefix("backbone.") if path.startswith("backbone.") else path),)
-
 
 
 def _checkpoint_layout(hf_state: Mapping[str, torch.Tensor]) -> Mapping[str, torch.Tensor]:

@@ -14,6 +14,8 @@ writes a config without one.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from mimo import LANGUAGE, module_prefix
 from mimo.errors import UsageError
 from mimo.plugins.kit.tensor_map import HFExport, LoadedModule, TensorMap
@@ -119,7 +121,7 @@ def loaded_module(name: str, vision_hidden: int) -> tuple[LoadedModule, ...] | s
                          (HF_VISION, lambda n: radio.loaded_module(n, vision_hidden))):
         if name.startswith(prefix):
             held = part(name.removeprefix(prefix))
-            return held if isinstance(held, str) else tuple(LoadedModule(prefix + m.path, m.rows) for m in held)
+            return held if isinstance(held, str) else tuple(replace(m, path=prefix + m.path) for m in held)
     return "no linear module of the omni model transformers loads"
 
 
