@@ -13,6 +13,7 @@
 #        default data colocated DP4 again against its first split there (RADIO on rank 0, the LLM DP3 on ranks 1-3).
 # run-full: the whole model alone (each rank's Python stacks every 90 s in its log, the GPUs' memory every 20 s),
 #        then the slice's EP4 and DP4 while the call's time lasts.
+# run-c: scripts/gpu/check_grouped_lora.py (LoRA on the te backend's grouped experts), then run-b's first part.
 # Results: $OUT/four_gpus.tgz: <part>/slice_layouts.json (rows), logs and metrics; the table is each part's last
 # output.
 set -uo pipefail
@@ -52,7 +53,7 @@ optimizer_precision() {  # OUT_DIR: mock-vlm on 2 GPUs, bf16, the three --optimi
 case "${1:-}" in
   prepare) prepare ;;
   install) install_te ;;
-  run-a|run-b|run-full)
+  run-a|run-b|run-c|run-full)
     use_wheels te
     export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache  # the first layout compiles, the others reuse it
     mkdir -p "$WORK"; versions "$WORK/versions.txt"
@@ -63,6 +64,10 @@ case "${1:-}" in
       MIMO_STACK_DUMP_S=90 layouts full 10 ${FULL_TIMEOUT:-380} full-ep4
       kill $sampler; pack
       layouts slice 10 140 colocated-ep4 colocated-dp4
+    elif [ "$1" = run-c ]; then  # LoRA on the te backend's grouped experts; the two-image split against DP4
+      NVIDIA_TF32_OVERRIDE=0 timeout 120 python3 scripts/gpu/check_grouped_lora.py > "$WORK/grouped_lora.txt" 2>&1
+      echo "check_grouped_lora exit $?"; tail -8 "$WORK/grouped_lora.txt"; pack
+      layouts two_images 10 150 colocated-dp4 split-2+2-ep2 -- --set images_per_sample=2 --set patches_per_image=4096
     elif [ "$1" = run-a ]; then
       optimizer_precision optimizer_precision
       layouts full 10 280 full-ep4
@@ -72,5 +77,5 @@ case "${1:-}" in
       layouts slice_b 14 150 colocated-dp4 split-1+3
     fi
     ;;
-  *) echo "usage: four_gpus.sh prepare | install | run-a | run-b | run-full"; exit 2 ;;
+  *) echo "usage: four_gpus.sh prepare | install | run-a | run-b | run-c | run-full"; exit 2 ;;
 esac
