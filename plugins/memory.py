@@ -71,6 +71,9 @@ class LayerMemory:
     # what backward needs on top while it runs through this layer (e.g. the layer recomputed under full
     # recomputation); counted once, for the largest layer of a stage
     working: Kept = nothing_kept
+    # the part of `kept` that only weight gradients read (their GEMMs' inputs), by part: where a part's weights
+    # train nothing (frozen, no adapter), autograd does not keep it
+    wgrad_inputs: Kept = nothing_kept
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,10 @@ class Options:
     # --lora-rank: every base weight frozen; (rank, per expert, ((module, hidden, experts, body, projection), ...))
     adapters: tuple = ()
     optimizer_precision: str = "fp32"  # --optimizer-precision: fp32, bf16-moments or bf16
+    # encoder modules whose encoders train nothing (frozen, no adapters) and so keep no activations for a backward:
+    # {module: whether its projection trains nothing either}
+    still_encoders: tuple = ()
+    still_experts: frozenset = frozenset()  # modules whose routed experts train nothing (frozen, no adapters)
 
 
 def options_of(plan) -> Options:
@@ -96,6 +100,8 @@ def options_of(plan) -> Options:
         adapters = (a.lora_rank, a.lora_experts == "per-expert", tuple(
             (name, shape.hidden_size, shape.num_experts, name in targets, "projection" in targets and name != LANGUAGE)
             for name, shape in plan.shapes.items()))
+    still = tuple((name, _still(name, "input_projections", frozen, adapters, projection=True))
+                  for name in plan.parallelism if name != LANGUAGE and _still(name, "encoders", frozen, adapters))
     return Options(bf16=config.training.precision == "bf16",
                    distributed_optimizer=config.optimizer.use_distributed_optimizer,
                    sequence_parallel=config.performance.sequence_parallel,
@@ -103,7 +109,22 @@ def options_of(plan) -> Options:
                    recompute={name: config.performance.recompute_for(name) for name in plan.parallelism},
                    frozen=frozenset(name for name in plan.parallelism if _frozen(name, frozen)),
                    encoder_tokens=config.memory.encoder_tokens(), step_encoders=plan.step_encoders,
-                   adapters=adapters, optimizer_precision=config.optimizer.optimizer_precision)
+                   adapters=adapters, optimizer_precision=config.optimizer.optimizer_precision,
+                   still_encoders=still, still_experts=frozenset(
+                       name for name in plan.parallelism if _frozen(name, frozen)
+                       and not {"experts", "all"} & set((plan.adapter_targets or {}).get(name, ()))))
+
+
+def _still(module: str, part: str, frozen: tuple[str, ...], adapters: tuple, projection: bool = False) -> bool:
+    """An encoder module's `part` (`encoders` or `input_projections`) trains nothing: frozen by a prefix, and no
+    LoRA adapter there. Nothing before an encoder's layers needs a gradient, so frozen layers keep nothing."""
+    whole = f"modality_submodules.{module}.{part}."
+    if not any(whole.startswith(p) for p in frozen):
+        return False
+    for name, _, _, body, with_projection in (adapters[2] if adapters else ()):
+        if name == module and (with_projection if projection else body):
+            return False
+    return True
 
 
 def _frozen(module: str, prefixes: tuple[str, ...]) -> bool:
@@ -182,8 +203,18 @@ def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int,
     def per_rank(b: TokenBytes) -> float:
         return tokens * (b.replicated / (par.tp if sp else 1) + b.tp / par.tp + b.expert / (par.tp if sp else 1))
 
-    kept = sum(per_rank(layer.kept(mode, value)) for layer in layers + ends)
-    working = max([per_rank(layer.working(mode, value)) for layer in layers + ends] or [0.0])
+    still = dict(options.still_encoders)
+    if name in still:  # frozen encoders run as in inference: one layer's forward at a time, nothing kept
+        body = ([memory.first] if stage == 0 else []) + layers
+        kept = 0.0 if still[name] else sum(per_rank(layer.kept(mode, value)) for layer in ends if layer not in body)
+        working = max([per_rank(layer.working("full", value)) for layer in body] or [0.0])
+    elif name in options.still_experts:  # frozen experts keep no inputs for their weights' gradients
+        kept = sum(per_rank(layer.kept(mode, value))
+                   - per_rank(TokenBytes(expert=layer.wgrad_inputs(mode, value).expert)) for layer in layers + ends)
+        working = max([per_rank(layer.working(mode, value)) for layer in layers + ends] or [0.0])
+    else:
+        kept = sum(per_rank(layer.kept(mode, value)) for layer in layers + ends)
+        working = max([per_rank(layer.working(mode, value)) for layer in layers + ends] or [0.0])
     return ModuleTerms(name, stage, len(layers), mode, tokens, in_flight, parameters=value * (count + lora),
                        gradients=grad_bytes * ((count if trainable else 0) + lora), optimizer=optimizer,
                        activations=in_flight * kept + working, parameter_count=count + lora)

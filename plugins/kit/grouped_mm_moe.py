@@ -155,8 +155,11 @@ class _GroupedMMForward:
 class GroupedMMExperts(_GroupedMMForward, TEGroupedMLP):
     """transformer-engine's TEGroupedMLP (weight0..weightN of its grouped linears) run as torch grouped GEMMs."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, pg_collection=None, **kwargs):
+        super().__init__(*args, pg_collection=pg_collection, **kwargs)
+        # the expert-data-parallel group, kept as SequentialMLP keeps it (its checkpoint's replica ids): adapters
+        # this module holds itself save under SequentialMLP's keys (core/adapters/grouped_experts.py)
+        self.dp_group = pg_collection.expt_dp if pg_collection is not None else None
         self.grouped_mm = self._grouped_mm_eligible()
         self._pack_weights()
 

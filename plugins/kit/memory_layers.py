@@ -120,8 +120,14 @@ def moe(h: int, experts: int, topk: int, expert_ffn: int, shared_ffn: int, kerne
         routed = topk * (2 * h * v + act + 4)  # input, activations, output, probability
         return TokenBytes(replicated=h * v + norm + router, tp=2 * shared_ffn * v, expert=routed)
 
+    def wgrad_inputs(mode: str, v: int) -> TokenBytes:
+        # the routed copies fc1 reads and, unless recomputed, the activations fc2 reads
+        if mode == "full":
+            return TokenBytes()
+        return TokenBytes(expert=topk * (h * v + (0 if mode == "selective" and kernels.te else expert_ffn * v)))
+
     kept, working = _full(kept_none, h)
-    return LayerMemory("moe", weights, kept, working)
+    return LayerMemory("moe", weights, kept, working, wgrad_inputs)
 
 
 def mamba(h: int, heads: int, head_dim: int, groups: int, state: int, conv_kernel: int, kernels: Kernels, *,
