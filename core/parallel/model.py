@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager
 
 import torch
@@ -136,7 +137,8 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
     # itself; given explicitly, since no global parallel_state is set up.
     llm_pgs = topology.pg_collections.get(LANGUAGE)
     tp_group, cp_group = (llm_pgs.tp, llm_pgs.cp) if llm_pgs is not None else (None, None)
-    model = model_class(config, tp_group=tp_group, cp_group=cp_group).to(device)
+    with init_threads(context.init_on_cpu and device.type == "cuda"):
+        model = model_class(config, tp_group=tp_group, cp_group=cp_group).to(device)
     model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
     freeze(model, hooks.frozen_parameters(settings=settings), provider, device)
     if adapters is not None and adapters.enabled:
@@ -163,6 +165,22 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
     if performance is not None and performance.grad_accum_fusion:
         fuse_weight_gradient_accumulation(model, transformer_engine=te_extras_enabled(), hooks_needed=overlap_grads)
     return model
+
+
+@contextmanager
+def init_threads(wanted: bool):
+    """While the weights are drawn on the CPU for a GPU run, torch's intra-op threads over this rank's share of the
+    node's cores: launched workers run with one (OMP_NUM_THREADS=1), so the whole model's draws ran on one core a
+    rank (about 190 s for 7.9 billion parameters). torch's CPU random fills give the same values with any number of
+    threads (tests/unit/test_init_threads.py). Training's thread count comes back after."""
+    before = torch.get_num_threads()
+    share = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if wanted and share > before:
+        torch.set_num_threads(share)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextmanager
