@@ -17,6 +17,7 @@ def describe(plan, estimates=None, limit=None) -> dict:
     """The plan as `mimo plan --json` prints it; `estimates` and `limit` (core/memory/fit.py) add the memory."""
     from mimo.core.memory.fit import summary
     from mimo.core.parallel.topology import LANGUAGE
+    from mimo.core.step_time.workload import forward_flops
 
     modules = []
     for name, par in plan.parallelism.items():
@@ -40,7 +41,7 @@ def describe(plan, estimates=None, limit=None) -> dict:
         "encoders_recomputed": plan.encoders_recomputed,
         "llm_data_parallel_lanes": plan.num_lanes, "encoder_data_parallel": encoder_dp[0] if encoder_dp else None,
         "train_iters": plan.train_iters, "valid": True, "memory": summary(estimates, limit),
-        "hf_export": _hf_export(plan),
+        "hf_export": _hf_export(plan), "forward_flops_per_sample": forward_flops(plan),
     }
 
 
@@ -81,11 +82,21 @@ def print_plan(summary: dict, as_json: bool) -> None:
         refused = {k: (v["value"], v["needed"]) for k, v in summary["hf_export"]["settings"].items()}
         console.print(f"note: checkpoints of these settings cannot be exported to Hugging Face: "
                       f"{not_exportable(refused)}")
+    if summary.get("forward_flops_per_sample"):
+        console.print(_flop_split(summary["forward_flops_per_sample"]))
     console.print(f"global batch {summary['global_batch_size']} = {summary['num_microbatches']} micro-batches x "
                   f"{summary['micro_batch_size']} samples x {summary['llm_data_parallel_lanes']} LLM lanes"
                   f"{_encoder_pass(summary)}; "
                   f"{summary['train_iters']} iterations. " + ("Layout valid." if summary["valid"] else
                                                               "Layout does not fit."))
+
+
+def _flop_split(flops: dict[str, float]) -> str:
+    """Which module carries the work: a split pays off only where the encoders carry a large share."""
+    total = sum(flops.values())
+    scale, unit = (1e12, "TFLOP") if total >= 1e11 else (1e9, "GFLOP") if total >= 1e8 else (1e6, "MFLOP")
+    parts = ", ".join(f"{name} {value / scale:.2f} {unit} ({value / total:.0%})" for name, value in flops.items())
+    return f"forward FLOPs per sample: {parts}"
 
 
 def _encoder_pass(summary: dict) -> str:

@@ -55,5 +55,7 @@ def test_mimo_plan_command():
     assert [(m["module"], m["ranks"], m["dp"]) for m in summary["modules"]] == [("images", [0, 0], 1),
                                                                                 ("language", [1, 3], 3)]
     assert summary["modules"][1]["parameters"] == 133376
+    flops = summary["forward_flops_per_sample"]  # the provider's model_flops: which module carries the work
+    assert set(flops) == {"images", "language"} and all(v > 0 for v in flops.values())
     bad = run_mimo("plan", "--provider", "mock-vlm", "--nproc-per-node", "4", "--encoder-ranks", "1", "--llm-tp", "3")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1

@@ -247,3 +247,11 @@ def test_cp_is_not_proposed_where_the_provider_refuses_it():
                              training=TrainingOptions(device="cpu", micro_batch_size=1)), world_size=2)
     found = layout_search.fitting(plan, 2, 80)
     assert found and all(s.layout.llm_cp == 1 for s in found)
+
+
+def test_mimo_plan_names_each_modules_share_of_the_forward_flops():
+    from mimo.cli.plan import _flop_split
+
+    assert _flop_split({"images": 16.52e12, "language": 15.82e12}) == (
+        "forward FLOPs per sample: images 16.52 TFLOP (51%), language 15.82 TFLOP (49%)")
+    assert _flop_split({"images": 4e6, "language": 16e6}).endswith("language 16.00 MFLOP (80%)")
