@@ -146,6 +146,13 @@ def advice(plan, term: str, module: str) -> str:
     else:
         if term in ("optimizer",) and not config.optimizer.use_distributed_optimizer:
             helps.append("--use-distributed-optimizer")
+        if term in ("optimizer", "gradients"):
+            # bf16 moments and gradients (the precision-aware optimizer: GPU, bf16, distributed optimizer)
+            if (config.training.precision == "bf16" and config.training.device != "cpu"
+                    and config.optimizer.optimizer_precision != "bf16"):
+                helps.append("--optimizer-precision bf16")
+            if not config.adapters.enabled:
+                helps.append("--lora-rank 16 (adapters instead of full fine-tuning)")
         if shape.num_experts and par.ep < shape.num_experts:
             helps.append("more --llm-ep")
         helps.append(f"more {who}-tp")

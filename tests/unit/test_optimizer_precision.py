@@ -85,3 +85,22 @@ def test_mimo_plan_counts_it():
         return estimate.options_of(plan).optimizer_precision
 
     assert planned("bf16") == "bf16" and planned("fp32") == "fp32"
+
+
+def test_a_full_fine_tune_that_does_not_fit_is_told_the_optimizer_options():
+    """The released model on four GPUs without optimizer options: its refusal names the options that make it fit."""
+    from mimo.core.config import LaunchOptions, LayoutOptions, MemoryOptions
+    from mimo.core.memory import fit
+    from mimo.core.run.plan import prepare
+
+    def line(**optimizer) -> str:
+        config = RunConfig(provider="nemotron-moe-vlm-54l", launch=LaunchOptions(nproc_per_node=4),
+                           layout=LayoutOptions(llm_ep=4), memory=MemoryOptions(gpu_memory=139.8),
+                           optimizer=OptimizerOptions(**optimizer),
+                           training=TrainingOptions(micro_batch_size=1, num_microbatches=8, device="cuda",
+                                                    precision="bf16"))
+        return fit.advice(prepare(config, world_size=4), "optimizer", "language")
+
+    assert line().startswith("try --use-distributed-optimizer, --optimizer-precision bf16, --lora-rank 16")
+    done = line(use_distributed_optimizer=True, optimizer_precision="bf16")
+    assert "--optimizer-precision" not in done and "--use-distributed-optimizer" not in done
