@@ -3,7 +3,7 @@ estimate fits (`fitting`); `suggest` orders them cheapest communication first, t
 core/step_time/advisor.py keeps where the provider's FLOPs cannot time them.
 
 Every split is tried: colocated and each number of encoder ranks, the encoders' TP, the LLM's TP (with sequence
-parallelism for an MoE LLM), PP and EP, and for colocated layouts the LLM's CP (where
+parallelism for an MoE LLM), PP and EP, and the LLM's CP, colocated or on its own ranks (where
 core/parallel/context_parallel.py accepts it: the sequence a multiple of 2 x CP (x TP under SP), no
 --pack-sequences, no --cuda-graphs). Each layout takes the first of these option sets that fits: as given, then
 with the distributed optimizer, then recomputing the LLM selectively, then fully.
@@ -62,7 +62,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidates(world: int, shapes: dict, context_parallel: bool = False) -> list[LayoutOptions]:
-    """Every layout of `world` ranks the shapes allow; LLM CP > 1 (colocated only) where `context_parallel`."""
+    """Every layout of `world` ranks the shapes allow; LLM CP > 1 where `context_parallel`."""
     llm = shapes[topology.LANGUAGE]
     experts = llm.num_experts or 0
     encoder = next((s for n, s in shapes.items() if n != topology.LANGUAGE), None)
@@ -75,10 +75,10 @@ def candidates(world: int, shapes: dict, context_parallel: bool = False) -> list
             encoder_tps = [tp] if k == 0 else [t for t in _divisors(k)
                                                if not encoder or encoder.num_attention_heads % t == 0]
             pps = [1] if k == 0 else [p for p in _divisors(llm_ranks // tp) if llm.num_layers % p == 0]
-            # CP runs with --encoder-ranks too (core/forward/cp_bridge.py); the search proposes it colocated only
-            cps = _divisors(llm_ranks // tp) if k == 0 and context_parallel else [1]
             for etp in encoder_tps:
                 for pp in pps:
+                    # colocated, and on the LLM's own ranks (the bridge sends to CP ranks: core/forward/cp_bridge.py)
+                    cps = _divisors(llm_ranks // (tp * pp)) if context_parallel else [1]
                     for ep in ([e for e in _divisors(experts) if (llm_ranks // pp) % e == 0] if experts else [1]):
                         out += [LayoutOptions(encoder_ranks=k, encoder_tp=etp, llm_tp=tp, llm_pp=pp, llm_ep=ep,
                                               llm_cp=cp) for cp in cps]

@@ -217,16 +217,17 @@ def test_a_short_sequence_keeps_its_layout_without_cp_first():
     assert any(a.suggestion.layout.llm_cp > 1 for a in layouts)  # considered, and slower
 
 
-def test_cp_is_never_proposed_split_packed_or_with_cuda_graphs():
+def test_cp_is_proposed_colocated_and_split_never_packed_or_with_cuda_graphs():
     from pathlib import Path
 
     from mimo.core.memory import layout_search
 
     plan = mock_plan(4, LONG)
     found = layout_search.fitting(plan, 4, 80)
-    assert any(s.layout.llm_cp > 1 for s in found)
-    assert any(s.layout.encoder_ranks for s in found)
-    assert all(s.layout.llm_cp == 1 for s in found if s.layout.encoder_ranks)
+    assert any(s.layout.llm_cp > 1 and not s.layout.encoder_ranks for s in found)
+    # on the LLM's own ranks too (the bridge feeds every CP rank), where the LLM's ranks divide
+    split = [s.layout for s in found if s.layout.encoder_ranks and s.layout.llm_cp > 1]
+    assert split and all((4 - lo.encoder_ranks) % (lo.llm_cp * lo.llm_tp * lo.llm_pp) == 0 for lo in split)
     config = plan.config
     plan.config = dataclasses.replace(config, data=dataclasses.replace(config.data, data=Path("rows.jsonl"),
                                                                          pack_sequences=True))
