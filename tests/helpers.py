@@ -188,3 +188,21 @@ def shared_artifact(tmp_path_factory, name: str, build: Callable[[Path], object]
             build(partial)
             partial.rename(done)  # complete or absent: a failed build is retried by the next test that asks
     return done
+
+
+def train_steps(model, optimizer, loss_of: Callable, steps: int) -> list[float]:
+    """`steps` training steps of a built MimoModel in one process: zeroed buffers, backward of `loss_of()`, each
+    held module's gradient sync finished, the optimizer's step; the losses."""
+    from mimo.core.parallel.model import held_modules
+
+    losses = []
+    for _ in range(steps):
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = loss_of()
+        loss.backward()
+        for _, module in held_modules(model):
+            module.finish_grad_sync()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses

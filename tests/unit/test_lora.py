@@ -7,14 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import world_of_one
+from helpers import train_steps, world_of_one
 from mimo.core.adapters import linears
 from mimo.core.adapters.apply import adapter_parameters, is_adapter_name, merge_adapters
 from mimo.core.adapters.targets import resolve
 from mimo.core.config import AdapterOptions, OptimizerOptions, RunConfig, TrainingOptions
 from mimo.core.config.adapters import parse_targets
 from mimo.core.forward.batch_transfer import to_device
-from mimo.core.parallel.model import held_modules
 from mimo.core.parallel.optim import build_optimizer
 from mimo.core.run.plan import prepare
 from mimo.core.run.world import join
@@ -100,16 +99,7 @@ def test_only_adapters_train_and_the_base_stays_bit_identical(world):
                     for group in info.optimizer.param_groups for p in group["params"]}
     assert in_optimizer == {id(p) for _, p in adapters}
     before = {n: p.detach().clone() for n, p in adapters}
-    losses = []
-    for _ in range(3):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss = _forward(model, batch).mean()
-        loss.backward()
-        for _, module in held_modules(model):
-            module.finish_grad_sync()
-        optimizer.step()
-        losses.append(loss.item())
+    losses = train_steps(model, optimizer, lambda: _forward(model, batch).mean(), 3)
     assert losses[-1] < losses[0]
     assert all(torch.equal(p, base[n]) for n, p in model.named_parameters() if not is_adapter_name(n))
     assert all(not torch.equal(p, before[n]) for n, p in adapters if n.endswith(".b"))  # B left zero

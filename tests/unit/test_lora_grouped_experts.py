@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import world_of_one
+from helpers import train_steps, world_of_one
 from mimo.core.adapters import grouped_experts
 from mimo.core.adapters.apply import adapter_parameters, merge_adapters
 from mimo.core.config import AdapterOptions, OptimizerOptions, RunConfig, TrainingOptions
 from mimo.core.forward.batch_transfer import to_device
-from mimo.core.parallel.model import held_modules
 from mimo.core.parallel.optim import build_optimizer
 from mimo.core.run.plan import prepare
 from mimo.core.run.world import join
@@ -128,17 +127,7 @@ def _adapter_keys(model):
 def _train(expert_gemm, layout, steps=4):
     plan, model, batch = _build(expert_gemm, layout)
     optimizer = build_optimizer(plan.config.optimizer, model=model, params_dtype=torch.float32)
-    losses = []
-    for _ in range(steps):
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        loss = _forward(model, batch).mean()
-        loss.backward()
-        for _, module in held_modules(model):
-            module.finish_grad_sync()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses
+    return train_steps(model, optimizer, lambda: _forward(model, batch).mean(), steps)
 
 
 @pytest.mark.parametrize("layout", ["shared", "per-expert"])
