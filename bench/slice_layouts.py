@@ -114,7 +114,8 @@ def main() -> None:
                        args.out, name, timeout=args.timeout)
         kept = [r for r in run.records if r.get("split") == "train" and r["iteration"] > args.warmup]
         row = {"layout": name, "grids": layout_line(run.output), "status": run.status, "command": run.printed(),
-               "provider": provider, "settings": settings, "gpus": layout.gpus, "first_iteration_s": run.to_first_iteration_s}
+               "provider": provider, "settings": settings, "gpus": layout.gpus,
+               "first_iteration_s": run.to_first_iteration_s}
         for key, short in (("elapsed_ms", "ms_per_iter"), ("tflops_per_gpu", "tflops"),
                            ("tokens_per_sec_per_gpu", "tokens_per_s_per_gpu")):
             row[short + "_spread"] = spread(kept, key)

@@ -49,9 +49,9 @@ class OptimizerOptions(Options):
     use_distributed_optimizer: bool = option(False, "shard optimizer state over data-parallel ranks (ZeRO-1)")
     optimizer_precision: Literal["fp32", "bf16-moments", "bf16"] = option(
         "fp32", "a bf16 run's optimizer: fp32 (main weights, Adam moments and gradients in fp32: 16 bytes a "
-        "parameter besides its bf16 weight); bf16-moments (moments in bf16, main weights as the bf16 weights plus 16-bit remainders: 10); "
-        "bf16 (that and gradients reduced in bf16: 8). megatron-core's precision-aware optimizer: needs "
-        "--precision bf16, --use-distributed-optimizer and transformer-engine on a GPU")
+        "parameter besides its bf16 weight); bf16-moments (moments in bf16, main weights as the bf16 weights plus "
+        "16-bit remainders: 10); bf16 (that and gradients reduced in bf16: 8). megatron-core's precision-aware "
+        "optimizer: needs --precision bf16, --use-distributed-optimizer and transformer-engine on a GPU")
 
     def check(self) -> None:
         if self.min_lr > self.lr:

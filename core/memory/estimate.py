@@ -3,11 +3,11 @@ activations of the micro-batches in flight, and an allowance for the CUDA contex
 
 Each kind of rank gets its own estimate: all ranks of a colocated layout (every module, summed), the encoder
 ranks and each pipeline stage of the LLM ranks of a heterogeneous one. Inputs are the provider's
-`module_memory` description and what mimo configures megatron-core with (core/parallel/model.py, core/parallel/optim.py): DDP
-gradient buffers in fp32 (`grad_reduce_in_fp32`), Adam with fp32 main weights under bf16 (or the precision-aware
-optimizer's bf16 moments and gradients, --optimizer-precision), the distributed optimizer sharding main weights and
-moments over data parallelism (experts over expert data parallelism).
-"""
+`module_memory` description and what mimo configures megatron-core with (core/parallel/model.py,
+core/parallel/optim.py): DDP gradient buffers in fp32 (`grad_reduce_in_fp32`), Adam with fp32 main weights under
+bf16 (or the precision-aware optimizer's bf16 moments and gradients, --optimizer-precision), the distributed
+optimizer sharding main weights and moments over data parallelism (experts over expert data parallelism).
+Frozen encoders without adapters keep no activations, frozen routed experts no inputs of their GEMMs."""
 
 from __future__ import annotations
 

@@ -149,7 +149,8 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
     _attach_tp_groups(model, topology)
     overlap_grads = bool(performance and performance.overlap_grad_reduce)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=grads_in_fp32, overlap_grad_reduce=overlap_grads, use_distributed_optimizer=distributed_optimizer,
+        grad_reduce_in_fp32=grads_in_fp32, overlap_grad_reduce=overlap_grads,
+        use_distributed_optimizer=distributed_optimizer,
         overlap_param_gather=bool(performance and performance.overlap_param_gather),
         # buckets let the reduction of late layers start while early layers still run backward
         bucket_size=40_000_000 if overlap_grads else None)
