@@ -19,7 +19,9 @@ from mimo.errors import UsageError
 # Every other option may change on resume: the layout (checkpoints reshard), the launch, logging, checkpoint
 # paths, data workers, batch sizes, the seed and the run's length.
 KEPT_WITH_OPTIMIZER_STATE = {("training", "precision"): "--precision", ("optimizer", "lr"): "--lr",
-                             ("optimizer", "min_lr"): "--min-lr"}
+                             ("optimizer", "min_lr"): "--min-lr",
+                             # the precision-aware optimizer's state has other dtypes and the main weights' remainders
+                             ("optimizer", "optimizer_precision"): "--optimizer-precision"}
 SHOWN_SETTINGS = 3
 
 
@@ -100,7 +102,7 @@ def check_kept_options(saved_options: dict, options: dict, directory: Path) -> N
     for (part, name), flag in KEPT_WITH_OPTIMIZER_STATE.items():
         old, new = (saved_options or {}).get(part, {}).get(name), options.get(part, {}).get(name)
         if old is not None and old != new:
-            also = " --no-load-scheduler" if part == "optimizer" else ""  # the schedule holds the rates too
+            also = " --no-load-scheduler" if name in ("lr", "min_lr") else ""  # the schedule holds the rates too
             raise UsageError(f"{flag} {new} differs from the checkpoint's {old} ({directory}), whose optimizer state "
                              f"belongs to {flag} {old}: resume with {flag} {old}, or pass --no-load-optim{also} "
                              f"(a fresh optimizer)")

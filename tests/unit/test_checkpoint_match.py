@@ -59,3 +59,10 @@ def test_options_a_resume_may_change_and_those_it_keeps():
     with pytest.raises(UsageError, match=r"^--lr 0.002 differs from the checkpoint's 0.001 .*--no-load-optim "
                                          r"--no-load-scheduler"):
         check_kept_options(options(), options(lr=0.002), CKPT)
+    saved, bf16 = options(precision="bf16"), options(precision="bf16")
+    saved["optimizer"]["optimizer_precision"], bf16["optimizer"]["optimizer_precision"] = "fp32", "bf16"
+    with pytest.raises(UsageError) as err:
+        check_kept_options(saved, bf16, CKPT)
+    assert str(err.value).startswith("--optimizer-precision bf16 differs from the checkpoint's fp32") and str(
+        err.value).endswith("resume with --optimizer-precision fp32, or pass --no-load-optim (a fresh optimizer)")
+    check_kept_options(options(precision="bf16"), bf16, CKPT)  # saved before the option existed: nothing to compare
