@@ -3,6 +3,8 @@ opened, the training step, the logs, the profiler and the evaluations, ready for
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,8 @@ from .plan import Plan
 from .prefetch import read_ahead
 from .step import TrainStep
 from .world import World, join
+
+SLOW_START_ENV = "MIMO_SLOW_START_S"  # a start-up longer than this many seconds (default 60) says where they went
 
 
 @dataclass
@@ -68,10 +72,14 @@ class Session:
 def start(plan: Plan) -> Session:
     """Join the world, build the groups, model, optimizer and schedule, restore a checkpoint, open the data."""
     config, t, c = plan.config, plan.config.training, plan.config.checkpoint
+    began = time.perf_counter()
     world = join(plan)
     device, topo, params_dtype = world.device, world.topology, world.params_dtype
+    phases = {"joining": time.perf_counter() - began}
     model = world.build_model()
+    phases["the model"] = time.perf_counter() - began - sum(phases.values())
     optimizer = build_optimizer(config.optimizer, model=model, params_dtype=params_dtype)
+    phases["the optimizer"] = time.perf_counter() - began - sum(phases.values())
     scheduler = build_scheduler(config.scheduler, optimizer=optimizer, optimizer_options=config.optimizer,
                                 global_batch_size=plan.global_batch_size,
                                 train_samples=plan.train_iters * plan.global_batch_size)
@@ -86,6 +94,7 @@ def start(plan: Plan) -> Session:
             load_foreign=lambda path, directory: load_foreign(plan.hooks, plan.settings, model, path, directory),
             load_hf=hf_loader(plan, model))
         start_iteration, consumed, data_state = checkpointer.load()
+        phases["loading"] = time.perf_counter() - began - sum(phases.values())
     # Index-addressed data continues from the samples already seen; a loader with its own state restores it.
     data_ctx = world.data_context(consumed)
     source = as_data_source(plan.hooks.data_provider(settings=plan.settings, ctx=data_ctx), config.provider)
@@ -128,6 +137,10 @@ def start(plan: Plan) -> Session:
         note = source.size_note()
         if note:  # a dataset smaller than a micro-batch: say that samples repeat
             print(note, flush=True)
+        # where a long start went (the whole model: drawing its weights)
+        if sum(phases.values()) > float(os.environ.get(SLOW_START_ENV, "60")):
+            print(f"start-up {sum(phases.values()):.1f} s: " + ", ".join(
+                f"{name} {seconds:.1f} s" for name, seconds in phases.items()), flush=True)
     profiler = StepProfiler(config.logging, rank=dist.get_rank(), device=device, report=logging_rank)
     model.train()
     ahead = config.data.prefetch_microbatches
