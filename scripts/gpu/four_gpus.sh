@@ -14,6 +14,8 @@
 # run-full: the whole model alone (each rank's Python stacks every 90 s in its log, the GPUs' memory every 20 s),
 #        then the slice's EP4 and DP4 while the call's time lasts.
 # run-c: scripts/gpu/check_grouped_lora.py (LoRA on the te backend's grouped experts), then run-b's first part.
+# run-d: the whole model again (its start-up line names where the time went: the CPU draws now run on each rank's
+#        share of the cores), then the slice's EP4 with and without --overlap-grad-reduce.
 # Results: $OUT/four_gpus.tgz: <part>/slice_layouts.json (rows), logs and metrics; the table is each part's last
 # output.
 set -uo pipefail
@@ -53,7 +55,7 @@ optimizer_precision() {  # OUT_DIR: mock-vlm on 2 GPUs, bf16, the three --optimi
 case "${1:-}" in
   prepare) prepare ;;
   install) install_te ;;
-  run-a|run-b|run-c|run-full)
+  run-a|run-b|run-c|run-d|run-full)
     use_wheels te
     export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache  # the first layout compiles, the others reuse it
     mkdir -p "$WORK"; versions "$WORK/versions.txt"
@@ -64,6 +66,9 @@ case "${1:-}" in
       MIMO_STACK_DUMP_S=90 layouts full 10 ${FULL_TIMEOUT:-380} full-ep4
       kill $sampler; pack
       layouts slice 10 140 colocated-ep4 colocated-dp4
+    elif [ "$1" = run-d ]; then  # the whole model's start-up with init_threads; EP4 with and without overlap
+      MIMO_STACK_DUMP_S=90 MIMO_SLOW_START_S=0 layouts full 8 ${FULL_TIMEOUT:-300} full-ep4
+      layouts slice 10 140 colocated-ep4 colocated-ep4-overlap
     elif [ "$1" = run-c ]; then  # LoRA on the te backend's grouped experts; the two-image split against DP4
       NVIDIA_TF32_OVERRIDE=0 timeout 120 python3 scripts/gpu/check_grouped_lora.py > "$WORK/grouped_lora.txt" 2>&1
       echo "check_grouped_lora exit $?"; tail -8 "$WORK/grouped_lora.txt"; pack
@@ -77,5 +82,5 @@ case "${1:-}" in
       layouts slice_b 14 150 colocated-dp4 split-1+3
     fi
     ;;
-  *) echo "usage: four_gpus.sh prepare | install | run-a | run-b | run-c | run-full"; exit 2 ;;
+  *) echo "usage: four_gpus.sh prepare | install | run-a | run-b | run-c | run-d | run-full"; exit 2 ;;
 esac
