@@ -53,7 +53,8 @@ def test_the_slice_on_one_gpu_within_5_percent_of_its_recorded_peak():
 
 
 @pytest.mark.parametrize("run, kind", [("slice-ep4", "all ranks"), ("slice-split-ep3", "encoder ranks"),
-                                       ("mid-ep4", "all ranks")])
+                                       ("mid-ep4", "all ranks"), ("slice-dp4", "all ranks"),
+                                       ("slice-ep4-64x4", "all ranks")])
 def test_ranks_with_images_lie_between_average_and_largest_images(run, kind):
     record = RECORDS[run]
     measured = record["peak_memory_gib"][kind]
