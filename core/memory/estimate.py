@@ -203,17 +203,19 @@ def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int,
     def per_rank(b: TokenBytes) -> float:
         return tokens * (b.replicated / (par.tp if sp else 1) + b.tp / par.tp + b.expert / (par.tp if sp else 1))
 
+    def kept_by(layer) -> float:
+        kept = per_rank(layer.kept(mode, value))
+        if name in options.still_experts:  # frozen experts keep no inputs for their weights' gradients
+            kept -= per_rank(TokenBytes(expert=layer.wgrad_inputs(mode, value).expert))
+        return kept
+
     still = dict(options.still_encoders)
     if name in still:  # frozen encoders run as in inference: one layer's forward at a time, nothing kept
         body = ([memory.first] if stage == 0 else []) + layers
-        kept = 0.0 if still[name] else sum(per_rank(layer.kept(mode, value)) for layer in ends if layer not in body)
+        kept = 0.0 if still[name] else sum(kept_by(layer) for layer in ends if layer not in body)
         working = max([per_rank(layer.working("full", value)) for layer in body] or [0.0])
-    elif name in options.still_experts:  # frozen experts keep no inputs for their weights' gradients
-        kept = sum(per_rank(layer.kept(mode, value))
-                   - per_rank(TokenBytes(expert=layer.wgrad_inputs(mode, value).expert)) for layer in layers + ends)
-        working = max([per_rank(layer.working(mode, value)) for layer in layers + ends] or [0.0])
     else:
-        kept = sum(per_rank(layer.kept(mode, value)) for layer in layers + ends)
+        kept = sum(kept_by(layer) for layer in layers + ends)
         working = max([per_rank(layer.working(mode, value)) for layer in layers + ends] or [0.0])
     return ModuleTerms(name, stage, len(layers), mode, tokens, in_flight, parameters=value * (count + lora),
                        gradients=grad_bytes * ((count if trainable else 0) + lora), optimizer=optimizer,

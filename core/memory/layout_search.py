@@ -171,6 +171,7 @@ def _cp_reason(described, parallelism: dict, options, rows: dict, ranks: list) -
     without = max(r.term("activations") for r in memory.estimate(described, whole, options, rows)) / GIB
     with_cp = max(r.term("activations") for r in ranks) / GIB
     tokens = described[topology.LANGUAGE].tokens_per_sample
+
     def gib(x: float) -> str:
         return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
 

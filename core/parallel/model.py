@@ -170,10 +170,11 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
 
 @contextmanager
 def init_threads(wanted: bool):
-    """While the weights are drawn on the CPU for a GPU run, torch's intra-op threads over this rank's share of the
-    node's cores: launched workers run with one (OMP_NUM_THREADS=1), so the whole model's draws ran on one core a
-    rank (about 190 s for 7.9 billion parameters). torch's CPU random fills give the same values with any number of
-    threads (tests/unit/test_init_threads.py). Training's thread count comes back after."""
+    """While the weights are drawn on the CPU for a GPU run, torch's intra-op threads at least this rank's share of
+    the node's cores, whatever the environment pins for training (torchrun's OMP_NUM_THREADS=1; mimo's launcher sets
+    the share unless OMP_NUM_THREADS is given): the whole model's draws took about 190 s for 7.9 billion parameters
+    a rank. torch's CPU random fills give the same values with any number of threads
+    (tests/unit/test_init_threads.py). Training's thread count comes back after."""
     before = torch.get_num_threads()
     share = len(os.sched_getaffinity(0)) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if wanted and share > before:

@@ -69,17 +69,37 @@ class Session:
         return self.world.topology
 
 
+class _Phases:
+    """The start-up's parts, each timed from where the one before ended."""
+
+    def __init__(self):
+        self.began = self.last = time.perf_counter()
+        self.seconds: dict[str, float] = {}
+
+    def done(self, name: str) -> None:
+        now = time.perf_counter()
+        self.seconds[name], self.last = now - self.last, now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.began
+
+    def line(self) -> str:
+        parts = ", ".join(f"{name} {s:.1f} s" for name, s in self.seconds.items())
+        return f"start-up {self.total:.1f} s: {parts}"
+
+
 def start(plan: Plan) -> Session:
     """Join the world, build the groups, model, optimizer and schedule, restore a checkpoint, open the data."""
     config, t, c = plan.config, plan.config.training, plan.config.checkpoint
-    began = time.perf_counter()
+    phases = _Phases()
     world = join(plan)
     device, topo, params_dtype = world.device, world.topology, world.params_dtype
-    phases = {"joining": time.perf_counter() - began}
+    phases.done("joining")
     model = world.build_model()
-    phases["the model"] = time.perf_counter() - began - sum(phases.values())
+    phases.done("the model")
     optimizer = build_optimizer(config.optimizer, model=model, params_dtype=params_dtype)
-    phases["the optimizer"] = time.perf_counter() - began - sum(phases.values())
+    phases.done("the optimizer")
     scheduler = build_scheduler(config.scheduler, optimizer=optimizer, optimizer_options=config.optimizer,
                                 global_batch_size=plan.global_batch_size,
                                 train_samples=plan.train_iters * plan.global_batch_size)
@@ -94,7 +114,7 @@ def start(plan: Plan) -> Session:
             load_foreign=lambda path, directory: load_foreign(plan.hooks, plan.settings, model, path, directory),
             load_hf=hf_loader(plan, model))
         start_iteration, consumed, data_state = checkpointer.load()
-        phases["loading"] = time.perf_counter() - began - sum(phases.values())
+        phases.done("loading")
     # Index-addressed data continues from the samples already seen; a loader with its own state restores it.
     data_ctx = world.data_context(consumed)
     source = as_data_source(plan.hooks.data_provider(settings=plan.settings, ctx=data_ctx), config.provider)
@@ -137,10 +157,8 @@ def start(plan: Plan) -> Session:
         note = source.size_note()
         if note:  # a dataset smaller than a micro-batch: say that samples repeat
             print(note, flush=True)
-        # where a long start went (the whole model: drawing its weights)
-        if sum(phases.values()) > float(os.environ.get(SLOW_START_ENV, "60")):
-            print(f"start-up {sum(phases.values()):.1f} s: " + ", ".join(
-                f"{name} {seconds:.1f} s" for name, seconds in phases.items()), flush=True)
+        if phases.total > float(os.environ.get(SLOW_START_ENV, "60")):  # the whole model: drawing its weights
+            print(phases.line(), flush=True)
     profiler = StepProfiler(config.logging, rank=dist.get_rank(), device=device, report=logging_rank)
     model.train()
     ahead = config.data.prefetch_microbatches
