@@ -26,6 +26,10 @@ class TrainingOptions(Options):
     precision: Literal["fp32", "bf16"] = option("fp32", "parameter and compute precision")
     device: Literal["auto", "cuda", "cpu"] = option("auto", "auto uses CUDA when a GPU is visible")
     num_microbatches: int | None = option(None, "micro-batches per iteration (sets the global batch size)")
+    init_device: Literal["auto", "cpu", "cuda"] = option(
+        "auto", "where the initial weights are drawn. cpu: the same weights in any layout, slowly (torch's CPU "
+        "generator is serial: minutes for billions of parameters); cuda: seconds, the same weights in layouts of "
+        "equal TP, EP and expert TP; auto: cuda on GPUs")
 
     def check(self) -> None:
         if self.train_iters is not None and self.train_samples is not None:

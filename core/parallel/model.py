@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 
@@ -29,15 +30,22 @@ def _seeded_mimo_model_class():
         placeholders are (`placeholder_rows`, embedding_merge.py); without them, megatron-core's merge."""
 
         init_seed = 0
+        # (module names, seed) -> None: reseeds megatron-core's RNG tracker for weights drawn on the GPU, which
+        # draws from its streams instead of torch's CPU generator; None when the weights are drawn on the CPU
+        seed_tracker = None
         _rows = None
         _embeddings = None
 
         def _initialize_submodules(self):
             torch.manual_seed(self.init_seed)
+            if self.seed_tracker is not None:
+                self.seed_tracker(self.mimo_config.modality_submodules_spec, self.init_seed)
             super()._initialize_submodules()
 
         def _initialize_language_model(self):
             torch.manual_seed(self.init_seed + 1)
+            if self.seed_tracker is not None:
+                self.seed_tracker((LANGUAGE,), self.init_seed + 1)
             super()._initialize_language_model()
 
         def _build_colocated_communicators(self):
@@ -133,12 +141,16 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
     )
     model_class = _seeded_mimo_model_class()
     model_class.init_seed = seed
+    te_tracker = bool(performance and performance.cuda_graphs)  # as the world seeded it (core/run/world.py)
+    model_class.seed_tracker = None if context.init_on_cpu else partial(seed_tracker, topology, te_tracker)
     # With sequence (context) parallelism MimoModel scatters the LLM's combined embeddings over its TP (CP) group
     # itself; given explicitly, since no global parallel_state is set up.
     llm_pgs = topology.pg_collections.get(LANGUAGE)
     tp_group, cp_group = (llm_pgs.tp, llm_pgs.cp) if llm_pgs is not None else (None, None)
     with init_threads(context.init_on_cpu and device.type == "cuda"):
         model = model_class(config, tp_group=tp_group, cp_group=cp_group).to(device)
+    if not context.init_on_cpu:  # training's streams as the world seeded them, whatever the draws took
+        seed_tracker(topology, te_tracker, (LANGUAGE, *topology.pg_collections), seed)
     model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
     freeze(model, hooks.frozen_parameters(settings=settings), provider, device)
     if adapters is not None and adapters.enabled:
@@ -166,6 +178,18 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
     if performance is not None and performance.grad_accum_fusion:
         fuse_weight_gradient_accumulation(model, transformer_engine=te_extras_enabled(), hooks_needed=overlap_grads)
     return model
+
+
+def seed_tracker(topology: Topology, te_tracker: bool, modules, seed: int) -> None:
+    """Seed megatron-core's RNG tracker with the TP, EP and expert-TP ranks of the first of `modules` this rank
+    holds, so weights drawn on the GPU depend on the seed and those ranks only, not on which other modules the
+    rank built before."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    pgs = next((topology.pg_collections[m] for m in modules if topology.pg_collections.get(m) is not None), None)
+    if pgs is not None:
+        model_parallel_cuda_manual_seed(seed, te_rng_tracker=te_tracker, tp_rank=pgs.tp.rank(),
+                                        ep_rank=pgs.ep.rank(), etp_rank=pgs.expt_tp.rank())
 
 
 @contextmanager

@@ -47,12 +47,12 @@ class Plan:
     def params_dtype(self) -> torch.dtype:
         return torch.bfloat16 if self.config.training.precision == "bf16" else torch.float32
 
-    def build_context(self, pg_collections: dict) -> BuildContext:
+    def build_context(self, pg_collections: dict, on_gpu: bool = False) -> BuildContext:
         """What `build_encoders` and `build_language_model` are told: layout, precision, groups (this rank's,
-        {} before any exists), performance options."""
-        perf = self.config.performance
+        {} before any exists), performance options, and where the weights are drawn (`on_gpu`: the run's device)."""
+        perf, init = self.config.performance, self.config.training.init_device
         return BuildContext(params_dtype=self.params_dtype, parallelism=self.parallelism,
-                            pg_collections=pg_collections,
+                            pg_collections=pg_collections, init_on_cpu=init == "cpu" or not on_gpu,
                             recompute={name: perf.recompute_for(name) for name in self.parallelism},
                             sequence_parallel=perf.sequence_parallel, fp8=perf.fp8, cuda_graphs=perf.cuda_graphs,
                             cuda_graph_modules=perf.graph_modules(),

@@ -79,6 +79,8 @@ def join(plan: Plan, *, seed: int | None = None) -> World:
         raise UsageError(f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} joined")
     gpu_only = [f"--{name}" for name, on in (("fp8", perf.fp8 != "none"), ("cuda-graphs", perf.cuda_graphs), (
         "optimizer-precision", config.optimizer.optimizer_precision != "fp32")) if on]
+    if config.training.init_device == "cuda":
+        gpu_only.append("--init-device cuda")
     if device.type != "cuda" and gpu_only:
         raise UsageError(f"{gpu_only[0]} needs a GPU; this run is on the CPU")
     if perf.cuda_graphs:
@@ -88,9 +90,4 @@ def join(plan: Plan, *, seed: int | None = None) -> World:
     seed_pgs = topo.pg_collections.get(LANGUAGE) or next(iter(topo.pg_collections.values()))
     launch.seed_everything(seed, seed_pgs.tp.rank(), seed_pgs.ep.rank(), seed_pgs.expt_tp.rank(),
                            te_rng_tracker=perf.cuda_graphs)  # graph capture needs transformer-engine's tracker
-    return World(plan, device, topo, build_context(plan, topo), seed)
-
-
-def build_context(plan: Plan, topo: topology.Topology) -> BuildContext:
-    """What `build_encoders` and `build_language_model` are told: layout, precision, groups, performance options."""
-    return plan.build_context(topo.pg_collections)
+    return World(plan, device, topo, plan.build_context(topo.pg_collections, on_gpu=device.type == "cuda"), seed)
