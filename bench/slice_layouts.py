@@ -56,6 +56,11 @@ LAYOUTS = {
     "colocated-ep4-overlap": Layout(4, ("--llm-ep", "4", "--overlap-grad-reduce"), {"num_experts": 64}),
     "split-1+3": Layout(4, ("--encoder-ranks", "1", "--log-timers")),
     "split-2+2-ep2": Layout(4, ("--encoder-ranks", "2", "--llm-ep", "2", "--log-timers")),
+    # the LLM's context parallelism at 4x the sequence (CUDA graphs are refused with --llm-cp), colocated and with
+    # RADIO on a rank of its own
+    "colocated-cp2-32k": Layout(2, ("--llm-cp", "2"), {"seq_length": 32768}, graphs=False),
+    "split-1+2-cp2-32k": Layout(3, ("--encoder-ranks", "1", "--llm-cp", "2", "--log-timers"), {"seq_length": 32768},
+                                graphs=False),
     "full-ep4": Layout(4, ("--llm-ep", "4", *FULL_OPTIONS), full_size=True,
                        gpu_options=("--optimizer-precision", "bf16")),
     # one GPU: LoRA rank 16 on the provider's default targets (routed experts included) against full fine-tuning,

@@ -16,6 +16,11 @@
 # run-c: scripts/gpu/check_grouped_lora.py (LoRA on the te backend's grouped experts), then run-b's first part.
 # run-d: the whole model again (its start-up line names where the time went: the CPU draws now run on each rank's
 #        share of the cores), then the slice's EP4 with and without --overlap-grad-reduce.
+# run-e: the slice on a fresh machine with its weights drawn on the GPUs (--init-device auto): EP4 first (its
+#        first iteration and start-up phases), DP4, EP4 with --overlap-grad-reduce, RADIO on rank 0 + the LLM DP3.
+# run-f: three jobs at once: GPU 0 the LoRA check and the whole model with adapters at sequence 4096 (one GPU);
+#        GPUs 1-3 the heterogeneous CP check (nemotron-moe-vlm-tiny, te, bf16: RADIO on one rank + the LLM CP 2,
+#        against CP 1), then on GPUs 1-2 the slice's DP2 and EP2, and CP2 at 32768 beside DP2 at 8192 (two images).
 # Results: $OUT/four_gpus.tgz: <part>/slice_layouts.json (rows), logs and metrics; the table is each part's last
 # output.
 set -uo pipefail
@@ -23,7 +28,10 @@ export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/common.sh"
 WORK=/tmp/four_gpus  # results gather here; $OUT gets one archive of them after each part (a call brings back
                     # few files, and a call stopped at its time limit keeps what the parts before wrote)
-pack() { mkdir -p "${OUT:-runs}"; tar czf "${OUT:-runs}/four_gpus.tgz" -C "$WORK" .; }
+pack() {  # jobs running at once pack in turn: each writes its own file, then renames it over the archive
+  mkdir -p "${OUT:-runs}"; local part="${OUT:-runs}/.four_gpus.$BASHPID.tgz"
+  tar czf "$part" -C "$WORK" . 2>/dev/null; mv -f "$part" "${OUT:-runs}/four_gpus.tgz"
+}
 layouts() {  # OUT_SUBDIR ITERATIONS TIMEOUT LAYOUT... [-- SETTINGS...]
   local out="$WORK/$1" iterations=$2 timeout=$3; shift 3
   local names=() settings=()
@@ -52,14 +60,40 @@ optimizer_precision() {  # OUT_DIR: mock-vlm on 2 GPUs, bf16, the three --optimi
   python3 scripts/compare_losses.py "$out/bf16.jsonl" "$out/bf16_resumed.jsonl" | tail -1
   pack
 }
+hetero_cp() {  # OUT_DIR: RADIO on GPU 1 and the LLM on GPU 2 (CP 1) against the LLM CP 2 on GPUs 2-3
+  local out="$WORK/$1"; mkdir -p "$out"
+  local run=(timeout -k 10 200 python3 -m mimo.cli run --provider nemotron-moe-vlm-tiny --set backend=te --device cuda
+             --precision bf16 --encoder-ranks 1 --micro-batch-size 1 --num-microbatches 4 --set seq_length=1024
+             --train-iters 10 --log-interval 1 --seed 5 --init-device cpu)
+  CUDA_VISIBLE_DEVICES=1,2 "${run[@]}" --nproc-per-node 2 --metrics-file "$out/cp1.jsonl" > "$out/cp1.log" 2>&1
+  echo "hetero cp1 exit $?"
+  CUDA_VISIBLE_DEVICES=1,2,3 "${run[@]}" --nproc-per-node 3 --llm-cp 2 --metrics-file "$out/cp2.jsonl" \
+    > "$out/cp2.log" 2>&1
+  echo "hetero cp2 exit $?"; tail -2 "$out/cp2.log" | cut -c1-250
+  python3 scripts/compare_losses.py "$out/cp1.jsonl" "$out/cp2.jsonl" | tail -3
+  pack
+}
 case "${1:-}" in
   prepare) prepare ;;
   install) install_te ;;
-  run-a|run-b|run-c|run-d|run-full)
+  run-a|run-b|run-c|run-d|run-e|run-f|run-full)
     use_wheels te
     export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache  # the first layout compiles, the others reuse it
     mkdir -p "$WORK"; versions "$WORK/versions.txt"
-    if [ "$1" = run-full ]; then  # the whole model alone, each rank's stacks every 90 s and the GPUs' memory
+    if [ "$1" = run-e ]; then  # a fresh machine: EP4's first iteration is the record
+      MIMO_SLOW_START_S=0 layouts slice_e 12 150 colocated-ep4 colocated-dp4 colocated-ep4-overlap split-1+3
+    elif [ "$1" = run-f ]; then
+      ( export CUDA_VISIBLE_DEVICES=0
+        NVIDIA_TF32_OVERRIDE=0 timeout 120 python3 scripts/gpu/check_grouped_lora.py > "$WORK/grouped_lora.txt" 2>&1
+        echo "check_grouped_lora exit $?"; tail -4 "$WORK/grouped_lora.txt"
+        MIMO_SLOW_START_S=0 layouts lora_full 8 ${FULL_TIMEOUT:-420} full-lora16 ) > "$WORK/gpu0.txt" 2>&1 &
+      gpu0=$!
+      hetero_cp hetero_cp
+      export CUDA_VISIBLE_DEVICES=1,2
+      layouts ep2 12 130 colocated-dp2 colocated-ep2
+      layouts cp_32k 10 150 colocated-dp2 colocated-cp2-32k -- --set images_per_sample=2 --set patches_per_image=4096
+      wait $gpu0; cat "$WORK/gpu0.txt"; pack
+    elif [ "$1" = run-full ]; then  # the whole model alone, each rank's stacks every 90 s and the GPUs' memory
       (while sleep 20; do nvidia-smi --query-gpu=timestamp,index,memory.used,utilization.gpu --format=csv,noheader
        done) > "$WORK/gpu_samples.csv" 2>&1 &
       sampler=$!
@@ -82,5 +116,5 @@ case "${1:-}" in
       layouts slice_b 14 150 colocated-dp4 split-1+3
     fi
     ;;
-  *) echo "usage: four_gpus.sh prepare | install | run-a | run-b | run-c | run-d | run-full"; exit 2 ;;
+  *) echo "usage: four_gpus.sh prepare | install | run-a | run-b | run-c | run-d | run-e | run-f | run-full"; exit 2 ;;
 esac
