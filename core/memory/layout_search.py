@@ -5,8 +5,9 @@ core/step_time/advisor.py keeps where the provider's FLOPs cannot time them.
 Every split is tried: colocated and each number of encoder ranks, the encoders' TP, the LLM's TP (with sequence
 parallelism for an MoE LLM), PP and EP, and the LLM's CP, colocated or on its own ranks (where
 core/parallel/context_parallel.py accepts it: the sequence a multiple of 2 x CP (x TP under SP), no
---cuda-graphs; and the provider builds its language model so split, e.g. packed --data on backend te only). Each layout takes the first of these option sets that fits: as given, then
-with the distributed optimizer, then recomputing the LLM selectively, then fully.
+--cuda-graphs; and where the provider builds its language model so split, e.g. packed --data on backend te only).
+Each layout takes the first of these option sets that fits: as given, then with the distributed optimizer, then
+recomputing the LLM selectively, then fully.
 """
 
 from __future__ import annotations
