@@ -8,12 +8,16 @@ Batches are dicts: `input_ids`, `labels`, `loss_mask`, `position_ids` as `[B, S]
 `{modality: {encoder name: encoder input}}` (empty when no sample of the batch has an image). Optionally
 (`pack_sequences=True`, with energon's `packing_buffer_size`), several samples share one row of `seq_length`
 tokens, the B rows are laid end to end as one `[1, B * S]` row (megatron-core's THD format takes batch 1), and
-the batch carries `packing_kwargs` for MimoModel (THD cu_seqlens; positions restart per sample).
+the batch carries `packing_kwargs` for MimoModel (THD cu_seqlens; positions restart per sample). With a
+`segment_multiple` m > 1 (the LLM's context-parallel split: transformer-engine cuts each packed segment into
+2 x CP chunks) each packed sample takes its length rounded up to m in the row, padded after its tokens (no loss,
+its positions continued): `cu_seqlens_q` counts the samples' tokens, `cu_seqlens_q_padded` their places.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from typing import Sequence
 
@@ -85,15 +89,23 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         pad_to_longest: pad a batch to its longest row (rounded up to `pad_multiple`) instead of `seq_length`.
         pack_sequences: pack several samples into one row (needs `packing_buffer_size` in energon's
             `get_train_dataset`); the batch then carries `packing_kwargs` (THD) for the language model.
+        segment_multiple: packed samples' padded lengths are a multiple of this (`DataContext.segment_multiple`:
+            the LLM's context-parallel split); `seq_length` must be one too.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, seq_length: int, image_mode: ImageMode | None = None,
                  encoder_name: str = "vit", modality: str = "images",
                  min_text_tokens: int = 1,
-                 pad_to_longest: bool = False, pad_multiple: int = 1, pack_sequences: bool = False):
+                 pad_to_longest: bool = False, pad_multiple: int = 1, pack_sequences: bool = False,
+                 segment_multiple: int = 1):
         super().__init__()
         if seq_length < 2:
             raise ValueError(f"seq_length must be >= 2, got {seq_length}")
+        if segment_multiple < 1:
+            raise ValueError(f"segment_multiple must be >= 1, got {segment_multiple}")
+        if pack_sequences and seq_length % segment_multiple:
+            raise ValueError(f"seq_length {seq_length} must be a multiple of segment_multiple {segment_multiple} "
+                             f"(the row's last packed segment ends the row)")
         if min_text_tokens < 1:
             raise ValueError("min_text_tokens must be >= 1: a sample needs a token to learn")
         self.tokenizer = tokenizer
@@ -105,6 +117,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         self.pad_to_longest = pad_to_longest
         self.pad_multiple = max(1, pad_multiple)
         self.pack_sequences = pack_sequences
+        self.segment_multiple = segment_multiple
 
     # -- per sample ---------------------------------------------------------------------------------------------
 
@@ -209,10 +222,15 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         groups = [[r for s in group for r in (*riders[id(s)], s)] for group in self._first_fit(good)]
         return groups + ([waiting] if waiting else [])
 
+    def _padded(self, length: int) -> int:
+        """A packed sample's place in its row: its length rounded up to the segment multiple."""
+        return -(-length // self.segment_multiple) * self.segment_multiple
+
     def _first_fit(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
         bins: list[tuple[int, list[EncodedSample]]] = []
         for s in sorted(samples, key=lambda s: -len(s.tokens)):
-            n = len(s.tokens)
+            # padded places: seq_length is a multiple of them, so the last sample's padding fits the row's tail
+            n = self._padded(len(s.tokens))
             for i, (used, group) in enumerate(bins):
                 if used + n <= self.seq_length:
                     bins[i] = (used + n, group + [s])
@@ -235,18 +253,35 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         good = [s for s in samples if not is_tombstone(s)]
         if len(good) <= 1:  # one sample and the skipped ones before it (or skipped ones alone)
             return dataclasses.replace(good[0] if good else samples[0], **counts)
+        # each sample but the last padded to its place (the row's tail pads the last one, in `batch`)
+        rows = [self._padded_tail(s) for s in good[:-1]] + [(s.tokens, s.labels, s.loss_mask, s.position_ids)
+                                                              for s in good[-1:]]
+        tokens, labels, loss_mask, position_ids = (torch.cat(parts) for parts in zip(*rows))
         return EncodedSample(
             __key__=",".join(s.__key__ for s in good),
             __restore_key__=(),
             __sources__=tuple(src for s in good for src in (s.__sources__ or ())),
-            tokens=torch.cat([s.tokens for s in good]),
-            labels=torch.cat([s.labels for s in good]),  # a sample's last label is already masked
-            loss_mask=torch.cat([s.loss_mask for s in good]),
-            position_ids=torch.cat([s.position_ids for s in good]),
+            tokens=tokens,
+            labels=labels,  # a sample's last label is already masked
+            loss_mask=loss_mask,
+            position_ids=position_ids,
             images=[im for s in good for im in s.images],
             seqlens=[n for s in good for n in s.seqlens],
             **counts,
         )
+
+    def _padded_tail(self, sample: EncodedSample) -> tuple[torch.Tensor, ...]:
+        """(tokens, labels, loss_mask, position_ids) of `sample` padded to its place: pad ids, no loss, the
+        sample's positions continued (the padding is its segment's tail in `cu_seqlens_q_padded`)."""
+        n = len(sample.tokens)
+        extra = self._padded(n) - n
+        if not extra:
+            return sample.tokens, sample.labels, sample.loss_mask, sample.position_ids
+        pad = torch.full((extra,), self.tokenizer.pad_id, dtype=sample.tokens.dtype)
+        last = int(sample.position_ids[-1]) + 1
+        return (torch.cat([sample.tokens, pad]), torch.cat([sample.labels, pad.to(sample.labels.dtype)]),
+                torch.cat([sample.loss_mask, sample.loss_mask.new_zeros(extra)]),
+                torch.cat([sample.position_ids, torch.arange(last, last + extra, dtype=sample.position_ids.dtype)]))
 
     # -- batching -----------------------------------------------------------------------------------------------
 
@@ -254,7 +289,9 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         if not self.pad_to_longest:
             return self.seq_length
         longest = max(len(s.tokens) for s in samples)
-        return min(self.seq_length, -(-longest // self.pad_multiple) * self.pad_multiple)
+        # packed: a multiple of the segments' too, so that the row's tail keeps the last segment one
+        multiple = math.lcm(self.pad_multiple, self.segment_multiple) if self.pack_sequences else self.pad_multiple
+        return min(self.seq_length, -(-longest // multiple) * multiple)
 
     @stateless
     def batch(self, samples: list[EncodedSample]) -> dict:
@@ -288,16 +325,17 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             out["packing_kwargs"] = self._packing_kwargs(samples, s)
         return out
 
-    @staticmethod
-    def _packing_kwargs(samples: list[EncodedSample], row: int) -> dict:
-        """THD cu_seqlens over the batch flattened to `[B * row]`: each row's padding joins its last sequence in
-        the padded boundaries (an empty row is one padded sequence of length 0). `total_tokens` lets megatron-core
-        derive each token's sequence index (`seq_idx`, which mamba-ssm's kernels read)."""
+    def _packing_kwargs(self, samples: list[EncodedSample], row: int) -> dict:
+        """THD cu_seqlens over the batch flattened to `[B * row]`: a sample's padded boundaries are its place
+        (`_padded`), and each row's padding joins its last sequence (an empty row is one padded sequence of length
+        0). `total_tokens` lets megatron-core derive each token's sequence index (`seq_idx`, which mamba-ssm's
+        kernels read)."""
         lengths, padded = [], []
         for sample in samples:
             seqlens = list(sample.seqlens) or [0]
             lengths += seqlens
-            padded += seqlens[:-1] + [seqlens[-1] + row - sum(seqlens)]
+            places = [self._padded(n) for n in seqlens[:-1]]
+            padded += places + [row - sum(places)]
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
         cu_p = torch.zeros(len(padded) + 1, dtype=torch.int32)

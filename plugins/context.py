@@ -170,6 +170,9 @@ class DataContext:
     num_workers: int = 0
     pack_sequences: bool = False  # the run's --pack-sequences: pass it to a task encoder whose model takes THD
     packing_buffer_size: int = 64  # samples read ahead per lane to choose packs from (energon_loader applies it)
+    # packed segments' padded lengths a multiple of this: the LLM's context-parallel split (2 x CP, x TP under
+    # sequence parallelism; 1 without CP); pass it to a packing task encoder (`segment_multiple`)
+    segment_multiple: int = 1
     # which split of the dataset: "train", or "val"/"test" for held-out evaluation (energon_loader applies it;
     # synthetic data tells evaluation apart by its `seed`, which the loop sets to a fixed one of its own)
     split: str = "train"

@@ -4,8 +4,11 @@ megatron-core's MimoModel merges the encoders' embeddings into the text sequence
 over the LLM's CP ranks with load balancing: the sequence is cut into 2 x CP chunks and CP rank r keeps chunks r and
 2 x CP - 1 - r (`get_batch_on_this_cp_rank`), so every rank gets as much of the causal attention's work. Hence a
 row must be a multiple of 2 x CP tokens (2 x CP x TP under sequence parallelism, which then scatters each CP rank's
-part over TP). Packed rows (THD) are split per segment by transformer-engine, each segment padded to a multiple of
-2 x CP, which mimo's packing does not do yet.
+part over TP). Packed rows (THD) are split per segment by transformer-engine (`thd_get_partitioned_indices` on
+`cu_seqlens_q_padded`, which its attention and megatron-core's MambaContextParallel read too): mimo's packing pads
+each packed sample to a multiple of the same `shard_multiple` (`DataContext.segment_multiple`, data/task_encoder.py).
+That split exists on transformer-engine only: a provider refuses CP with packed data on another backend (its
+language model's build, `provider_refusal`, where `BuildContext.llm_input_packed` tells it the data is packed).
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ from mimo.plugins import ModuleParallelism
 
 
 def shard_multiple(llm: ModuleParallelism, sequence_parallel: bool) -> int:
-    """The multiple of tokens a row of the LLM's input must be for its CP (and SP) split; 1 without CP."""
+    """The multiple of tokens a row of the LLM's input (a packed segment's padded length, with packing) must
+    be for its CP (and SP) split; 1 without CP."""
     if llm.cp == 1:
         return 1
     return 2 * llm.cp * (llm.tp if sequence_parallel and llm.tp > 1 else 1)
 
 
-def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: bool, pack_sequences: bool,
+def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: bool,
           cuda_graphs: bool = False) -> None:
     """UsageError, one line naming the option to change, when the run cannot split its LLM sequence over CP."""
     if llm.cp == 1:
@@ -31,10 +35,6 @@ def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: 
         # the run with graphs did not exit after its last iteration
         raise UsageError(f"--llm-cp {llm.cp} with --cuda-graphs is not supported yet (a CP run with graphs did not "
                          f"end after its last iteration, and was no faster); leave --cuda-graphs off")
-    if pack_sequences:
-        raise UsageError(f"--llm-cp {llm.cp} with --pack-sequences is not supported yet: transformer-engine splits "
-                         f"packed rows per segment, each padded to a multiple of 2 x CP = {2 * llm.cp}, which mimo's "
-                         f"packing does not pad to; run without --pack-sequences")
     multiple = shard_multiple(llm, sequence_parallel)
     if seq_length is not None and seq_length % multiple:
         what = f"2 x CP x TP = 2 x {llm.cp} x {llm.tp}" if multiple != 2 * llm.cp else f"2 x CP = 2 x {llm.cp}"

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE, BuildContext, DataContext
 
-from ..parallel import topology
+from ..parallel import context_parallel, topology
 from ..parallel.model import build_model
 from . import compilation, launch
 from .cuda_graphs import train_on_capture_stream
@@ -56,7 +56,9 @@ class World:
                            num_lanes=plan.num_lanes, seed=t.seed, first_position=first, num_positions=count,
                            start_sample=start_sample, data_path=str(data.data) if data.data else None,
                            num_workers=data.num_workers, pack_sequences=data.pack_sequences,
-                           packing_buffer_size=data.packing_buffer_size)
+                           packing_buffer_size=data.packing_buffer_size,
+                           segment_multiple=context_parallel.shard_multiple(plan.parallelism[LANGUAGE],
+                                                                            plan.config.performance.sequence_parallel))
 
     @property
     def logging_rank(self) -> bool:

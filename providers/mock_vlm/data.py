@@ -97,5 +97,5 @@ def energon_batches(settings, ctx):
         fmt.tokenizer, template=fmt.template, reader="mock-vlm", seq_length=settings.seq_length,
         modality=fmt.modality, encoder_name=fmt.encoder, image_mode=fmt.image_mode,
         # megatron-core's unfused DotProductAttention (attention=local) takes no packed sequences
-        pack_sequences=ctx.pack_sequences and settings.attention == "sdpa")
+        pack_sequences=ctx.pack_sequences and settings.attention == "sdpa", segment_multiple=ctx.segment_multiple)
     return ctx.energon_loader(encoder, shuffle_buffer_size=settings.shuffle_buffer or None)

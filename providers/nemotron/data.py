@@ -166,5 +166,6 @@ def energon_batches(s: NemotronVLMSettings, ctx):
     fmt = prompt_format(s)
     encoder = ConversationTaskEncoder(fmt.tokenizer, template=fmt.template, reader="the Nemotron VLM",
                                       seq_length=s.seq_length, image_mode=fmt.image_mode, modality=fmt.modality,
-                                      encoder_name=fmt.encoder, pack_sequences=ctx.pack_sequences)
+                                      encoder_name=fmt.encoder, pack_sequences=ctx.pack_sequences,
+                                      segment_multiple=ctx.segment_multiple)
     return ctx.energon_loader(encoder, shuffle_buffer_size=s.shuffle_buffer or None)

@@ -224,7 +224,8 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
 
 def _check_context_parallel(s: NemotronVLMSettings, llm, backend: str) -> None:
     """--llm-cp: the Mamba layers split over CP by megatron-core's MambaContextParallel (heads and groups over
-    TP x CP, all-to-all with the sequence), which runs on mamba-ssm's kernels: backend te only."""
+    TP x CP, all-to-all with the sequence), which runs on mamba-ssm's kernels: backend te only (as is
+    transformer-engine's split of packed --data rows, which the te backend then also has)."""
     if llm.cp == 1:
         return
     if backend != "te":
