@@ -14,6 +14,7 @@
 #      4. as 3 with packed --data (`mimo data sample`, written here): transformer-engine splits each packed sample
 #         over CP, padded to a multiple of 2 x CP; 8 samples of about 75 tokens a pack fill one 1024-token row with
 #         and without that padding, so both runs train on the same packs.
+# packed: the fourth pair of run alone.
 # slice: the full-width Nemotron slice at seq_length 32768 with two 4096-patch images a sample, CP 2 on both GPUs
 #        (ms/iteration, peak memory), then the same with CP 1 (DP 2), which may not fit: the memory check then
 #        refuses it in one line (docs/benchmarks/context_parallel_gpu.json's runs: 8 iterations, 2 H200s).
@@ -61,11 +62,21 @@ for name in sys.argv[2:]:
 EOF
 }
 
+# packed_pair: run's fourth pair (nemotron-moe-vlm-tiny, te, bf16) on packed --data
+packed_pair() {
+  local data=/tmp/mimo-gpu/packed_data  # no network on the GPU machine: a synthetic captioning dataset written here
+  rm -rf "$data"
+  mimo data sample "$data" --num-samples 64 > "$out/packed_data.log" 2>&1
+  echo "packed data exit $?"; tail -1 "$out/packed_data.log" | cut -c1-250
+  pair nemotron_tiny_te_bf16_packed --provider nemotron-moe-vlm-tiny --set backend=te --precision bf16 \
+    --micro-batch-size 1 --num-microbatches 4 --set seq_length=1024 --data "$data" --packing-buffer-size 8
+}
+
 case "${1:-}" in
   prepare) prepare; exit ;;
   install) install_te; exit ;;
-  run|slice) ;;
-  *) echo "usage: context_parallel.sh prepare | install | run | slice"; exit 2 ;;
+  run|slice|packed) ;;
+  *) echo "usage: context_parallel.sh prepare | install | run | slice | packed"; exit 2 ;;
 esac
 use_wheels te
 mkdir -p "$out"
@@ -80,13 +91,12 @@ if [ "$1" = run ]; then
   limit=240  # the first te iteration compiles mamba-ssm's Triton kernels
   pair nemotron_tiny_te_bf16 --provider nemotron-moe-vlm-tiny --set backend=te --precision bf16 \
     --micro-batch-size 1 --num-microbatches 4 --set seq_length=1024
-  data=/tmp/mimo-gpu/packed_data  # no network on the GPU machine: a synthetic captioning dataset written here
-  rm -rf "$data"
-  mimo data sample "$data" --num-samples 64 > "$out/packed_data.log" 2>&1
-  echo "packed data exit $?"; tail -1 "$out/packed_data.log" | cut -c1-250
-  pair nemotron_tiny_te_bf16_packed --provider nemotron-moe-vlm-tiny --set backend=te --precision bf16 \
-    --micro-batch-size 1 --num-microbatches 4 --set seq_length=1024 --data "$data" --packing-buffer-size 8
+  packed_pair
   compare mock_local_fp32 mock_te_bf16 nemotron_tiny_te_bf16 nemotron_tiny_te_bf16_packed
+elif [ "$1" = packed ]; then
+  limit=240
+  packed_pair
+  compare nemotron_tiny_te_bf16_packed
 else
   limit=280
   # two 4096-patch images a sample: every image of one size, so the peaks can be held to the plan's estimate
