@@ -346,5 +346,8 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             "max_seqlen_q": torch.tensor(max(padded), dtype=torch.int32),
             "max_seqlen_kv": torch.tensor(max(padded), dtype=torch.int32),
             "total_tokens": len(samples) * row,
+            # split over CP, transformer-engine's attention must take each rank's share of a segment from both
+            # boundaries; without this it divides the real lengths by CP, which padded segments do not allow
+            **({"pad_between_seqs": True} if self.segment_multiple > 1 else {}),
         }
 
