@@ -5,9 +5,8 @@ core/step_time/advisor.py keeps where the provider's FLOPs cannot time them.
 Every split is tried: colocated and each number of encoder ranks, the encoders' TP, the LLM's TP (with sequence
 parallelism for an MoE LLM), PP and EP, and the LLM's CP, colocated or on its own ranks (where
 core/parallel/context_parallel.py accepts it: the sequence a multiple of 2 x CP (x TP under SP), no
---cuda-graphs; and where the provider builds its language model so split, e.g. packed --data on backend te only).
-Each layout takes the first of these option sets that fits: as given, then with the distributed optimizer, then
-recomputing the LLM selectively, then fully.
+--pack-sequences, no --cuda-graphs). Each layout takes the first of these option sets that fits: as given, then
+with the distributed optimizer, then recomputing the LLM selectively, then fully.
 """
 
 from __future__ import annotations
@@ -107,12 +106,14 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
     is_moe = bool(plan.shapes[topology.LANGUAGE].num_experts)
     found = []
     seq_length = getattr(plan.settings, "seq_length", None)
+    packed = config.data.data is not None and config.data.pack_sequences  # as core/run/plan.py checks it
     accepted: dict = {}  # (LLM TP, CP) -> whether the provider builds its language model so split
-    for layout in candidates(world, plan.shapes, not config.performance.cuda_graphs):
+    for layout in candidates(world, plan.shapes, not (packed or config.performance.cuda_graphs)):
         sp = config.performance.sequence_parallel or (is_moe and layout.llm_tp > 1)
         try:
             parallelism = topology.plan(layout, world, plan.shapes, t.micro_batch_size, sp)
             context_parallel.check(parallelism[topology.LANGUAGE], seq_length=seq_length, sequence_parallel=sp,
+                                   pack_sequences=packed,
                                    cuda_graphs=config.performance.cuda_graphs)
         except UsageError:
             continue

@@ -7,8 +7,9 @@ row must be a multiple of 2 x CP tokens (2 x CP x TP under sequence parallelism,
 part over TP). Packed rows (THD) are split per segment by transformer-engine (`thd_get_partitioned_indices` on
 `cu_seqlens_q_padded`, which its attention and megatron-core's MambaContextParallel read too): mimo's packing pads
 each packed sample to a multiple of the same `shard_multiple` (`DataContext.segment_multiple`, data/task_encoder.py).
-That split exists on transformer-engine only: a provider refuses CP with packed data on another backend (its
-language model's build, `provider_refusal`, where `BuildContext.llm_input_packed` tells it the data is packed).
+mimo refuses CP with packed data for now: on 2 H200s (nemotron-moe-vlm-tiny, te, bf16; docs/parallelism.md) the
+packed CP 2 run gave non-finite losses on 5 of 10 iterations, with and without transformer-engine's
+`pad_between_seqs`, where CP 1 on the same packs trained.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def shard_multiple(llm: ModuleParallelism, sequence_parallel: bool) -> int:
     return 2 * llm.cp * (llm.tp if sequence_parallel and llm.tp > 1 else 1)
 
 
-def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: bool,
+def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: bool, pack_sequences: bool,
           cuda_graphs: bool = False) -> None:
     """UsageError, one line naming the option to change, when the run cannot split its LLM sequence over CP."""
     if llm.cp == 1:
@@ -35,6 +36,10 @@ def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: 
         # the run with graphs did not exit after its last iteration
         raise UsageError(f"--llm-cp {llm.cp} with --cuda-graphs is not supported yet (a CP run with graphs did not "
                          f"end after its last iteration, and was no faster); leave --cuda-graphs off")
+    if pack_sequences:
+        raise UsageError(f"--llm-cp {llm.cp} with --pack-sequences is not supported yet: on GPUs transformer-engine's "
+                         f"split of packed rows gave non-finite losses (docs/parallelism.md); run without "
+                         f"--pack-sequences")
     multiple = shard_multiple(llm, sequence_parallel)
     if seq_length is not None and seq_length % multiple:
         what = f"2 x CP x TP = 2 x {llm.cp} x {llm.tp}" if multiple != 2 * llm.cp else f"2 x CP = 2 x {llm.cp}"

@@ -78,6 +78,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
                                 config.performance.sequence_parallel)
     context_parallel.check(parallelism[LANGUAGE], seq_length=getattr(settings, "seq_length", None),
                            sequence_parallel=config.performance.sequence_parallel,
+                           pack_sequences=config.data.data is not None and config.data.pack_sequences,
                            cuda_graphs=config.performance.cuda_graphs)
     unknown = sorted(set(config.performance.recompute_modes()) - set(shapes) - {"*"})
     if unknown:

@@ -140,7 +140,6 @@ def language_spec(settings, ctx) -> ModuleSpec:
     if ctx.sequence_parallel and ctx.parallelism[LANGUAGE].tp > 1 and backend != "te":
         raise ValueError("--sequence-parallel needs backend te (megatron-core's torch norms do not split the "
                          "sequence): --set backend=te, or leave sequence parallelism off")
-    _check_packed_context_parallel(settings, ctx, backend)
     te_spec = get_gpt_layer_with_transformer_engine_spec() if backend == "te" else None
     return ModuleSpec(
         module=MockLanguageModel,
@@ -152,16 +151,6 @@ def language_spec(settings, ctx) -> ModuleSpec:
             pg_collection=ctx.pg_collection(LANGUAGE),
         ),
     )
-
-
-def _check_packed_context_parallel(settings, ctx, backend: str) -> None:
-    """--llm-cp with packed --data (mock-vlm packs under attention=sdpa, data.py): MimoModel splits packed rows
-    over CP with transformer-engine's per-sequence split, so backend te only (SDPAttention's CP takes whole rows)."""
-    cp = ctx.parallelism[LANGUAGE].cp
-    if cp > 1 and ctx.llm_input_packed and settings.attention == "sdpa" and backend != "te":
-        raise ValueError(f"--llm-cp {cp} with packed --data needs backend te: transformer-engine splits packed "
-                         f"sequences over CP, which the {backend} backend lacks; --set backend=te (transformer-engine "
-                         f"and a GPU), or --no-pack-sequences")
 
 
 def parameter_counts(settings) -> dict[str, int]:

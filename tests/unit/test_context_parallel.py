@@ -41,10 +41,9 @@ def test_llm_cp_below_one_is_refused_by_the_options():
     (4, {"llm_cp": 2, "llm_tp": 2, "encoder_tp": 2, "settings": ["seq_length=68"],
          "performance": PerformanceOptions(sequence_parallel=True)},
      "must be a multiple of 2 x CP x TP = 2 x 2 x 2 = 8"),
-    # packed rows split per sample by transformer-engine: mock-vlm refuses them on another backend
+    # packed rows: refused until transformer-engine's split of them trains on GPUs (docs/parallelism.md)
     (2, {"llm_cp": 2, "data": DataOptions(data=Path(__file__).parent, pack_sequences=True)},
-     "--llm-cp 2 with packed --data needs backend te: transformer-engine splits packed sequences over CP, which the "
-     "local backend lacks; --set backend=te"),
+     "--llm-cp 2 with --pack-sequences is not supported yet"),
     (2, {"llm_cp": 2, "performance": PerformanceOptions(cuda_graphs=True), "precision": "bf16"},
      "--llm-cp 2 with --cuda-graphs is not supported yet"),
     # the provider's refusal, at plan time: Nemotron's Mamba layers split over CP on mamba-ssm's kernels only
@@ -56,23 +55,19 @@ def test_layouts_that_cannot_split_the_sequence_are_refused_in_one_line(world, k
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_packed_data_under_cp_is_the_backends_question_and_the_data_learns_its_multiple():
-    """A GPU plan made without a GPU skips the provider's build (the workers' build refuses a backend without the
-    split): the plan itself takes packed --data with CP, and the loop tells the data its segments' multiple."""
+def test_the_data_learns_its_segments_multiple_from_the_layout():
+    """The loop tells the data the multiple packed samples' padded lengths must be for the LLM's CP split."""
     from mimo.core.run.world import World
 
-    data = DataOptions(data=Path(__file__).parent, pack_sequences=True)
-    if not torch.cuda.is_available():
-        gpu = prepare(RunConfig(provider="mock-vlm", provider_settings=["seq_length=64"],
-                                launch=LaunchOptions(nproc_per_node=4),
-                                training=TrainingOptions(device="cuda", precision="bf16", micro_batch_size=2),
-                                layout=LayoutOptions(llm_cp=2, llm_tp=2, encoder_tp=2),
-                                performance=PerformanceOptions(sequence_parallel=True), data=data), world_size=4)
-        world = World(gpu, torch.device("cpu"), topology=None, context=None, seed=0)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(torch.distributed, "get_rank", lambda: 3)
-            ctx = world.data_context()
-        assert ctx.pack_sequences and ctx.segment_multiple == 8  # 2 x CP x TP under sequence parallelism
+    gpu = prepare(RunConfig(provider="mock-vlm", provider_settings=["seq_length=64"],
+                            launch=LaunchOptions(nproc_per_node=4),
+                            training=TrainingOptions(device="cuda", precision="bf16", micro_batch_size=2),
+                            layout=LayoutOptions(llm_cp=2, llm_tp=2, encoder_tp=2),
+                            performance=PerformanceOptions(sequence_parallel=True)), world_size=4)
+    world = World(gpu, torch.device("cpu"), topology=None, context=None, seed=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.distributed, "get_rank", lambda: 3)
+        assert world.data_context().segment_multiple == 8  # 2 x CP x TP under sequence parallelism
 
 
 def test_colocated_cp_splits_the_llm_ranks_and_keeps_the_encoders_at_cp_1():
