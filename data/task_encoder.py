@@ -11,7 +11,7 @@ tokens, the B rows are laid end to end as one `[1, B * S]` row (megatron-core's 
 the batch carries `packing_kwargs` for MimoModel (THD cu_seqlens; positions restart per sample). With a
 `segment_multiple` m > 1 (the LLM's context-parallel split: transformer-engine cuts each packed segment into
 2 x CP chunks) each packed sample takes its length rounded up to m in the row, padded after its tokens (no loss,
-its positions continued): `cu_seqlens_q` counts the samples' tokens, `cu_seqlens_q_padded` their places.
+its positions continued), and the THD sequences are those places (`cu_seqlens_q` = `cu_seqlens_q_padded`).
 """
 
 from __future__ import annotations
@@ -329,13 +329,20 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         """THD cu_seqlens over the batch flattened to `[B * row]`: a sample's padded boundaries are its place
         (`_padded`), and each row's padding joins its last sequence (an empty row is one padded sequence of length
         0). `total_tokens` lets megatron-core derive each token's sequence index (`seq_idx`, which mamba-ssm's
-        kernels read)."""
+        kernels read).
+
+        With a segment multiple above 1 (the LLM's CP split) the sequences are their places, padding included:
+        transformer-engine's attention then splits real and padded boundaries alike (its split of a sequence
+        whose real length is not a multiple of 2 x CP differs from the rows' split), and the padding, after its
+        sample's tokens, reaches none of them under causal attention and the causal scan."""
         lengths, padded = [], []
         for sample in samples:
             seqlens = list(sample.seqlens) or [0]
             lengths += seqlens
             places = [self._padded(n) for n in seqlens[:-1]]
             padded += places + [row - sum(places)]
+        if self.segment_multiple > 1:
+            lengths = padded
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
         cu_p = torch.zeros(len(padded) + 1, dtype=torch.int32)
@@ -346,8 +353,5 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             "max_seqlen_q": torch.tensor(max(padded), dtype=torch.int32),
             "max_seqlen_kv": torch.tensor(max(padded), dtype=torch.int32),
             "total_tokens": len(samples) * row,
-            # split over CP, transformer-engine's attention must take each rank's share of a segment from both
-            # boundaries; without this it divides the real lengths by CP, which padded segments do not allow
-            **({"pad_between_seqs": True} if self.segment_multiple > 1 else {}),
         }
 

@@ -9,7 +9,8 @@ part over TP). Packed rows (THD) are split per segment by transformer-engine (`t
 each packed sample to a multiple of the same `shard_multiple` (`DataContext.segment_multiple`, data/task_encoder.py).
 mimo refuses CP with packed data for now: on 2 H200s (nemotron-moe-vlm-tiny, te, bf16; docs/parallelism.md) the
 packed CP 2 run gave non-finite losses on 5 of 10 iterations, with and without transformer-engine's
-`pad_between_seqs`, where CP 1 on the same packs trained.
+`pad_between_seqs`, where CP 1 on the same packs trained; its sequences are since their padded places
+(data/task_encoder.py), not yet run on a GPU.
 """
 
 from __future__ import annotations
