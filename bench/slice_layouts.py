@@ -42,7 +42,8 @@ class Layout:
     settings: dict = field(default_factory=dict)  # over the workload's
     full_size: bool = False  # the whole model (FULL) instead of the slice, without --cuda-graphs
     gpu_options: tuple = ()  # left out by --quick (the CPU refuses them)
-    graphs: bool = True  # --cuda-graphs on the slice (not with adapters: untested there)
+    graphs: bool = True  # --cuda-graphs on the slice
+    provider: str | None = None  # full size: another release than nemotron-moe-vlm-52l
 
 
 # Experts scale with expert parallelism where the layout compares against data parallelism (the same experts per GPU,
@@ -67,6 +68,12 @@ LAYOUTS = {
     # and the whole model with adapters at sequence 4096 (issue 50's record)
     "slice-full-finetune": Layout(1, graphs=False),
     "slice-lora16": Layout(1, ("--lora-rank", "16"), graphs=False),
+    # adapters with the LLM's layers captured as CUDA graphs, and with its GEMMs in FP8 (issue 50's layouts)
+    "slice-lora16-graphs": Layout(1, ("--lora-rank", "16")),
+    "slice-lora16-fp8": Layout(1, ("--lora-rank", "16"), gpu_options=("--fp8", "tensorwise"), graphs=False),
+    # the 54-layer release at full size, as full-ep4
+    "full54-ep4": Layout(4, ("--llm-ep", "4", *FULL_OPTIONS), full_size=True,
+                         gpu_options=("--optimizer-precision", "bf16"), provider="nemotron-moe-vlm-54l"),
     "full-lora16": Layout(1, ("--lora-rank", "16"), {"seq_length": 4096}, full_size=True),
 }
 
@@ -113,7 +120,7 @@ def main() -> None:
         layout = LAYOUTS[name]
         base = FULL if layout.full_size and not args.quick else workload
         settings = {**base, **layout.settings, **({} if layout.full_size else extra_settings)}
-        common = ["--provider", provider, *settings_args(settings), "--device", device, "--precision", precision,
+        common = ["--provider", layout.provider or provider, *settings_args(settings), "--device", device, "--precision", precision,
                   "--nproc-per-node", str(layout.gpus), "--micro-batch-size", str(micro), "--num-microbatches",
                   str(microbatches), *[o for o in layout.options if o != "--log-timers"],
                   *(() if args.quick else layout.gpu_options)]
@@ -125,7 +132,7 @@ def main() -> None:
                        args.out, name, timeout=args.timeout)
         kept = [r for r in run.records if r.get("split") == "train" and r["iteration"] > args.warmup]
         row = {"layout": name, "grids": layout_line(run.output), "status": run.status, "command": run.printed(),
-               "provider": provider, "settings": settings, "gpus": layout.gpus,
+               "provider": layout.provider or provider, "settings": settings, "gpus": layout.gpus,
                "first_iteration_s": run.to_first_iteration_s}
         for key, short in (("elapsed_ms", "ms_per_iter"), ("tflops_per_gpu", "tflops"),
                            ("tokens_per_sec_per_gpu", "tokens_per_s_per_gpu")):

@@ -30,6 +30,9 @@ install_te() {
 
 # use_wheels [te]: device call 2, mimo's wheels into /tmp/site; with "te", the stack of call 1 must be there
 use_wheels() {
+  if [ -n "${MIMO_WHEELS_READY:-}" ]; then  # a script of this call installed them (others import from there now)
+    export PYTHONPATH=/tmp/site:/tmp/te-site; return
+  fi
   if [ "${1:-}" = te ]; then
     test -f /tmp/te-site/ok || { echo "transformer-engine stack missing: the machine is new; repeat call 1"; exit 3; }
   fi

@@ -21,6 +21,10 @@
 # run-f: three jobs at once: GPU 0 the LoRA check and the whole model with adapters at sequence 4096 (one GPU);
 #        GPUs 1-3 the heterogeneous CP check (nemotron-moe-vlm-tiny, te, bf16: RADIO on one rank + the LLM CP 2,
 #        against CP 1), then on GPUs 1-2 the slice's DP2 and EP2, and CP2 at 32768 beside DP2 at 8192 (two images).
+# run-g: what the issues still ask of GPUs, three jobs at once: GPUs 0-1 packed CP (context_parallel.sh packed);
+#        GPU 2 the slice with adapters under --cuda-graphs, then under --fp8 tensorwise; GPU 3 idle. Then on all four
+#        `nemotron-moe-vlm-54l` at full size (EP4, full recompute, --optimizer-precision bf16) and the 52-layer model
+#        again (its start-up with the weights drawn on the GPUs).
 # Results: $OUT/four_gpus.tgz: <part>/slice_layouts.json (rows), logs and metrics; the table is each part's last
 # output.
 set -uo pipefail
@@ -76,12 +80,20 @@ hetero_cp() {  # OUT_DIR: RADIO on GPU 1 and the LLM on GPU 2 (CP 1) against the
 case "${1:-}" in
   prepare) prepare ;;
   install) install_te ;;
-  run-a|run-b|run-c|run-d|run-e|run-f|run-full)
+  run-a|run-b|run-c|run-d|run-e|run-f|run-g|run-full)
     use_wheels te
     export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache  # the first layout compiles, the others reuse it
     mkdir -p "$WORK"; versions "$WORK/versions.txt"
     if [ "$1" = run-e ]; then  # a fresh machine: EP4's first iteration is the record
       MIMO_SLOW_START_S=0 layouts slice_e 12 150 colocated-ep4 colocated-dp4 colocated-ep4-overlap split-1+3
+    elif [ "$1" = run-g ]; then
+      ( CUDA_VISIBLE_DEVICES=0,1 OUT="$WORK/packed_cp" MIMO_WHEELS_READY=1 bash scripts/gpu/context_parallel.sh packed ) \
+        > "$WORK/packed_cp.txt" 2>&1 &
+      packed=$!
+      ( export CUDA_VISIBLE_DEVICES=2; layouts lora_modes 10 150 slice-lora16-graphs slice-lora16-fp8 ) \
+        > "$WORK/lora_modes.txt" 2>&1
+      wait $packed; tail -14 "$WORK/packed_cp.txt"; tail -8 "$WORK/lora_modes.txt"; pack
+      MIMO_SLOW_START_S=0 layouts full 8 ${FULL_TIMEOUT:-200} full54-ep4 full-ep4
     elif [ "$1" = run-f ]; then
       ( export CUDA_VISIBLE_DEVICES=0
         NVIDIA_TF32_OVERRIDE=0 timeout 120 python3 scripts/gpu/check_grouped_lora.py > "$WORK/grouped_lora.txt" 2>&1
@@ -116,5 +128,5 @@ case "${1:-}" in
       layouts slice_b 14 150 colocated-dp4 split-1+3
     fi
     ;;
-  *) echo "usage: four_gpus.sh prepare | install | run-a | run-b | run-c | run-d | run-e | run-f | run-full"; exit 2 ;;
+  *) echo "usage: four_gpus.sh prepare | install | run-a | run-b | run-c | run-d | run-e | run-f | run-g | run-full"; exit 2 ;;
 esac
