@@ -34,7 +34,8 @@ PAIRS = (("slice-dp2-4096", "slice-split-4096"), ("slice-dp2-4096", "slice-ep2-4
          ("slice-ep4", "slice-split-ep3"), ("mid-dp4", "mid-ep4"), ("probe-colocated", "probe-split"),
          ("heavy-colocated", "heavy-split"), ("slice-dp2-2img", "slice-split-2img"),
          ("slice-dp2-2img", "slice-ep2-2img"), ("slice-dp2-1img", "slice-split-1img"),
-         ("slice-dp4", "slice-ep4-64x4"), ("slice-dp4-2img", "slice-split-2+2-ep2-2img"))
+         ("slice-dp4", "slice-ep4-64x4"), ("slice-dp4-2img", "slice-split-2+2-ep2-2img"),
+         ("slice-dp4-e", "slice-split-1+3"))
 
 
 @dataclasses.dataclass

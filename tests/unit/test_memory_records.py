@@ -44,6 +44,16 @@ def test_llm_ranks_of_the_split_within_5_percent_of_their_recorded_peak():
     assert estimates(record, "mean")["LLM ranks"] == estimates(record)["LLM ranks"]
 
 
+def test_llm_ranks_with_weights_drawn_on_the_gpus_planned_high_by_under_7_percent():
+    """RADIO on rank 0 and the LLM DP3 on 4 H200s, weights drawn on the GPUs (call E): the LLM ranks peaked at
+    33.4 GiB, the plan says 35.7 (6.8% high). Runs with CPU-drawn weights peaked about 1.2 GiB higher on the same
+    work (slice-split-2img's LLM rank 34.7; slice-dp2-2img 56.2 against 55.0), and the estimate was fitted to
+    them: it errs on the safe side by that much since."""
+    record = RECORDS["slice-split-1+3"]
+    measured = record["peak_memory_gib"]["LLM ranks"]
+    assert measured < estimates(record)["LLM ranks"] < 1.07 * measured
+
+
 def test_the_slice_on_one_gpu_within_5_percent_of_its_recorded_peak():
     """slice_h100.json's runs of the in-place loss (the code of the several-GPU runs): 49.4 GiB."""
     rows = json.loads((REPO / "docs/benchmarks/slice_h100.json").read_text())["rows"]
