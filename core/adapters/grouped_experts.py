@@ -9,17 +9,20 @@ probabilities), over the same token offsets as the base GEMM:
   plain matmuls.
 * per-expert: each expert's A and B stacked ([E_local, r, in], [E_local, out, r]), applied by two grouped GEMMs on
   the base GEMM's offsets. The rank is padded with zeros to the 16-byte strides grouped GEMMs need (exact).
+* shared-outer: the shared half as a plain matmul over all the tokens, the experts' own halves stacked through one
+  grouped GEMM (fc1: x A^T, then B_e; fc2: A_e, then B).
 
 Where the adapters live, so that parameter names, reduction groups and checkpoint keys are the SequentialMLP
 layout's (an adapter checkpoint does not depend on which experts class trained it):
 
-* GroupedMMSequentialMLP: on its per-expert linears exactly as experts.py puts them (per-expert: each linear's
-  `lora`; shared: the experts' `lora_linear_fc1/2`), stacked per call; its per-expert fallback forward then adds
-  them too.
+* GroupedMMSequentialMLP: on its per-expert linears exactly as experts.py puts them (per-expert and shared-outer:
+  each linear's `lora`; shared: the experts' `lora_linear_fc1/2`), stacked per call; its per-expert fallback
+  forward then adds them too.
 * GroupedMMExperts has no per-expert linears: shared adapters are its `lora_linear_fc1/2` as above; per-expert ones
-  a ModuleList `lora_linear_fc1/2` of one LoRA per local expert, saved under the keys SequentialMLP's expert
-  linears give theirs (`...experts.linear_fc1.lora.a` with the global expert axis). Their state-dict names differ
-  from SequentialMLP's as the base weights' do (weight0..N against local_experts.N).
+  (shared-outer's too) a ModuleList `lora_linear_fc1/2` of one LoRA per local expert, saved under the keys
+  SequentialMLP's expert linears give theirs (`...experts.linear_fc1.lora.a` with the global expert axis). Their
+  state-dict names differ from SequentialMLP's as the base weights' do (weight0..N against local_experts.N).
+  shared-outer's shared halves are the experts' `lora_outer_linear_fc1/2` with either class.
 
 Per-expert parameters are expert parameters (reduced over expert-data-parallel), shared ones dense. Stacking the
 per-expert matrices copies E r (in + out) values a call (packed back to back where they can be: no copy).
@@ -86,11 +89,13 @@ def hold_per_expert(experts: torch.nn.Module, make_lora, name: str) -> int:
 def pack(loras: list[LoRA]) -> None:
     """The experts' A and B each back to back in one tensor: the grouped GEMMs take them with no copy."""
     for matrix in ("a", "b"):
-        pack_contiguously([getattr(lora, matrix) for lora in loras])
+        if not any(lora.borrowed() == matrix for lora in loras):  # a shared-outer half is one tensor already
+            pack_contiguously([getattr(lora, matrix) for lora in loras])
 
 
 def adapters_of(experts: torch.nn.Module, fc: str):
-    """The adapter(s) of `fc`: a LoRA (shared), a list with one per local expert, or None (none, or merged)."""
+    """The adapter(s) of `fc`: a LoRA (shared), a list with one per local expert (per-expert, or shared-outer's, each
+    borrowing the shared half), or None (none, or merged)."""
     held = experts._modules.get(f"lora_{fc}")
     if isinstance(held, LoRA):
         return held
@@ -108,6 +113,8 @@ def term(adapters):
         return None
     if isinstance(adapters, LoRA):
         return lambda x, offsets: adapters(x)  # no TP group: dropout, x A^T B^T scale over every token
+    if adapters[0].borrowed():
+        return lambda x, offsets: shared_outer(adapters, x, offsets)
     return lambda x, offsets: per_expert(adapters, x, offsets)
 
 
@@ -123,6 +130,26 @@ def per_expert(loras: list[LoRA], x: torch.Tensor, offsets: torch.Tensor) -> tor
         a, b = F.pad(a, (0, 0, 0, pad)), F.pad(b, (0, pad))
     h = F.grouped_mm(x.to(a.dtype), a.transpose(1, 2), offs=offsets)
     return F.grouped_mm(h, b.transpose(1, 2), offs=offsets) * first.scale
+
+
+def shared_outer(loras: list[LoRA], x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """shared-outer adapters on rows of `x` sorted by expert: fc1's scale * B_e A (A borrowed, the same for every
+    expert) or fc2's scale * B A_e (B borrowed). The rank-r intermediate is padded to the grouped GEMM's strides."""
+    first = loras[0]
+    if first.dropout is not None:
+        x = first.dropout(x)
+    pad = -first.rank % (_STRIDE_BYTES // first.a.element_size())
+    if first.borrowed() == "a":
+        h = F.linear(x.to(first.a.dtype), first.a)
+        b = stacked([lora.b for lora in loras])
+        if pad:  # zero columns of h, zero columns of B: the same product
+            h, b = F.pad(h, (0, pad)), F.pad(b, (0, pad))
+        return F.grouped_mm(h, b.transpose(1, 2), offs=offsets) * first.scale
+    a = stacked([lora.a for lora in loras])
+    if pad:
+        a = F.pad(a, (0, 0, 0, pad))
+    h = F.grouped_mm(x.to(a.dtype), a.transpose(1, 2), offs=offsets)
+    return F.linear(h[:, :first.rank], first.b) * first.scale
 
 
 class GroupedAdapters:

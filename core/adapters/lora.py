@@ -105,6 +105,17 @@ class LoRA(torch.nn.Module):
             out = mappings.gather_from_tensor_model_parallel_region(out, group=group)
         return out
 
+    def borrow(self, matrix: str, param: torch.nn.Parameter) -> None:
+        """Use `param`, another module's parameter, as matrix `matrix` ("a" or "b") without owning it: it leaves
+        this module's parameters, state dict and checkpoint (shared-outer experts, experts.py: one half shared by a
+        layer's experts, held by the experts module)."""
+        del self._parameters[matrix]
+        self.__dict__[matrix] = param
+
+    def borrowed(self) -> str | None:
+        """The matrix this adapter uses without owning it, if any."""
+        return next((m for m in ("a", "b") if m not in self._parameters and m in self.__dict__), None)
+
     @torch.no_grad()
     def delta_weight(self) -> torch.Tensor:
         """scale * B A in fp32: what merging adds to this rank's shard of the base weight."""
@@ -120,7 +131,7 @@ class LoRA(torch.nn.Module):
         dp_rank = group.rank() if group is not None else 0
         split = "b" if s.mode == COLUMN else "a"
         state = {}
-        for name, tensor in (("a", self.a), ("b", self.b)):
+        for name, tensor in self._parameters.items():  # a borrowed matrix is saved by its owner
             if name == split:
                 axis = (len(sharded_offsets) + (0 if s.mode == COLUMN else 1), s.tp_rank, s.tp_size)
                 offsets, replica = (*sharded_offsets, axis), (0, 0, dp_rank)
@@ -128,7 +139,7 @@ class LoRA(torch.nn.Module):
                 offsets, replica = tuple(sharded_offsets), (0, s.tp_rank, dp_rank)
             state[f"{prefix}{name}"] = ShardedTensor.from_rank_offsets(
                 f"{prefix}{name}", tensor, *offsets, replica_id=replica, prepend_axis_num=len(sharded_offsets))
-        if self.row_parts is not None and sum(self.row_parts) == self.b.shape[0]:
+        if self.row_parts is not None and f"{prefix}b" in state and sum(self.row_parts) == self.b.shape[0]:
             from megatron.core.ssm.utils import _split_tensor_factory
 
             state[f"{prefix}b"] = _split_tensor_factory(state[f"{prefix}b"], list(self.row_parts),

@@ -14,9 +14,10 @@ Routed experts that transformers loads as 3-D parameters (the export's loaded mo
 expert's row) go into PEFT's `target_parameters` (peft_experts.py): per-expert adapters exactly, shared ones
 repeated for every expert.
 
-Refused, one line each: a checkpoint of a whole model; a provider whose export names no loaded modules; an adapter
-whose weight lands in no module PEFT adapts, or on a module another adapter lands on; a 3-D parameter adapted for
-some of its experts only.
+Refused, one line each: a checkpoint of a whole model; a provider whose export names no loaded modules; routed
+experts' adapters of the shared-outer layout (one A or B shared by a layer's experts, the other half per expert:
+PEFT's expert layout has one A and one B per expert); an adapter whose weight lands in no module PEFT adapts, or on
+a module another adapter lands on; a 3-D parameter adapted for some of its experts only.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 # the one a MoE layer's routed experts share (`...mlp.experts.lora_linear_fc1.a`, core/adapters/experts.py)
 _OWN = re.compile(r"^(?P<layer>.+)\.lora\.(?P<matrix>[ab])(?:\.part(?P<part>\d+))?$")
 _SHARED = re.compile(r"^(?P<layer>.+)\.lora_(?P<linear>[A-Za-z0-9_]+)\.(?P<matrix>[ab])(?:\.part(?P<part>\d+))?$")
+_OUTER = ".lora_outer_"  # a shared-outer layout's shared half (`...mlp.experts.lora_outer_linear_fc1.a`)
 
 
 @dataclass
@@ -73,6 +75,7 @@ def export_peft(checkpoint: Path, out: Path, assignments: list[str] = (),
     saved = saved_tensors(directory)
     tmap = export.tensors
     roots = tuple(f"{key.split('.')[0]}." for key in tmap.tensors)  # the model's keys, not the optimizer's
+    refuse_shared_outer(saved, merge)
     adapters = find_adapters([key for key in saved if key.startswith(roots)], tmap)
     if not adapters:
         raise UsageError(f"--adapter-only: {directory} holds no adapter tensors")
@@ -122,6 +125,16 @@ def export_peft(checkpoint: Path, out: Path, assignments: list[str] = (),
     notes.append(f"{len(adapters)} adapters on {len(modules)} Hugging Face modules{experts}: load them with "
                  f"peft.PeftModel.from_pretrained(model, '{out}') on {onto}")
     return run["provider"], notes
+
+
+def refuse_shared_outer(keys, merge: str) -> None:
+    """UsageError where the checkpoint's `keys` hold shared-outer expert adapters, which PEFT cannot represent."""
+    outer = next((key for key in sorted(keys) if _OUTER in key), None)
+    if outer is not None:
+        raise UsageError(f"--adapter-only: the routed experts' adapters are --lora-experts shared-outer ({outer}: one "
+                         f"half shared by a layer's experts), which PEFT's per-expert A and B cannot represent; "
+                         f"export the merged model instead ({merge}) or train with --lora-experts shared or "
+                         f"per-expert")
 
 
 def find_adapters(keys, tmap: TensorMap) -> list[Adapter]:

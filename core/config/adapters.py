@@ -11,7 +11,7 @@ from mimo.errors import UsageError
 
 from .option import Options, option
 
-EXPERT_LAYOUTS = ("shared", "per-expert")
+EXPERT_LAYOUTS = ("shared", "per-expert", "shared-outer")
 # Target names that are no layer name: the routed experts' linears, the shared experts' linears, every linear.
 EXPERTS, SHARED_EXPERTS, ALL = "experts", "shared_experts", "all"
 # A target module that is no model module: every modality's input projection.
@@ -32,8 +32,10 @@ class AdapterOptions(Options):
               "modality (its encoders) or projection (the input projections), NAME a layer name (linear_qkv, "
               "linear_proj, linear_fc1, linear_fc2, in_proj, out_proj, ...), experts (the routed experts), "
               "shared_experts or all (default: the provider's lora_targets)")
-    lora_experts: Literal["shared", "per-expert"] = option(
-        "shared", "routed experts: one adapter per layer shared by all its experts (small), or one per expert")
+    lora_experts: Literal["shared", "per-expert", "shared-outer"] = option(
+        "shared", "routed experts: one adapter per layer shared by all its experts (small), one per expert, or "
+                  "shared-outer: fc1's A and fc2's B shared by the layer's experts, the other halves per expert (not "
+                  "exportable with --adapter-only: merge first)")
 
     @property
     def enabled(self) -> bool:

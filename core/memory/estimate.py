@@ -82,7 +82,7 @@ class Options:
     frozen: frozenset = frozenset()  # modules with nothing to train (no gradients, no optimizer state)
     encoder_tokens: str | float = "max"  # --image-patches: max, mean or tokens per sample for the encoders
     step_encoders: bool = False  # --encoder-pass step: the encoders hold every micro-batch's activations at once
-    # --lora-rank: every base weight frozen; (rank, per expert, ((module, hidden, experts, body, projection), ...))
+    # --lora-rank: every base weight frozen; (rank, --lora-experts, ((module, hidden, experts, body, projection), ...))
     adapters: tuple = ()
     optimizer_precision: str = "fp32"  # --optimizer-precision: fp32, bf16-moments or bf16
     # encoder modules whose encoders train nothing (frozen, no adapters) and so keep no activations for a backward:
@@ -97,7 +97,7 @@ def options_of(plan) -> Options:
     adapters = ()
     if plan.adapter_targets:  # LoRA: the whole base frozen, the adapters train
         frozen, targets, a = ("",), plan.adapter_targets, config.adapters
-        adapters = (a.lora_rank, a.lora_experts == "per-expert", tuple(
+        adapters = (a.lora_rank, a.lora_experts, tuple(
             (name, shape.hidden_size, shape.num_experts, name in targets, "projection" in targets and name != LANGUAGE)
             for name, shape in plan.shapes.items()))
     still = tuple((name, _still(name, "input_projections", frozen, adapters, projection=True))
@@ -237,10 +237,10 @@ def _adapters(name: str, memory: ModuleMemory, adapters: tuple) -> float:
         return 0.0
     from ..adapters.size import adapter_bound
 
-    rank, per_expert, modules = adapters
+    rank, layout, modules = adapters
     for module, hidden, experts, body, projection in modules:
         if module == name:
-            return adapter_bound(memory, hidden, experts, rank, per_expert, body, projection)
+            return adapter_bound(memory, hidden, experts, rank, layout, body, projection)
     return 0.0
 
 

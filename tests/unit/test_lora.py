@@ -112,6 +112,8 @@ def test_only_adapters_train_and_the_base_stays_bit_identical(world):
     # mimo's grouped-GEMM SequentialMLP: the adapters' terms in its grouped forward (test_lora_grouped_experts.py)
     ("nemotron-moe-vlm-tiny", ["expert_gemm=grouped_mm"], "per-expert"),
     ("nemotron-moe-vlm-tiny", ["expert_gemm=grouped_mm"], "shared"),
+    ("nemotron-moe-vlm-tiny", [], "shared-outer"),
+    ("nemotron-moe-vlm-tiny", ["expert_gemm=grouped_mm"], "shared-outer"),
 ])
 def test_merged_logits_equal_base_plus_adapters(world, provider, settings, layout):
     targets = "language:all;images:all;projection:all"
@@ -136,7 +138,8 @@ def test_merged_logits_equal_base_plus_adapters(world, provider, settings, layou
     assert (merged - base_and_adapters).abs().mean().item() <= 1e-7 * scale
 
 
-def test_the_memory_plan_counts_frozen_weights_without_gradients_or_optimizer_state(world):
+@pytest.mark.parametrize("layout", ["shared", "shared-outer"])
+def test_the_memory_plan_counts_frozen_weights_without_gradients_or_optimizer_state(world, layout):
     from mimo.core.memory import fit
 
     def terms(**adapters):
@@ -144,10 +147,10 @@ def test_the_memory_plan_counts_frozen_weights_without_gradients_or_optimizer_st
                                  adapters=AdapterOptions(**adapters)), world_size=1)
         return {m.module: m for rank in fit.estimate_plan(plan) for m in rank.modules}
 
-    _, model, _ = _build("nemotron-moe-vlm-tiny")
+    _, model, _ = _build("nemotron-moe-vlm-tiny", lora_experts=layout)
     built = {name: sum(p.numel() for n, p in adapter_parameters(model) if n.startswith(prefix))
              for name, prefix in (("language", "language_model."), ("images", "modality_submodules.images."))}
-    full, lora = terms(), terms(lora_rank=4)
+    full, lora = terms(), terms(lora_rank=4, lora_experts=layout)
     for name, module in lora.items():
         adapters = module.parameter_count - full[name].parameter_count
         assert built[name] <= adapters <= 3 * built[name], name  # an upper bound of the right size

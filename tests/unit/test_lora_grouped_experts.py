@@ -1,6 +1,6 @@
 """Adapters on grouped-GEMM experts (core/adapters/grouped_experts.py), one process, fp32: the tiny Nemotron with
 mimo's grouped-GEMM experts (`expert_gemm=grouped_mm`) and the same adapters gives megatron-core SequentialMLP's
-outputs and adapter gradients, in both expert layouts and with the per-expert adapters held by the experts module
+outputs and adapter gradients, in every expert layout and with the per-expert adapters held by the experts module
 as transformer-engine's grouped experts hold them; a few steps train alike; checkpoint keys are SequentialMLP's;
 merging folds held adapters into the expert weights; what grouped experts cannot adapt is one line."""
 
@@ -92,8 +92,9 @@ def _adapted(expert_gemm, layout, monkeypatch, hold=False):
     return model, output.detach(), grads, calls
 
 
-@pytest.mark.parametrize("layout, hold", [("shared", False), ("per-expert", False), ("per-expert", True)],
-                         ids=["shared", "per-expert", "per-expert-held"])
+@pytest.mark.parametrize("layout, hold", [("shared", False), ("per-expert", False), ("per-expert", True),
+                                          ("shared-outer", False), ("shared-outer", True)],
+                         ids=["shared", "per-expert", "per-expert-held", "shared-outer", "shared-outer-held"])
 def test_grouped_experts_with_adapters_give_sequential_mlps_outputs_and_gradients(world, monkeypatch, layout, hold):
     reference, ref_out, ref_grads, ref_calls = _adapted("megatron", layout, monkeypatch)
     model, out, grads, calls = _adapted("grouped_mm", layout, monkeypatch, hold)
@@ -105,7 +106,8 @@ def test_grouped_experts_with_adapters_give_sequential_mlps_outputs_and_gradient
     assert (out - ref_out).abs().max() <= 1e-5 * ref_out.abs().max()
     assert grads.keys() == ref_grads.keys()
     expert_grads = [n for n in grads if ".experts." in n]
-    assert len(expert_grads) == len(layers) * 2 * 2 * (1 if layout == "shared" else 4)  # fc1, fc2; a, b; experts
+    # fc1, fc2; a, b; experts (shared-outer: each expert's inner half, one outer half)
+    assert len(expert_grads) == len(layers) * 2 * {"shared": 2, "per-expert": 2 * 4, "shared-outer": 4 + 1}[layout]
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
         if ".experts." in name:
@@ -130,7 +132,7 @@ def _train(expert_gemm, layout, steps=4):
     return train_steps(model, optimizer, lambda: _forward(model, batch).mean(), steps)
 
 
-@pytest.mark.parametrize("layout", ["shared", "per-expert"])
+@pytest.mark.parametrize("layout", ["shared", "per-expert", "shared-outer"])
 def test_a_lora_run_on_grouped_experts_learns_as_on_sequential_mlp(world, layout):
     grouped, sequential = _train("grouped_mm", layout), _train("megatron", layout)
     assert grouped[-1] < grouped[0]
@@ -178,3 +180,142 @@ def test_decoding_leaves_adapted_experts_on_their_own_forward(world, expert_gemm
     _, plain, _ = _build(expert_gemm, "shared", "language:linear_qkv")
     assert _experts(adapted) and not OneTokenMoE(adapted).layers
     assert OneTokenMoE(plain).complete and len(OneTokenMoE(plain).layers) == len(_experts(plain))
+
+
+# shared-outer (--lora-experts shared-outer): fc1's A and fc2's B one per layer, the other halves per expert
+
+def _outer_model(expert_gemm, monkeypatch, hold=False):
+    """A shared-outer model (adapters on the routed experts alone) with every B drawn away from zero, and its first
+    MoE layer's experts."""
+    with monkeypatch.context() as patch:
+        if hold:
+            patch.setattr(grouped_experts, "holds_per_expert", lambda experts: True)
+        plan, model, batch = _build(expert_gemm, "shared-outer", "language:experts")
+    with torch.no_grad():
+        for name, param in adapter_parameters(model):
+            if name.endswith(".b"):
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
+    return plan, model, batch, _experts(model)[0]
+
+
+def _reference(experts, x, counts, probs):
+    """The experts with shared-outer adapters written out expert by expert from their tensors (fp32):
+    fc1 W_e x + s B_e (A x), fc2 W_e h + s B (A_e h). Returns the output and leaf copies of the adapter matrices."""
+    fc1, fc2 = grouped_mm_moe.expert_weights(experts)
+    own1, own2 = (grouped_experts.adapters_of(experts, fc) for fc in ("linear_fc1", "linear_fc2"))
+    scale = own1[0].scale
+
+    def leaf(tensor):
+        return tensor.detach().clone().requires_grad_()
+
+    leaves = {"a1": leaf(experts.lora_outer_linear_fc1.a), "b2": leaf(experts.lora_outer_linear_fc2.b),
+              "b1": [leaf(lora.b) for lora in own1], "a2": [leaf(lora.a) for lora in own2]}
+    outputs = []
+    for e, (x_e, p_e) in enumerate(zip(x.split(counts), probs.split(counts))):
+        up = x_e @ fc1[e].detach().T + scale * (x_e @ leaves["a1"].T) @ leaves["b1"][e].T
+        h = experts.config.activation_func(up) * p_e.unsqueeze(-1)
+        outputs.append(h @ fc2[e].detach().T + scale * (h @ leaves["a2"][e].T) @ leaves["b2"].T)
+    return torch.cat(outputs), leaves
+
+
+@pytest.mark.parametrize("expert_gemm, hold", [("megatron", False), ("grouped_mm", False), ("grouped_mm", True)],
+                         ids=["sequential-mlp", "grouped", "grouped-held"])
+def test_shared_outer_experts_compute_the_per_expert_reference(world, monkeypatch, expert_gemm, hold):
+    _, model, _, experts = _outer_model(expert_gemm, monkeypatch, hold)
+    counts = [3, 0, 5, 2]  # an expert without tokens too
+    generator = torch.Generator().manual_seed(5)
+    hidden = experts.config.hidden_size
+    x = torch.randn(sum(counts), hidden, generator=generator, requires_grad=True)
+    probs = torch.rand(sum(counts), generator=generator)
+    upstream = torch.randn(sum(counts), hidden, generator=generator)
+    ref_x = x.detach().clone().requires_grad_()
+    reference, leaves = _reference(experts, ref_x, counts, probs)
+    (reference * upstream).sum().backward()
+
+    calls = []
+    term = grouped_experts.shared_outer
+    monkeypatch.setattr(grouped_experts, "shared_outer", lambda *args: calls.append(1) or term(*args))
+    model.zero_grad_buffer()
+    output, _ = experts(x, torch.tensor(counts), probs)
+    (output * upstream).sum().backward()
+    assert len(calls) == (2 if expert_gemm == "grouped_mm" else 0)  # both linears' terms in the grouped forward
+    torch.testing.assert_close(output, reference, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-6, atol=1e-6)
+    own1, own2 = (grouped_experts.adapters_of(experts, fc) for fc in ("linear_fc1", "linear_fc2"))
+    pairs = [(experts.lora_outer_linear_fc1.a, leaves["a1"]), (experts.lora_outer_linear_fc2.b, leaves["b2"])]
+    pairs += [(lora.b, ref) for lora, ref in zip(own1, leaves["b1"])]
+    pairs += [(lora.a, ref) for lora, ref in zip(own2, leaves["a2"])]
+    for param, ref in pairs:
+        torch.testing.assert_close(param.main_grad, ref.grad, rtol=1e-5, atol=1e-6)
+    assert all(ref.grad.abs().sum() > 0 for i, (_, ref) in enumerate(pairs) if i not in (3, 7))  # expert 1: none
+    assert leaves["b1"][1].grad.abs().sum() == 0 and leaves["a2"][1].grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("expert_gemm", ["megatron", "grouped_mm"])
+def test_a_fresh_shared_outer_adapter_leaves_the_output_unchanged(world, expert_gemm):
+    _, adapted, batch = _build(expert_gemm, "shared-outer", "language:experts")
+    _, plain, _ = _build(expert_gemm, "shared", "language:linear_qkv")  # the same base, its B zero too
+    assert any(n.endswith("lora_outer_linear_fc1.a") for n, _ in adapter_parameters(adapted))
+    with torch.no_grad():
+        assert torch.equal(_forward(adapted, batch), _forward(plain, batch))
+
+
+@pytest.mark.parametrize("expert_gemm, hold", [("megatron", False), ("grouped_mm", False), ("grouped_mm", True)],
+                         ids=["sequential-mlp", "grouped", "grouped-held"])
+def test_merging_a_trained_shared_outer_adapter_gives_the_adapted_output(world, monkeypatch, expert_gemm, hold):
+    with monkeypatch.context() as patch:
+        if hold:
+            patch.setattr(grouped_experts, "holds_per_expert", lambda experts: True)
+        plan, model, batch = _build(expert_gemm, "shared-outer", "language:experts")
+    with torch.no_grad():
+        fresh = _forward(model, batch)
+    optimizer = build_optimizer(plan.config.optimizer, model=model, params_dtype=torch.float32)
+    train_steps(model, optimizer, lambda: _forward(model, batch).mean(), 2)
+    with torch.no_grad():
+        adapted = _forward(model, batch)
+        assert merge_adapters(model) > 0
+        assert not adapter_parameters(model)
+        merged = _forward(model, batch)
+    scale = adapted.abs().max()
+    assert (adapted - fresh).abs().max() > 1e-3 * scale  # training moved the experts' B
+    assert (merged - adapted).abs().max() <= 2e-6 * scale
+
+
+@pytest.mark.parametrize("expert_gemm, hold", [("megatron", False), ("grouped_mm", True)], ids=["linears", "held"])
+def test_shared_outer_halves_are_dense_and_the_experts_own_halves_expert_parameters(world, monkeypatch, expert_gemm,
+                                                                                      hold):
+    _, model, _, _ = _outer_model(expert_gemm, monkeypatch, hold)
+    params = {n: p for n, p in adapter_parameters(model) if ".experts." in n}
+    outer = {n for n in params if ".lora_outer_linear_fc" in n}
+    assert {".".join(n.split(".")[-2:]) for n in outer} == {"lora_outer_linear_fc1.a", "lora_outer_linear_fc2.b"}
+    assert len(outer) == 2 * len(_experts(model)) and len(params) == len(outer) * (1 + 4)
+    # megatron-core DDP: `allreduce` False marks an expert parameter (reduced over expert-data-parallel)
+    assert all(params[n].allreduce for n in outer)
+    assert not any(p.allreduce for n, p in params.items() if n not in outer)
+    assert {n[-1] for n in params if n not in outer and "fc1" in n} == {"b"}  # fc1: B_e own, fc2: A_e own
+    assert {n[-1] for n in params if n not in outer and "fc2" in n} == {"a"}
+    keys = {key: (shape, offset) for key, shape, offset, _ in _adapter_keys(model) if ".experts." in key}
+    layer = next(k for k in keys if k.endswith("lora_outer_linear_fc1.a")).split(".mlp.")[0]
+    # the experts' own halves under per-expert's keys, with the global expert axis; the shared ones one tensor
+    assert {k.split(".mlp.")[1] for k in keys if k.startswith(f"{layer}.")} == {
+        "experts.experts.linear_fc1.lora.b", "experts.experts.linear_fc2.lora.a", "experts.lora_outer_linear_fc1.a",
+        "experts.lora_outer_linear_fc2.b"}
+    assert keys[f"{layer}.mlp.experts.experts.linear_fc1.lora.b"][0][0] == 4
+    assert len(keys[f"{layer}.mlp.experts.lora_outer_linear_fc1.a"][0]) == 2
+
+
+def test_the_peft_export_refuses_shared_outer_adapters_in_one_line(world):
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from mimo.core.checkpoint.peft_export import refuse_shared_outer
+
+    def keys(layout):
+        _, model, _ = _build("megatron", layout, "language:experts")
+        return [t.key for t in nested_values(model.sharded_state_dict()) if hasattr(t, "key")]
+
+    refuse_shared_outer(keys("per-expert"), "MERGE")
+    with pytest.raises(UsageError, match=r"--lora-experts shared-outer .* PEFT's per-expert A and B cannot "
+                                         r"represent; export the merged model instead \(MERGE\) or train with "
+                                         r"--lora-experts shared or per-expert") as err:
+        refuse_shared_outer(keys("shared-outer"), "MERGE")
+    assert "\n" not in str(err.value)
