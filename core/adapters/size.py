@@ -5,10 +5,10 @@ An adapter of rank r on a linear [out, in] holds r (in + out) parameters, at mos
 when both sides are at least the module's hidden size h. The plan therefore counts 2r / h of the module's
 tensor-parallel weights (its linears and embeddings) in its layers (when the module is a target) and in its last
 stage's part (the projection, when `projection` is a target), and of its routed experts' weights: all of them with
-an adapter per expert, one expert's worth when the experts share one. shared-outer is counted exactly: each expert's
-own halves (fc1's B, fc2's A: rank x its ffn sizes) are r / h of its weights, the layer's two shared halves r h each. An
-upper bound, within a small factor of what is built; adapters are a small share of the weights (rank 16 at hidden
-2688: under 1.2% of a linear).
+an adapter per expert, one expert's worth when the experts share one. shared-outer is counted exactly: each
+expert's own halves (fc1's B, fc2's A: rank x its ffn sizes) are r / h of its weights, the layer's two shared halves
+r h each. An upper bound, within a small factor of what is built; adapters are a small share of the weights (rank 16
+at hidden 2688: under 1.2% of a linear).
 """
 
 from __future__ import annotations

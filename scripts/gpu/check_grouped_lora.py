@@ -1,5 +1,5 @@
 """LoRA on transformer-engine's grouped experts run as mimo's grouped GEMMs (`GroupedMMExperts`, the te backend's
-experts) on a GPU, the tiny Nemotron with adapters on its routed experts, both layouts:
+experts) on a GPU, the tiny Nemotron with adapters on its routed experts, every layout:
 
 * each MoE layer's experts with adapters against a per-expert loop in fp32 (weights weight0..N, each expert's
   A and B): outputs and adapter gradients, with the activation kept and recomputed (selective recompute);
@@ -134,7 +134,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     tolerance = 1e-5 if precision == "fp32" else 3e-2
     failed = False
-    for layout in ("shared", "per-expert"):
+    for layout in ("shared", "per-expert", "shared-outer"):
         model, batch = build(arguments.backend, layout, precision)
         layers = moe_experts(model)
         report = {"layout": layout, "precision": precision, "classes": sorted({type(e).__name__ for e in layers}),

@@ -289,9 +289,14 @@ def test_shared_outer_halves_are_dense_and_the_experts_own_halves_expert_paramet
     outer = {n for n in params if ".lora_outer_linear_fc" in n}
     assert {".".join(n.split(".")[-2:]) for n in outer} == {"lora_outer_linear_fc1.a", "lora_outer_linear_fc2.b"}
     assert len(outer) == 2 * len(_experts(model)) and len(params) == len(outer) * (1 + 4)
-    # megatron-core DDP: `allreduce` False marks an expert parameter (reduced over expert-data-parallel)
+    # megatron-core DDP: `allreduce` False marks an expert parameter, which goes into its expert-parallel buffers
+    # (reduced over expert-data-parallel); the rest into the dense ones (the whole data-parallel group)
     assert all(params[n].allreduce for n in outer)
     assert not any(p.allreduce for n, p in params.items() if n not in outer)
+    ddp = next(m for m in model.modules() if getattr(m, "expert_parallel_buffers", None))
+    assert {id(p) for b in ddp.buffers for p in b.params} == {id(params[n]) for n in outer}
+    assert {id(p) for b in ddp.expert_parallel_buffers for p in b.params} == {
+        id(p) for n, p in params.items() if n not in outer}
     assert {n[-1] for n in params if n not in outer and "fc1" in n} == {"b"}  # fc1: B_e own, fc2: A_e own
     assert {n[-1] for n in params if n not in outer and "fc2" in n} == {"a"}
     keys = {key: (shape, offset) for key, shape, offset, _ in _adapter_keys(model) if ".experts." in key}
