@@ -4,11 +4,12 @@ model and does not know which layer holds which linear.
 An adapter of rank r on a linear [out, in] holds r (in + out) parameters, at most 2r / h of the linear's in x out
 when both sides are at least the module's hidden size h. The plan therefore counts 2r / h of the module's
 tensor-parallel weights (its linears and embeddings) in its layers (when the module is a target) and in its last
-stage's part (the projection, when `projection` is a target), and of its routed experts' weights: all of them with
-an adapter per expert, one expert's worth when the experts share one. shared-outer is counted exactly: each
-expert's own halves (fc1's B, fc2's A: rank x its ffn sizes) are r / h of its weights, the layer's two shared halves
-r h each. An upper bound, within a small factor of what is built; adapters are a small share of the weights (rank 16
-at hidden 2688: under 1.2% of a linear).
+stage's part (the projection, when `projection` is a target). Routed experts are counted exactly, whatever their
+FFN size f and gating g (fc1 [g f, h], fc2 [h, f]): an expert of w = (g + 1) f h weights gets r (h + g f) +
+r (f + h) = 2 r h + r w / h adapter parameters, its inner (f) sides r w / h and its outer (h) sides 2 r h; shared:
+one expert's worth for the layer; per-expert: every expert's; shared-outer: every expert's inner sides and one pair
+of outer sides. An upper bound, within a small factor of what is built; adapters are a small share of the weights
+(rank 16 at hidden 2688: under 1.2% of a linear).
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ def adapter_bound(memory, hidden: int, experts: int | None, rank: int, layout: s
 
 
 def _expert_adapters(weights: float, hidden: int, experts: int | None, rank: int, layout: str) -> float:
-    """A layer's routed experts' adapter parameters, from their weights' count."""
+    """A layer's routed experts' adapter parameters, from their weights' count (all experts: whole, unsharded)."""
     if not weights:
         return 0.0
+    count = max(experts or 1, 1)
+    inner, outer = rank * weights / hidden, 2.0 * rank * hidden  # every expert's inner sides; one expert's outer
+    if layout == "per-expert":
+        return inner + outer * count
     if layout == "shared-outer":
-        return rank * weights / hidden + 2.0 * rank * hidden
-    return 2.0 * rank / hidden * weights / (1 if layout == "per-expert" else max(experts or 1, 1))
+        return inner + outer
+    return inner / count + outer  # shared: one expert's adapter for all

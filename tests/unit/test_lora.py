@@ -138,7 +138,7 @@ def test_merged_logits_equal_base_plus_adapters(world, provider, settings, layou
     assert (merged - base_and_adapters).abs().mean().item() <= 1e-7 * scale
 
 
-@pytest.mark.parametrize("layout", ["shared", "shared-outer"])
+@pytest.mark.parametrize("layout", ["shared", "shared-outer", "per-expert"])
 def test_the_memory_plan_counts_frozen_weights_without_gradients_or_optimizer_state(world, layout):
     from mimo.core.memory import fit
 
