@@ -341,12 +341,13 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             lengths += seqlens
             places = [self._padded(n) for n in seqlens[:-1]]
             padded += places + [row - sum(places)]
-        if self.segment_multiple > 1:
-            lengths = padded
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
         cu_p = torch.zeros(len(padded) + 1, dtype=torch.int32)
         cu_p[1:] = torch.tensor(padded, dtype=torch.int64).cumsum(0).to(torch.int32)
+        if self.segment_multiple > 1:
+            cu = cu_p.clone()
+        else:
+            cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+            cu[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0).to(torch.int32)
         return {
             "cu_seqlens_q": cu, "cu_seqlens_kv": cu.clone(), "cu_seqlens_q_padded": cu_p,
             "cu_seqlens_kv_padded": cu_p.clone(),

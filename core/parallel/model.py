@@ -149,7 +149,7 @@ def build_model(performance, *, hooks, settings, provider: str, topology: Topolo
     tp_group, cp_group = (llm_pgs.tp, llm_pgs.cp) if llm_pgs is not None else (None, None)
     with init_threads(context.init_on_cpu and device.type == "cuda"):
         model = model_class(config, tp_group=tp_group, cp_group=cp_group).to(device)
-    if not context.init_on_cpu:  # training's streams as the world seeded them, whatever the draws took
+    if not context.init_on_cpu:  # training's streams as core/run/world.py seeded them, whatever the draws took
         seed_tracker(topology, te_tracker, (LANGUAGE, *topology.pg_collections), seed)
     model.model_type = ModelType.encoder_or_decoder  # megatron-core's schedules read it; MimoModel sets none
     freeze(model, hooks.frozen_parameters(settings=settings), provider, device)

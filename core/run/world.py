@@ -17,7 +17,7 @@ from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE, BuildContext, DataContext
 
 from ..parallel import context_parallel, topology
-from ..parallel.model import build_model
+from ..parallel.model import build_model, seed_tracker
 from . import compilation, launch
 from .cuda_graphs import train_on_capture_stream
 from .plan import Plan
@@ -89,7 +89,7 @@ def join(plan: Plan, *, seed: int | None = None) -> World:
         train_on_capture_stream()
     topo = topology.build(plan.parallelism, backend="nccl" if device.type == "cuda" else "gloo")
     seed = config.training.seed if seed is None else seed
-    seed_pgs = topo.pg_collections.get(LANGUAGE) or next(iter(topo.pg_collections.values()))
-    launch.seed_everything(seed, seed_pgs.tp.rank(), seed_pgs.ep.rank(), seed_pgs.expt_tp.rank(),
-                           te_rng_tracker=perf.cuda_graphs)  # graph capture needs transformer-engine's tracker
+    torch.manual_seed(seed)
+    # the LLM's ranks (or the first module's) seed the tracker; graph capture needs transformer-engine's tracker
+    seed_tracker(topo, perf.cuda_graphs, (LANGUAGE, *topo.pg_collections), seed)
     return World(plan, device, topo, plan.build_context(topo.pg_collections, on_gpu=device.type == "cuda"), seed)
