@@ -107,14 +107,15 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
     found = []
     seq_length = getattr(plan.settings, "seq_length", None)
     packed = config.data.data is not None and config.data.pack_sequences  # as core/run/plan.py checks it
+    splits_packed = context_parallel.splits_packed_rows(config.training.device)
     accepted: dict = {}  # (LLM TP, CP) -> whether the provider builds its language model so split
-    for layout in candidates(world, plan.shapes, not (packed or config.performance.cuda_graphs)):
+    for layout in candidates(world, plan.shapes, not ((packed and not splits_packed) or config.performance.cuda_graphs)):
         sp = config.performance.sequence_parallel or (is_moe and layout.llm_tp > 1)
         try:
             parallelism = topology.plan(layout, world, plan.shapes, t.micro_batch_size, sp)
             context_parallel.check(parallelism[topology.LANGUAGE], seq_length=seq_length, sequence_parallel=sp,
-                                   pack_sequences=packed,
-                                   cuda_graphs=config.performance.cuda_graphs)
+                                   pack_sequences=packed, cuda_graphs=config.performance.cuda_graphs,
+                                   splits_packed=splits_packed)
         except UsageError:
             continue
         if not _language_model_accepts(plan, parallelism, accepted):

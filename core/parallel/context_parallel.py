@@ -6,14 +6,16 @@ over the LLM's CP ranks with load balancing: the sequence is cut into 2 x CP chu
 row must be a multiple of 2 x CP tokens (2 x CP x TP under sequence parallelism, which then scatters each CP rank's
 part over TP). Packed rows (THD) are split per segment by transformer-engine (`thd_get_partitioned_indices` on
 `cu_seqlens_q_padded`, which its attention and megatron-core's MambaContextParallel read too): mimo's packing pads
-each packed sample to a multiple of the same `shard_multiple` (`DataContext.segment_multiple`, data/task_encoder.py).
-mimo refuses CP with packed data for now: on 2 H200s (nemotron-moe-vlm-tiny, te, bf16; docs/parallelism.md) the
-packed CP 2 run gave non-finite losses on 5 of 10 iterations, with and without transformer-engine's
-`pad_between_seqs`, where CP 1 on the same packs trained; its sequences are since their padded places
-(data/task_encoder.py), not yet run on a GPU.
+each packed sample to a multiple of the same `shard_multiple` (`DataContext.segment_multiple`, data/task_encoder.py),
+and each sequence is its padded place (its padding attended after it, trained on by nothing), so no padding between
+sequences is left for transformer-engine to handle. On 2 H200s (nemotron-moe-vlm-tiny, te, bf16, packed `--data`) CP 2
+gave CP 1's losses within 1e-4 (docs/parallelism.md). The split itself is transformer-engine's: without it (the CPU,
+the local backend) packed rows with CP are refused in one line.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 from mimo.errors import UsageError
 from mimo.plugins import ModuleParallelism
@@ -27,8 +29,19 @@ def shard_multiple(llm: ModuleParallelism, sequence_parallel: bool) -> int:
     return 2 * llm.cp * (llm.tp if sequence_parallel and llm.tp > 1 else 1)
 
 
+def splits_packed_rows(device: str) -> bool:
+    """Whether a run on `device` can split packed (THD) rows over CP: transformer-engine's
+    `thd_get_partitioned_indices` does, on GPUs. A plan for GPUs made on a host without one counts as able (its
+    workers check again at their first micro-batch, check_row)."""
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return False
+    return not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine_torch") is not None
+
+
 def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: bool, pack_sequences: bool,
-          cuda_graphs: bool = False) -> None:
+          cuda_graphs: bool = False, splits_packed: bool = True) -> None:
     """UsageError, one line naming the option to change, when the run cannot split its LLM sequence over CP."""
     if llm.cp == 1:
         return
@@ -37,10 +50,8 @@ def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: 
         # the run with graphs did not exit after its last iteration
         raise UsageError(f"--llm-cp {llm.cp} with --cuda-graphs is not supported yet (a CP run with graphs did not "
                          f"end after its last iteration, and was no faster); leave --cuda-graphs off")
-    if pack_sequences:
-        raise UsageError(f"--llm-cp {llm.cp} with --pack-sequences is not supported yet: on GPUs transformer-engine's "
-                         f"split of packed rows gave non-finite losses (docs/parallelism.md); run without "
-                         f"--pack-sequences")
+    if pack_sequences and not splits_packed:
+        raise UsageError(_NO_PACKED_SPLIT.format(cp=llm.cp))
     multiple = shard_multiple(llm, sequence_parallel)
     if seq_length is not None and seq_length % multiple:
         what = f"2 x CP x TP = 2 x {llm.cp} x {llm.tp}" if multiple != 2 * llm.cp else f"2 x CP = 2 x {llm.cp}"
@@ -49,12 +60,18 @@ def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: 
                          f"{multiple} (the load-balanced split); use --set seq_length={fits}")
 
 
-def check_row(model, width: int) -> None:
+_NO_PACKED_SPLIT = ("--llm-cp {cp} with --pack-sequences needs transformer-engine on GPUs (its split of packed rows; "
+                    "the CPU's backends have none): run on GPUs with mimo[te] installed, or without --pack-sequences")
+
+
+def check_row(model, width: int, packed: bool = False) -> None:
     """A micro-batch's rows must split evenly over CP: one line here instead of megatron-core's assertion. `model`:
     the MimoModel, whose partition adapter holds its CP (and SP) groups on LLM ranks."""
     cfg = getattr(getattr(model, "partition_adapter", None), "cfg", None)
     if cfg is None or not cfg.use_cp:
         return
+    if packed and importlib.util.find_spec("transformer_engine_torch") is None:
+        raise UsageError(_NO_PACKED_SPLIT.format(cp=cfg.cp_group.size()))
     multiple = 2 * cfg.cp_group.size() * (cfg.tp_group.size() if cfg.seq_parallel else 1)
     if width % multiple:
         raise UsageError(f"a micro-batch row of {width} tokens does not split over context parallelism: rows must "

@@ -79,7 +79,8 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     context_parallel.check(parallelism[LANGUAGE], seq_length=getattr(settings, "seq_length", None),
                            sequence_parallel=config.performance.sequence_parallel,
                            pack_sequences=config.data.data is not None and config.data.pack_sequences,
-                           cuda_graphs=config.performance.cuda_graphs)
+                           cuda_graphs=config.performance.cuda_graphs,
+                           splits_packed=context_parallel.splits_packed_rows(config.training.device))
     unknown = sorted(set(config.performance.recompute_modes()) - set(shapes) - {"*"})
     if unknown:
         raise UsageError(f"--recompute names module '{unknown[0]}', which provider '{config.provider}' does not "

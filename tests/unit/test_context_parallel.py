@@ -41,9 +41,10 @@ def test_llm_cp_below_one_is_refused_by_the_options():
     (4, {"llm_cp": 2, "llm_tp": 2, "encoder_tp": 2, "settings": ["seq_length=68"],
          "performance": PerformanceOptions(sequence_parallel=True)},
      "must be a multiple of 2 x CP x TP = 2 x 2 x 2 = 8"),
-    # packed rows: refused until transformer-engine's split of them trains on GPUs (docs/parallelism.md)
+    # packed rows: transformer-engine splits them over CP (GPUs); the CPU's backends cannot
     (2, {"llm_cp": 2, "data": DataOptions(data=Path(__file__).parent, pack_sequences=True)},
-     "--llm-cp 2 with --pack-sequences is not supported yet"),
+     "--llm-cp 2 with --pack-sequences needs transformer-engine on GPUs (its split of packed rows; the CPU's "
+     "backends have none): run on GPUs with mimo[te] installed, or without --pack-sequences"),
     (2, {"llm_cp": 2, "performance": PerformanceOptions(cuda_graphs=True), "precision": "bf16"},
      "--llm-cp 2 with --cuda-graphs is not supported yet"),
     # the provider's refusal, at plan time: Nemotron's Mamba layers split over CP on mamba-ssm's kernels only
@@ -53,6 +54,21 @@ def test_layouts_that_cannot_split_the_sequence_are_refused_in_one_line(world, k
     with pytest.raises(UsageError) as err:
         plan(world, **kwargs)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_packed_rows_split_over_cp_where_transformer_engine_can():
+    """CP with packing: refused on the CPU, accepted in a plan for GPUs (made here, on a host without one, whose
+    workers check for transformer-engine again at their first micro-batch)."""
+    from mimo.core.parallel.context_parallel import splits_packed_rows
+
+    if torch.cuda.is_available():
+        pytest.skip("checks a host without a GPU")
+    assert not splits_packed_rows("cpu") and not splits_packed_rows("auto") and splits_packed_rows("cuda")
+    config = RunConfig(provider="mock-vlm", launch=LaunchOptions(nproc_per_node=2),
+                       training=TrainingOptions(micro_batch_size=2, device="cuda", precision="bf16"),
+                       layout=LayoutOptions(llm_cp=2),
+                       data=DataOptions(data=Path(__file__).parent, pack_sequences=True))
+    assert prepare(config, world_size=2).parallelism["language"].cp == 2
 
 
 def test_the_data_learns_its_segments_multiple_from_the_layout():
