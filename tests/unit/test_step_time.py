@@ -217,7 +217,7 @@ def test_a_short_sequence_keeps_its_layout_without_cp_first():
     assert any(a.suggestion.layout.llm_cp > 1 for a in layouts)  # considered, and slower
 
 
-def test_cp_is_proposed_colocated_and_split_never_packed_or_with_cuda_graphs():
+def test_cp_is_proposed_colocated_and_split_packed_on_gpus_never_with_cuda_graphs():
     from pathlib import Path
 
     from mimo.core.memory import layout_search
@@ -229,8 +229,11 @@ def test_cp_is_proposed_colocated_and_split_never_packed_or_with_cuda_graphs():
     split = [s.layout for s in found if s.layout.encoder_ranks and s.layout.llm_cp > 1]
     assert split and all((4 - lo.encoder_ranks) % (lo.llm_cp * lo.llm_tp * lo.llm_pp) == 0 for lo in split)
     config = plan.config
-    plan.config = dataclasses.replace(config, data=dataclasses.replace(config.data, data=Path("rows.jsonl"),
-                                                                         pack_sequences=True))
+    packed = dataclasses.replace(config.data, data=Path("rows.jsonl"), pack_sequences=True)
+    plan.config = dataclasses.replace(config, data=packed)  # a plan for GPUs: transformer-engine splits packed rows
+    assert any(s.layout.llm_cp > 1 for s in layout_search.fitting(plan, 4, 80))
+    plan.config = dataclasses.replace(config, data=packed,
+                                      training=dataclasses.replace(config.training, device="cpu", precision="fp32"))
     assert all(s.layout.llm_cp == 1 for s in layout_search.fitting(plan, 4, 80))
     plan.config = dataclasses.replace(config, performance=dataclasses.replace(config.performance, cuda_graphs=True))
     assert all(s.layout.llm_cp == 1 for s in layout_search.fitting(plan, 4, 80))
