@@ -52,6 +52,10 @@ LAYOUTS = {
     "colocated-dp2": Layout(2),
     "colocated-ep2": Layout(2, ("--llm-ep", "2"), {"num_experts": 32}),
     "split-1+1": Layout(2, ("--encoder-ranks", "1", "--log-timers")),
+    # diagnostics: every expert its share of tokens (random routing logits, benchmarks only): what expert
+    # parallelism costs without the routing imbalance of untrained weights
+    "colocated-dp2-balanced": Layout(2, (), {"moe_router_force_load_balancing": "true"}),
+    "colocated-ep2-balanced": Layout(2, ("--llm-ep", "2"), {"num_experts": 32, "moe_router_force_load_balancing": "true"}),
     "colocated-dp4": Layout(4),
     "colocated-ep4": Layout(4, ("--llm-ep", "4"), {"num_experts": 64}),
     "colocated-ep4-overlap": Layout(4, ("--llm-ep", "4", "--overlap-grad-reduce"), {"num_experts": 64}),

@@ -213,7 +213,7 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
     return ModuleSpec(module=NemotronLanguageModel, params=dict(
         config=config,
         hybrid_stack_spec=hybrid_stack_spec(backend, s.mamba_conv_kernel, s.num_experts, s.mamba_dt_clamp_min,
-                                            s.expert_gemm),
+                                            s.expert_gemm, s.expert_dispatch),
         vocab_size=s.vocab_size, max_sequence_length=s.seq_length, hybrid_layer_pattern=s.hybrid_pattern,
         share_embeddings_and_output_weights=False, position_embedding_type="none",
         scatter_embedding_sequence_parallel=False,  # MimoModel scatters the combined embeddings itself
@@ -293,7 +293,8 @@ def _routers_graphable(s: NemotronVLMSettings, ctx, backend: str) -> bool:
     (mimo.plugins.kit.grouped_mm_moe: one rank of experts, TP 1, no FP8); megatron-core refuses router graphs
     beside some recompute choices, so the LLM recomputes nothing."""
     language = ctx.parallelism[LANGUAGE]
-    return (s.moe_router_graphs and uses_grouped_mm(s.expert_gemm, backend) and "E" in s.hybrid_pattern
+    return (s.moe_router_graphs and not s.moe_router_force_load_balancing  # random logits: not in a graph
+            and uses_grouped_mm(s.expert_gemm, backend) and "E" in s.hybrid_pattern
             and s.num_experts > 1
             and ctx.fp8 == "none" and language.tp == 1 and language.ep == 1 and language.expt_tp == 1
             and ctx.recompute.get(LANGUAGE, "none") == "none")
@@ -306,6 +307,7 @@ def _moe_config(s: NemotronVLMSettings, backend: str, fp8: bool = False) -> dict
         moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True, moe_router_dtype="fp32",
         moe_router_topk_scaling_factor=s.moe_router_topk_scaling_factor,
         moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=s.moe_aux_loss_coeff,
+        moe_router_force_load_balancing=s.moe_router_force_load_balancing,
         # te: one grouped GEMM for the experts; transformer-engine's fused token permutation and router top-k
         moe_grouped_gemm=backend == "te", moe_permute_fusion=backend == "te",
         # not with FP8: megatron-core pads the routing map in place (pad_routing_map) after transformer-engine's
