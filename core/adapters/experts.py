@@ -13,8 +13,10 @@ megatron-core linears) and mimo's grouped-GEMM experts (grouped_experts.py), in 
   a per-expert one that borrows the shared half (LoRA.borrow); the experts module holds the shared halves as
   `lora_outer_linear_fc1` (A) / `lora_outer_linear_fc2` (B), dense parameters and saved as the shared layout's.
 
-transformer-engine's TEGroupedMLP and megatron-core's GroupedMLP run their own grouped linears, which take no
-adapter: refused, as is expert tensor parallelism.
+transformer-engine's TEGroupedMLP and megatron-core's GroupedMLP as megatron-core builds them run their own grouped
+linears, which take no adapter: refused, as is expert tensor parallelism. mimo's GroupedMMExperts (TEGroupedMLP)
+kept on transformer-engine's grouped linears by FP8/FP4 get the grouped-GEMM path's terms added to those linears'
+outputs (te_grouped_linears.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ weight0..weightN of two grouped linears) and `GroupedMMSequentialMLP` (megatron-
 runs fc1, the activation times the routing probabilities, and fc2 as torch grouped GEMMs over the tokens sorted by
 expert (mimo.plugins.kit.grouped_mm_moe). Each linear's adapter term is added where a SequentialMLP expert's
 adapted linear adds it (fc1's to its pre-activation output, fc2's to its output, whose input already carries the
-probabilities), over the same token offsets as the base GEMM:
+probabilities), over the same token offsets as the base GEMM. Where FP8/FP4 keeps GroupedMMExperts on
+transformer-engine's grouped linears, te_grouped_linears.py adds the same terms to those linears' outputs:
 
 * shared: one LoRA per linear and layer (A [r, in], B [out, r]), applied to all the permuted tokens at once: two
   plain matmuls.
@@ -38,6 +39,7 @@ from mimo.plugins.kit.expert_storage import pack_contiguously
 from mimo.plugins.kit.main_grad import stacked
 
 from .lora import COLUMN, ROW, LoRA, Sharding
+from .te_grouped_linears import terms_on_grouped_linears
 
 FC = ("linear_fc1", "linear_fc2")
 _STRIDE_BYTES = 16  # torch's grouped GEMM wants every stride a multiple of 16 bytes
@@ -49,14 +51,20 @@ def is_grouped(experts: torch.nn.Module) -> bool:
 
 
 def check_grouped(experts: torch.nn.Module, where: str) -> None:
-    """UsageError unless adapters can run in these grouped experts' forward: transformer-engine's experts only on
-    mimo's grouped-GEMM path (their own GroupedLinear path runs no adapter). mimo's SequentialMLP falls back to
-    megatron-core's per-expert linears, which take adapters."""
+    """UsageError unless adapters can run in these grouped experts' forward: transformer-engine's experts on mimo's
+    grouped-GEMM path, or on their own GroupedLinear path where only FP8/FP4 keeps them off the grouped GEMMs
+    (te_grouped_linears.py adds the terms there); not where something else does (gated experts, biases, ...: the
+    adapters are not checked there). mimo's SequentialMLP falls back to megatron-core's per-expert linears, which
+    take adapters."""
+    from mimo.plugins.kit.grouped_mm_moe import LOW_PRECISION
+
     if hasattr(experts, "local_experts") or experts.grouped_mm:
         return
-    raise UsageError(f"--lora-targets experts: the routed experts of {where} run transformer-engine's grouped "
-                     f"linears, not mimo's grouped GEMMs, because of {experts.grouped_mm_obstacle()}; change that "
-                     f"or leave experts out of the targets")
+    other = [what for what in experts.grouped_mm_obstacles() if what != LOW_PRECISION]
+    if other:
+        raise UsageError(f"--lora-targets experts: the routed experts of {where} run transformer-engine's grouped "
+                         f"linears, not mimo's grouped GEMMs, because of {other[0]}, where expert adapters do not "
+                         f"run; change that or leave experts out of the targets")
 
 
 def holds_per_expert(experts: torch.nn.Module) -> bool:
@@ -160,10 +168,15 @@ class GroupedAdapters:
         return tuple(term(adapters_of(self, fc)) for fc in FC)
 
     def forward(self, hidden, tokens_per_expert, probs, *args, **kwargs):
-        held = any(isinstance(self._modules.get(f"lora_{fc}"), torch.nn.ModuleList) for fc in FC)
-        if held and (not self.grouped_mm or args or any(v is not None for v in kwargs.values())):
-            raise RuntimeError(f"{type(self).__name__}: per-expert adapters run in the grouped-GEMM forward only")
-        return super().forward(hidden, tokens_per_expert, probs, *args, **kwargs)
+        if self.grouped_mm and not args and all(v is None for v in kwargs.values()):
+            return super().forward(hidden, tokens_per_expert, probs, *args, **kwargs)
+        if not hasattr(self, "local_experts"):  # transformer-engine's grouped linears (FP8): the terms on them
+            with terms_on_grouped_linears(self, self.adapter_terms()):
+                return super().forward(hidden, tokens_per_expert, probs, *args, **kwargs)
+        if any(isinstance(self._modules.get(f"lora_{fc}"), torch.nn.ModuleList) for fc in FC):
+            raise RuntimeError(f"{type(self).__name__}: adapters held by the experts module run in the grouped-GEMM "
+                               f"forward, not on per-expert linears")
+        return super().forward(hidden, tokens_per_expert, probs, *args, **kwargs)  # the linears add theirs
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
         state = super().sharded_state_dict(prefix, sharded_offsets, metadata)

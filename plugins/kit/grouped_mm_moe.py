@@ -44,6 +44,9 @@ from .main_grad import adds_into_main_grad, gradient_for_autograd, stacked
 from .squared_relu_probs import squared_relu_probs
 
 
+LOW_PRECISION = "FP8/FP4 (no --fp8)"  # an obstacle adapters work around (core/adapters/te_grouped_linears.py)
+
+
 class _GroupedLinearIntoMainGrad(torch.autograd.Function):
     """x [T, in] -> [T, out] by each group's weight (`weight` [E, out, in], stacked without autograd); backward
     adds the weight gradients into the `weights`' main_grads with one grouped GEMM (`grouped_wgrad`)."""
@@ -114,15 +117,19 @@ class _GroupedMMForward:
 
     def grouped_mm_obstacle(self) -> str | None:
         """Why these experts cannot run as grouped GEMMs (what to change), or None."""
+        return next(iter(self.grouped_mm_obstacles()), None)
+
+    def grouped_mm_obstacles(self) -> list[str]:
+        """Every reason these experts cannot run as grouped GEMMs (what to change), first the one to name."""
         config = self.config
         obstacles = ((self.tp_group.size() > 1, "expert tensor parallelism (--llm-expt-tp 1)"),
-                     (config.fp8 or config.fp4, "FP8/FP4 (no --fp8)"),
+                     (config.fp8 or config.fp4, LOW_PRECISION),
                      (config.gated_linear_unit, "gated experts"), (config.add_bias_linear, "biases"),
                      (config.moe_apply_probs_on_input, "routing probabilities on the input"),
                      (getattr(self, "_with_fused_impl", False), "transformer-engine's fused expert ops"),
                      (getattr(self, "offload_expert_fc1", False) or getattr(self, "offload_moe_act", False),
                       "activation offloading"))
-        return next((what for present, what in obstacles if present), None)
+        return [what for present, what in obstacles if present]
 
     def _grouped_mm_eligible(self) -> bool:
         return self.grouped_mm_obstacle() is None

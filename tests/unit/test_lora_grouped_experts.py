@@ -152,8 +152,9 @@ def test_merging_folds_grouped_expert_adapters_into_the_expert_weights(world, mo
 
 
 def test_experts_off_the_grouped_path_are_refused_in_one_line(world):
-    """Grouped experts without per-expert linears (transformer-engine's) that cannot run mimo's grouped GEMMs run
-    transformer-engine's own grouped linears, which take no adapter: one line naming why."""
+    """Grouped experts without per-expert linears (transformer-engine's) kept off mimo's grouped GEMMs by FP8 take
+    adapters on transformer-engine's grouped linears (test_lora_te_grouped_linears.py); kept off by anything else
+    (biases here), they are refused: one line naming why."""
     import copy
 
     _, model, _ = _build("grouped_mm", "shared", "language:linear_qkv")
@@ -164,8 +165,11 @@ def test_experts_off_the_grouped_path_are_refused_in_one_line(world):
     experts.config = copy.copy(experts.config)
     experts.config.fp8 = "hybrid"
     experts.grouped_mm = experts.grouped_mm_obstacle() is None
+    assert not experts.grouped_mm
+    grouped_experts.check_grouped(experts, "layer 2")  # FP8 alone: on transformer-engine's grouped linears
+    experts.config.add_bias_linear = True
     with pytest.raises(UsageError, match=r"run transformer-engine's grouped linears, not mimo's grouped GEMMs, "
-                                         r"because of FP8/FP4 \(no --fp8\); change that") as err:
+                                         r"because of biases, where expert adapters do not run; change that") as err:
         grouped_experts.check_grouped(experts, "layer 2")
     assert "\n" not in str(err.value)
 
