@@ -55,7 +55,12 @@ LAYOUTS = {
     # diagnostics: every expert its share of tokens (random routing logits, benchmarks only): what expert
     # parallelism costs without the routing imbalance of untrained weights
     "colocated-dp2-balanced": Layout(2, (), {"moe_router_force_load_balancing": "true"}),
-    "colocated-ep2-balanced": Layout(2, ("--llm-ep", "2"), {"num_experts": 32, "moe_router_force_load_balancing": "true"}),
+    "colocated-ep2-balanced": Layout(2, ("--llm-ep", "2"), {"num_experts": 32,
+                                                             "moe_router_force_load_balancing": "true"}),
+    # expert parallelism by all-gather and reduce-scatter, the counts on the device (nemotron's expert_dispatch)
+    "colocated-ep2-allgather": Layout(2, ("--llm-ep", "2"), {"num_experts": 32, "expert_dispatch": "all-gather"}),
+    "colocated-ep2-allgather-balanced": Layout(2, ("--llm-ep", "2"), {
+        "num_experts": 32, "expert_dispatch": "all-gather", "moe_router_force_load_balancing": "true"}),
     "colocated-dp4": Layout(4),
     "colocated-ep4": Layout(4, ("--llm-ep", "4"), {"num_experts": 64}),
     "colocated-ep4-overlap": Layout(4, ("--llm-ep", "4", "--overlap-grad-reduce"), {"num_experts": 64}),
@@ -75,6 +80,8 @@ LAYOUTS = {
     # adapters with the LLM's layers captured as CUDA graphs, and with its GEMMs in FP8 (issue 50's layouts)
     "slice-lora16-graphs": Layout(1, ("--lora-rank", "16")),
     "slice-lora16-fp8": Layout(1, ("--lora-rank", "16"), gpu_options=("--fp8", "tensorwise"), graphs=False),
+    # the routed experts' third adapter layout (fc1's A and fc2's B shared by a layer's experts)
+    "slice-lora16-shared-outer": Layout(1, ("--lora-rank", "16", "--lora-experts", "shared-outer"), graphs=False),
     # the 54-layer release at full size, as full-ep4
     "full54-ep4": Layout(4, ("--llm-ep", "4", *FULL_OPTIONS), full_size=True,
                          gpu_options=("--optimizer-precision", "bf16"), provider="nemotron-moe-vlm-54l"),

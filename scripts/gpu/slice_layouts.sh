@@ -6,7 +6,9 @@
 #   device call 1, carry [".whl-te"], kind nvidia-h200-x2:     bash scripts/gpu/slice_layouts.sh install
 #   device call 2, carry [".whl"], right after call 1:         bash scripts/gpu/slice_layouts.sh run
 # Results: $OUT/slice_layouts.json (rows), the logs and metrics under $OUT; the table is the last output.
-# LAYOUTS (default: all three), ITERATIONS (16) and SETTINGS override the defaults.
+# LAYOUTS (default: all three), ITERATIONS (16) and SETTINGS override the defaults. Instead of `run`, call 2 may be
+# `adapters-and-packed-cp` or `experts-and-fp8` (the checks and layouts their comments below name); their results
+# come back as $OUT/slice_layouts.tgz.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/common.sh"
@@ -21,5 +23,34 @@ case "${1:-}" in
     python3 bench/slice_layouts.py --out "${OUT:-runs}" --iterations "${ITERATIONS:-16}" --warmup 6 --timeout 230 \
       --layouts ${LAYOUTS:-colocated-dp2 colocated-ep2 split-1+1} "${settings[@]}"
     ;;
-  *) echo "usage: slice_layouts.sh prepare | install | run"; exit 2 ;;
+  adapters-and-packed-cp|experts-and-fp8)
+    use_wheels te
+    export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
+    work=/tmp/slice_layouts; mkdir -p "$work"; versions "$work/versions.txt"
+    pack() { mkdir -p "${OUT:-runs}"; tar czf "${OUT:-runs}/.r.$BASHPID.tgz" -C "$work" . && \
+             mv -f "${OUT:-runs}/.r.$BASHPID.tgz" "${OUT:-runs}/slice_layouts.tgz"; }
+    one() {  # GPUS OUT_SUBDIR TIMEOUT LAYOUT...: bench/slice_layouts.py, 10 iterations, the first 4 left out
+      CUDA_VISIBLE_DEVICES=$1 python3 bench/slice_layouts.py --out "$work/$2" --iterations 10 --warmup 4 \
+        --timeout "$3" --layouts "${@:4}" > "$work/$2.txt" 2>&1
+    }
+    # the grouped-experts LoRA check on GPU 0 (with its transformer-engine fallback and FP8 parts), beside the rest
+    ( CUDA_VISIBLE_DEVICES=0 NVIDIA_TF32_OVERRIDE=0 timeout 150 python3 scripts/gpu/check_grouped_lora.py \
+        > "$work/grouped_lora.txt" 2>&1; echo "check_grouped_lora exit $?" >> "$work/grouped_lora.txt" ) &
+    if [ "$1" = adapters-and-packed-cp ]; then  # issues 50 and 51: packed CP 1 against CP 2 on GPUs 0-1, then the
+      # slice with adapters on one GPU each: without graphs and with, FP8, shared-outer
+      ( OUT="$work/packed_cp" MIMO_WHEELS_READY=1 bash scripts/gpu/context_parallel.sh packed ) \
+        > "$work/packed_cp.txt" 2>&1
+      wait; tail -6 "$work/grouped_lora.txt"; tail -14 "$work/packed_cp.txt"; pack
+      one 0 lora_plain 150 slice-lora16 slice-lora16-fp8 & one 1 lora_more 150 slice-lora16-graphs slice-lora16-shared-outer
+      wait; tail -5 "$work/lora_plain.txt"; tail -5 "$work/lora_more.txt"; pack
+    else  # issues 50 and 48: the slice with adapters under FP8 on GPU 1; then on both GPUs DP 2 against EP 2 by
+      # all-gather and by all-to-all, and the three again with balanced (random) routing
+      one 1 lora_fp8 150 slice-lora16-fp8
+      wait; tail -12 "$work/grouped_lora.txt"; tail -6 "$work/lora_fp8.txt"; pack
+      one 0,1 experts 120 colocated-dp2 colocated-ep2-allgather colocated-ep2 colocated-ep2-allgather-balanced \
+        colocated-dp2-balanced colocated-ep2-balanced
+      tail -30 "$work/experts.txt"; pack
+    fi
+    ;;
+  *) echo "usage: slice_layouts.sh prepare | install | run | adapters-and-packed-cp | experts-and-fp8"; exit 2 ;;
 esac

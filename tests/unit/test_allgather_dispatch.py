@@ -28,3 +28,18 @@ def test_a_full_buffer_holds_every_pair_when_all_tokens_pick_local_experts():
     local_map[:, 3] = False  # top-3 of 4 experts, all three local
     positions, valid = select_local_rows(local_map, rows_per_rank(tokens=4, ep=2, topk=3, local_experts=4))
     assert bool(valid.all()) and positions.tolist() == [e * 8 + n for e in range(3) for n in range(8)]
+
+
+def test_the_memory_plan_counts_the_all_gather_buffer():
+    """Nemotron's plan: with expert_dispatch all-gather an EP rank holds EP x tokens x min(top-k, local experts)
+    routed rows (the fixed-size buffer) instead of top-k copies of its tokens; EP 1 is unchanged."""
+    import dataclasses
+
+    from mimo.providers.nemotron.memory import expert_rows, module_memory
+    from mimo.providers.nemotron.settings import NemotronVLMSettings
+
+    s = NemotronVLMSettings(backend="te", num_experts=16, moe_router_topk=6, expert_dispatch="all-gather")
+    rows = module_memory(s)["language"].expert_rows
+    assert rows(1) == 1.0 and rows(2) == 2.0 and rows(4) == 4 * 4 / 6  # EP 4: 4 local experts, fewer than top-k
+    assert expert_rows(dataclasses.replace(s, expert_dispatch="all-to-all"))(4) == 1.0
+    assert expert_rows(dataclasses.replace(s, expert_gemm="megatron"))(2) == 1.0  # megatron's experts: all-to-all
