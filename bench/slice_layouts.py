@@ -57,10 +57,6 @@ LAYOUTS = {
     "colocated-dp2-balanced": Layout(2, (), {"moe_router_force_load_balancing": "true"}),
     "colocated-ep2-balanced": Layout(2, ("--llm-ep", "2"), {"num_experts": 32,
                                                              "moe_router_force_load_balancing": "true"}),
-    # expert parallelism by all-gather and reduce-scatter, the counts on the device (nemotron's expert_dispatch)
-    "colocated-ep2-allgather": Layout(2, ("--llm-ep", "2"), {"num_experts": 32, "expert_dispatch": "all-gather"}),
-    "colocated-ep2-allgather-balanced": Layout(2, ("--llm-ep", "2"), {
-        "num_experts": 32, "expert_dispatch": "all-gather", "moe_router_force_load_balancing": "true"}),
     "colocated-dp4": Layout(4),
     "colocated-ep4": Layout(4, ("--llm-ep", "4"), {"num_experts": 64}),
     "colocated-ep4-overlap": Layout(4, ("--llm-ep", "4", "--overlap-grad-reduce"), {"num_experts": 64}),

@@ -93,9 +93,6 @@ class ModuleMemory:
     first: LayerMemory = field(default_factory=lambda: LayerMemory("input", Weights(), nothing_kept))
     last: LayerMemory = field(default_factory=lambda: LayerMemory("output", Weights(), nothing_kept))
     mean_tokens_per_sample: float | None = None  # None: the same as tokens_per_sample
-    # routed-expert bytes a rank holds at expert-parallel size `ep`, as a multiple of the layers' TokenBytes.expert
-    # (top-k copies of each of the rank's tokens: all-to-all dispatch with balanced routing)
-    expert_rows: Callable[[int], float] = lambda ep: 1.0
 
     @property
     def weights(self) -> Weights:

@@ -200,11 +200,8 @@ def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int,
     tokens /= par.cp  # the LLM's merged sequence is split over its CP ranks (encoders are CP 1)
     sp = options.sequence_parallel and par.tp > 1 and name == LANGUAGE
 
-    expert_rows = memory.expert_rows(par.ep)
-
     def per_rank(b: TokenBytes) -> float:
-        return tokens * (b.replicated / (par.tp if sp else 1) + b.tp / par.tp
-                         + b.expert * expert_rows / (par.tp if sp else 1))
+        return tokens * (b.replicated / (par.tp if sp else 1) + b.tp / par.tp + b.expert / (par.tp if sp else 1))
 
     def kept_by(layer) -> float:
         kept = per_rank(layer.kept(mode, value))

@@ -37,7 +37,6 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-from . import allgather_dispatch
 from .expert_storage import as_stack, pack_contiguously
 from .grouped_wgrad import fused_wgrad_enabled, grouped_wgrad
 from .main_grad import adds_into_main_grad, gradient_for_autograd, stacked
@@ -196,30 +195,24 @@ class _DeviceCountsDispatcher(MoEAlltoAllTokenDispatcher):
 
 
 class DeviceCountsMoELayer(MoELayer):
-    """MoELayer whose dispatcher keeps the token counts on the device where its experts take them there: on one
-    rank of experts always; under expert parallelism with `expert_dispatch="all-gather"` (allgather_dispatch.py)."""
+    """MoELayer whose dispatcher keeps the token counts on the device where its experts take them there."""
 
-    def __init__(self, *args, expert_dispatch: str = "all-to-all", **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         dispatcher, config = self.token_dispatcher, self.config
-        if not getattr(self.experts, "grouped_mm", False):
-            return
-        # the same object, its class narrowed to a subclass
-        if (type(dispatcher) is MoEAlltoAllTokenDispatcher
+        if (type(dispatcher) is MoEAlltoAllTokenDispatcher and getattr(self.experts, "grouped_mm", False)
                 and dispatcher.ep_size == 1 and dispatcher.tp_size == 1 and not dispatcher.drop_and_pad
                 and config.moe_expert_capacity_factor is None and not config.moe_router_padding_for_quantization):
+            # the same object, its class narrowed to a subclass that adds no state
             dispatcher.__class__ = _DeviceCountsDispatcher
-        elif expert_dispatch == "all-gather" and allgather_dispatch.applies(dispatcher, config):
-            dispatcher.__class__ = allgather_dispatch.AllGatherDispatcher
 
 
 _GROUPED = {TEGroupedMLP: GroupedMMExperts, SequentialMLP: GroupedMMSequentialMLP}
 
 
-def with_grouped_mm_experts(moe_layer_spec, expert_dispatch: str = "all-to-all"):
+def with_grouped_mm_experts(moe_layer_spec):
     """A megatron-core MoE transformer-layer spec (`mlp` a partial of MoELayer) with DeviceCountsMoELayer and the
-    grouped-GEMM variant of its experts class; a spec of another shape comes back unchanged. `expert_dispatch`:
-    how tokens reach experts on other ranks (all-to-all: megatron-core's; all-gather: allgather_dispatch.py)."""
+    grouped-GEMM variant of its experts class; a spec of another shape comes back unchanged."""
     mlp = getattr(getattr(moe_layer_spec, "submodules", None), "mlp", None)
     if not isinstance(mlp, functools.partial) or mlp.func is not MoELayer:
         return moe_layer_spec
@@ -228,6 +221,5 @@ def with_grouped_mm_experts(moe_layer_spec, expert_dispatch: str = "all-to-all")
     if grouped is None:
         return moe_layer_spec
     submodules = dataclasses.replace(mlp.keywords["submodules"], experts=functools.partial(grouped, **experts.keywords))
-    layer = functools.partial(DeviceCountsMoELayer, *mlp.args,
-                              **{**mlp.keywords, "submodules": submodules, "expert_dispatch": expert_dispatch})
+    layer = functools.partial(DeviceCountsMoELayer, *mlp.args, **{**mlp.keywords, "submodules": submodules})
     return dataclasses.replace(moe_layer_spec, submodules=dataclasses.replace(moe_layer_spec.submodules, mlp=layer))

@@ -10,7 +10,7 @@ from mimo.plugins.kit import memory_layers as ml
 from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from .settings import IMAGES, NemotronVLMSettings
-from .specs import resolve_backend, uses_grouped_mm
+from .specs import resolve_backend
 
 
 def kernels(s: NemotronVLMSettings) -> ml.Kernels:
@@ -35,16 +35,6 @@ def llm_layers(s: NemotronVLMSettings) -> list[LayerMemory]:
     }
     made = {symbol: make() for symbol, make in kinds.items() if symbol in s.hybrid_pattern}
     return [made[symbol] for symbol in s.hybrid_pattern]
-
-
-def expert_rows(s: NemotronVLMSettings):
-    """Routed-expert rows a rank holds at EP size `ep`, per top-k copies of its tokens: with expert_dispatch
-    all-gather, every EP rank's tokens times min(top-k, local experts) (mimo.plugins.kit.allgather_dispatch's
-    fixed-size buffer); else top-k copies (balanced routing)."""
-    backend = s.backend if s.backend != "auto" else resolve_backend("auto")
-    if s.expert_dispatch != "all-gather" or not uses_grouped_mm(s.expert_gemm, backend):
-        return lambda ep: 1.0
-    return lambda ep: 1.0 if ep == 1 else ep * min(s.moe_router_topk, s.num_experts // ep) / s.moe_router_topk
 
 
 def _patch_embedder(s: NemotronVLMSettings) -> LayerMemory:
@@ -93,7 +83,7 @@ def module_memory(s: NemotronVLMSettings) -> dict[str, ModuleMemory]:
                              tokens_per_sample=vision_tokens(s) if s.image_probability > 0 else 0,
                              first=_patch_embedder(s), last=_projection(s),
                              mean_tokens_per_sample=mean_vision_tokens(s) if s.image_probability > 0 else 0),
-        LANGUAGE: ModuleMemory(layers=tuple(llm_layers(s)), tokens_per_sample=s.seq_length, expert_rows=expert_rows(s),
+        LANGUAGE: ModuleMemory(layers=tuple(llm_layers(s)), tokens_per_sample=s.seq_length,
                                  first=ml.embedding(s.vocab_size, s.hidden_size),
                                  last=ml.output(s.vocab_size, s.hidden_size,
                                                 fused_loss=k.te and s.fused_cross_entropy and te_extras_enabled())),

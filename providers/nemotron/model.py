@@ -213,7 +213,7 @@ def language_spec(s: NemotronVLMSettings, ctx) -> ModuleSpec:
     return ModuleSpec(module=NemotronLanguageModel, params=dict(
         config=config,
         hybrid_stack_spec=hybrid_stack_spec(backend, s.mamba_conv_kernel, s.num_experts, s.mamba_dt_clamp_min,
-                                            s.expert_gemm, s.expert_dispatch),
+                                            s.expert_gemm),
         vocab_size=s.vocab_size, max_sequence_length=s.seq_length, hybrid_layer_pattern=s.hybrid_pattern,
         share_embeddings_and_output_weights=False, position_embedding_type="none",
         scatter_embedding_sequence_parallel=False,  # MimoModel scatters the combined embeddings itself

@@ -47,10 +47,6 @@ class NemotronVLMSettings:
         "(no host sync; one rank of experts, bf16/fp32, no FP8); megatron: megatron-core's experts (backend te: "
         "transformer-engine's grouped GEMM; local: one MLP per expert); auto: grouped_mm with backend te where "
         "it applies")
-    expert_dispatch: Literal["all-to-all", "all-gather"] = _setting(
-        "all-to-all", "under expert parallelism (grouped_mm experts, LLM TP 1): all-to-all is megatron-core's "
-        "dispatcher (token counts on the host); all-gather gathers every EP rank's tokens and reduce-scatters the "
-        "experts' sums (no host sync, each token's hidden state sent once; more activation memory)")
 
     moe_router_force_load_balancing: bool = _setting(
         False, "benchmarks only, not for training: route by random logits (megatron-core's "

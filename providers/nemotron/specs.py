@@ -74,14 +74,13 @@ def resolve_backend(requested: str) -> str:
 # --------------------------------------------------------------------------------------------- language model
 
 
-def _te_hybrid_stack(conv_kernel: int, grouped_mm: bool, expert_dispatch: str = "all-to-all") -> ModuleSpec:
+def _te_hybrid_stack(conv_kernel: int, grouped_mm: bool) -> ModuleSpec:
     """megatron-core's TE hybrid stack with only the layer kinds this family uses (M, E, *, -); `grouped_mm`: the
-    routed experts as torch grouped GEMMs (mimo.plugins.kit.grouped_mm_moe), their tokens reaching other expert
-    ranks by `expert_dispatch`."""
+    routed experts as torch grouped GEMMs (mimo.plugins.kit.grouped_mm_moe)."""
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
     sub = hybrid_stack_spec.submodules
-    moe = with_grouped_mm_experts(sub.moe_layer, expert_dispatch) if grouped_mm else sub.moe_layer
+    moe = with_grouped_mm_experts(sub.moe_layer) if grouped_mm else sub.moe_layer
     mixer = sub.mamba_layer.submodules.mixer  # copied, not changed: the spec is megatron-core's module global
     mixer = dataclasses.replace(mixer, params={**mixer.params, "d_conv": conv_kernel})
     mamba = dataclasses.replace(sub.mamba_layer, submodules=dataclasses.replace(sub.mamba_layer.submodules,
@@ -91,7 +90,7 @@ def _te_hybrid_stack(conv_kernel: int, grouped_mm: bool, expert_dispatch: str = 
 
 
 def _local_hybrid_stack(conv_kernel: int, num_experts: int, dt_clamp_min: float = 0.0,
-                        grouped_mm: bool = False, expert_dispatch: str = "all-to-all") -> ModuleSpec:
+                        grouped_mm: bool = False) -> ModuleSpec:
     """The same stack from local modules: the norms fused into the first linear of each layer kind, like TE's.
     `dt_clamp_min` > 0 bounds the Mamba step size from below (Hugging Face's NemotronH does), which only the local
     mixer can; at 0 the spec is exactly the TE one."""
@@ -117,7 +116,7 @@ def _local_hybrid_stack(conv_kernel: int, num_experts: int, dt_clamp_min: float 
             linear_fc1=LayerNormColumnParallelLinear, linear_fc2=RowParallelLinear)),
         mlp_bda=get_bias_dropout_add))
     if grouped_mm:
-        moe = with_grouped_mm_experts(moe, expert_dispatch)
+        moe = with_grouped_mm_experts(moe)
     return ModuleSpec(module=LocalHybridStack, submodules=HybridStackSubmodules(
         mamba_layer=mamba, attention_layer=attention, moe_layer=moe, mlp_layer=mlp))
 
@@ -128,14 +127,14 @@ def uses_grouped_mm(expert_gemm: str, backend: str) -> bool:
 
 
 def hybrid_stack_spec(backend: str, conv_kernel: int, num_experts: int, dt_clamp_min: float = 0.0,
-                      expert_gemm: str = "megatron", expert_dispatch: str = "all-to-all") -> ModuleSpec:
+                      expert_gemm: str = "megatron") -> ModuleSpec:
     grouped_mm = uses_grouped_mm(expert_gemm, backend)
     if backend != "te":
-        return _local_hybrid_stack(conv_kernel, num_experts, dt_clamp_min, grouped_mm, expert_dispatch)
+        return _local_hybrid_stack(conv_kernel, num_experts, dt_clamp_min, grouped_mm)
     if dt_clamp_min > 0:  # MambaMixer calls the mamba-ssm kernels with a fixed dt_limit of (0, inf)
         raise ValueError(f"mamba_dt_clamp_min {dt_clamp_min}: megatron-core's MambaMixer (backend te) does not "
                          f"clamp the Mamba step size; use backend=local or mamba_dt_clamp_min=0")
-    return _te_hybrid_stack(conv_kernel, grouped_mm, expert_dispatch)
+    return _te_hybrid_stack(conv_kernel, grouped_mm)
 
 
 # --------------------------------------------------------------------------------------------- vision encoder

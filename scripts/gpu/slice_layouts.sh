@@ -43,12 +43,12 @@ case "${1:-}" in
       wait; tail -6 "$work/grouped_lora.txt"; tail -14 "$work/packed_cp.txt"; pack
       one 0 lora_plain 150 slice-lora16 slice-lora16-fp8 & one 1 lora_more 150 slice-lora16-graphs slice-lora16-shared-outer
       wait; tail -5 "$work/lora_plain.txt"; tail -5 "$work/lora_more.txt"; pack
-    else  # issues 50 and 48: the slice with adapters under FP8 on GPU 1; then on both GPUs DP 2 against EP 2 by
-      # all-gather and by all-to-all, and the three again with balanced (random) routing
+    else  # issues 50 and 48: the slice with adapters under FP8 on GPU 1; then on both GPUs DP 2 against EP 2, and
+      # both again with balanced (random) routing (the call recorded ran EP 2 by all-gather too: a dispatcher
+      # tried at commit 343b869, slower, since removed)
       one 1 lora_fp8 150 slice-lora16-fp8
       wait; tail -12 "$work/grouped_lora.txt"; tail -6 "$work/lora_fp8.txt"; pack
-      one 0,1 experts 120 colocated-dp2 colocated-ep2-allgather colocated-ep2 colocated-ep2-allgather-balanced \
-        colocated-dp2-balanced colocated-ep2-balanced
+      one 0,1 experts 120 colocated-dp2 colocated-ep2 colocated-dp2-balanced colocated-ep2-balanced
       tail -30 "$work/experts.txt"; pack
     fi
     ;;
