@@ -40,8 +40,11 @@ FP8_TOLERANCE = 0.25  # the adapters' contribution under FP8 against bf16's, rel
 
 
 def build(backend: str, layout: str, precision: str, expert_gemm: str = "grouped_mm", fp8: str = "none"):
+    # FP8 GEMMs need the Mamba input projection's width (2 x heads x head dim + 2 x groups x state + heads) a
+    # multiple of 16: the tiny model's 4 heads give 196, 16 heads 592
+    shape = ["mamba_num_heads=16"] if fp8 != "none" else []
     plan = prepare(RunConfig(provider="nemotron-moe-vlm-tiny",
-                             provider_settings=[f"backend={backend}", f"expert_gemm={expert_gemm}"],
+                             provider_settings=[f"backend={backend}", f"expert_gemm={expert_gemm}", *shape],
                              training=TrainingOptions(device=DEVICE.type, micro_batch_size=2, precision=precision),
                              performance=PerformanceOptions(fp8=fp8),
                              adapters=AdapterOptions(lora_rank=RANK, lora_targets="language:experts",
