@@ -95,6 +95,8 @@ class RunConfig:
                 raise UsageError(f"--optimizer-precision {o.optimizer_precision} needs {' and '.join(needs)} "
                                  "(megatron-core's precision-aware optimizer: transformer-engine's FusedAdam on a "
                                  "GPU, state sharded by the distributed optimizer)")
+        if self.logging.memory_snapshot_dir and self.training.device == "cpu":
+            raise UsageError("--memory-snapshot-dir records the GPU allocator: drop it, or use --device cuda")
         if self.training.init_device == "cuda" and self.training.device == "cpu":
             raise UsageError("--init-device cuda needs a GPU run: drop it, or use --device cuda")
         if p.cuda_graphs and precision != "bf16":

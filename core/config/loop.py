@@ -161,6 +161,10 @@ class LoggingOptions(Options):
               "summary per rank here, and where the GPU time went in the log")
     profile_step_start: int = option(5, "first profiled iteration (after warm-up)")
     profile_step_end: int = option(6, "last profiled iteration")
+    memory_snapshot_dir: Path | None = option(
+        None, "GPU runs: record the allocator's history from start-up and write memory_rank<R>.pickle here after "
+              "--memory-snapshot-iteration (scripts/memory_at_peak.py lists what was live at each rank's peak)")
+    memory_snapshot_iteration: int = option(2, "the last iteration the memory snapshot records")
     profile_with_stack: bool = option(
         False, "record Python stacks in the profile: the summary names the source line that launched each of the "
                "busiest kernels (the profiled iterations' host side runs slower)")
@@ -169,6 +173,8 @@ class LoggingOptions(Options):
         at_least_one(("--log-interval", self.log_interval))
         if self.max_nan_iters < 1:
             raise UsageError(f"--max-nan-iters must be at least 1, got {self.max_nan_iters}")
+        if self.memory_snapshot_dir and self.memory_snapshot_iteration < 1:
+            raise UsageError(f"--memory-snapshot-iteration must be at least 1, got {self.memory_snapshot_iteration}")
         if self.profile_dir and not 1 <= self.profile_step_start <= self.profile_step_end:
             raise UsageError(f"--profile-step-start {self.profile_step_start} and --profile-step-end "
                              f"{self.profile_step_end} must satisfy 1 <= start <= end")

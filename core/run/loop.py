@@ -43,6 +43,8 @@ def advance(session: Session, iterations: int, first_iteration: int | None = Non
         if s.compiles:
             s.compiles.after(iteration, time.perf_counter() - started)
         s.profiler.after(iteration)
+        if s.memory:
+            s.memory.after(iteration)
         s.iteration, s.consumed = iteration, s.consumed + plan.global_batch_size
         s.skips.report()
         s.logger.update(iteration, result, s.consumed)

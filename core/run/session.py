@@ -23,6 +23,7 @@ from ..parallel.model import count_parameters
 from ..parallel.optim import build_optimizer, build_scheduler
 from ..parallel.topology import Topology, is_token_source
 from ..telemetry.metrics import MetricsLogger
+from ..telemetry.memory_snapshot import MemorySnapshot
 from ..telemetry.profiler import StepProfiler
 from ..telemetry.skip_report import SkipReporter
 from ..telemetry.timers import StepTimers
@@ -59,6 +60,7 @@ class Session:
     evaluations: EvalSchedule | None = None  # --eval-iters: held-out loss during the run
     signal_watch: signals.SignalWatch | None = None  # --exit-signal and SIGINT: stop at an iteration boundary
     compiles: FirstIterations | None = None  # Triton pins and the compile report around the first iterations
+    memory: MemorySnapshot | None = None  # --memory-snapshot-dir: the allocator's history to one iteration
 
     @property
     def device(self) -> torch.device:
@@ -96,6 +98,8 @@ def start(plan: Plan) -> Session:
     world = join(plan)
     device, topo, params_dtype = world.device, world.topology, world.params_dtype
     phases.done("joining")
+    memory = MemorySnapshot(config.logging.memory_snapshot_dir, config.logging.memory_snapshot_iteration,
+                            rank=dist.get_rank(), device=device)
     model = world.build_model()
     phases.done("the model")
     optimizer = build_optimizer(config.optimizer, model=model, params_dtype=params_dtype)
@@ -177,7 +181,7 @@ def start(plan: Plan) -> Session:
                                speaks=logging_rank)
     return Session(plan, world, model, optimizer, scheduler, step, logger, profiler, checkpointer,
                    _chain(first_batch, reader), reader, skips, start_iteration, consumed, evaluations,
-                   compiles=compiles)
+                   compiles=compiles, memory=memory)
 
 
 def describe_run(plan: Plan, held: dict[str, int], device: torch.device, precision: str) -> str:

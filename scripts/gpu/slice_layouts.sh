@@ -6,9 +6,9 @@
 #   device call 1, carry [".whl-te"], kind nvidia-h200-x2:     bash scripts/gpu/slice_layouts.sh install
 #   device call 2, carry [".whl"], right after call 1:         bash scripts/gpu/slice_layouts.sh run
 # Results: $OUT/slice_layouts.json (rows), the logs and metrics under $OUT; the table is the last output.
-# LAYOUTS (default: all three), ITERATIONS (16) and SETTINGS override the defaults. Instead of `run`, call 2 may be
-# `adapters-and-packed-cp` or `experts-and-fp8` (the checks and layouts their comments below name); their results
-# come back as $OUT/slice_layouts.tgz.
+# LAYOUTS (default: all three), ITERATIONS (16) and SETTINGS override the defaults. Instead of `run`, call 2 may
+# be `adapters-and-packed-cp`, `experts-and-fp8` or `diagnose` (the checks and layouts their comments below name);
+# their results come back as $OUT/slice_layouts.tgz.
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/common.sh"
@@ -52,5 +52,40 @@ case "${1:-}" in
       tail -30 "$work/experts.txt"; pack
     fi
     ;;
-  *) echo "usage: slice_layouts.sh prepare | install | run | adapters-and-packed-cp | experts-and-fp8"; exit 2 ;;
+  diagnose)  # issue 48's two open gaps, for the record. Memory: the CP comparison's 8k workload (two 4096-patch
+    # images a sample) on one GPU each, the weights drawn on the GPU (GPU 0) and on the CPU (GPU 1), the allocator
+    # recorded to iteration 2 and what was live at each peak listed (scripts/memory_at_peak.py). Time: DP 2 and
+    # EP 2 profiled (iterations 6-7; the summaries come back, the traces are left out: too large)
+    use_wheels te
+    export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
+    work=/tmp/slice_layouts; mkdir -p "$work"; versions "$work/versions.txt"
+    pack() { mkdir -p "${OUT:-runs}"; tar czf "${OUT:-runs}/.r.$BASHPID.tgz" -C "$work" . && \
+             mv -f "${OUT:-runs}/.r.$BASHPID.tgz" "${OUT:-runs}/slice_layouts.tgz"; }
+    slice=(run --device cuda --provider nemotron-moe-vlm-52l --set 'hybrid_pattern=MEMEM*EMEM' --set backend=te
+           --precision bf16 --micro-batch-size 1 --num-microbatches 8 --cuda-graphs --log-interval 1 --seed 5)
+    memory() {  # GPU NAME OPTIONS...
+      local gpu=$1 name=$2; shift 2
+      CUDA_VISIBLE_DEVICES=$gpu timeout -k 10 240 python3 -m mimo.cli "${slice[@]}" --set num_experts=16 \
+        --set images_per_sample=2 --set patches_per_image=4096 --train-iters 3 --memory-snapshot-dir "/tmp/mem_$name" \
+        --metrics-file "$work/mem_$name.jsonl" "$@" > "$work/mem_$name.log" 2>&1
+      echo "memory $name exit $?" >> "$work/mem_$name.log"
+      timeout 120 python3 scripts/memory_at_peak.py "/tmp/mem_$name" --top 50 --json "$work/mem_$name.json" \
+        > "$work/mem_$name.txt" 2>&1
+    }
+    memory 0 gpu-drawn & memory 1 cpu-drawn --init-device cpu
+    wait; tail -3 "$work/mem_gpu-drawn.log" "$work/mem_cpu-drawn.log" 2>&1 | cut -c1-200
+    head -30 "$work/mem_gpu-drawn.txt"; head -30 "$work/mem_cpu-drawn.txt"; pack
+    profile() {  # NAME OPTIONS...
+      local name=$1; shift
+      timeout -k 10 150 python3 -m mimo.cli "${slice[@]}" --nproc-per-node 2 --train-iters 8 --profile-dir \
+        "$work/profile_$name" --profile-step-start 6 --profile-step-end 7 --metrics-file "$work/profile_$name.jsonl" \
+        "$@" > "$work/profile_$name.log" 2>&1
+      echo "profile $name exit $?"; grep -A24 "^profile (" "$work/profile_$name.log" | cut -c1-200
+      rm -f "$work/profile_$name"/trace_rank*.json
+    }
+    profile dp2 --set num_experts=16; pack
+    profile ep2 --set num_experts=32 --llm-ep 2; pack
+    ;;
+  *) echo "usage: slice_layouts.sh prepare | install | run | adapters-and-packed-cp | experts-and-fp8 | diagnose"
+     exit 2 ;;
 esac
