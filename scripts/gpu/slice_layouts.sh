@@ -72,9 +72,12 @@ case "${1:-}" in
       timeout 120 python3 scripts/memory_at_peak.py "/tmp/mem_$name" --top 50 --json "$work/mem_$name.json" \
         > "$work/mem_$name.txt" 2>&1
     }
-    memory 0 gpu-drawn & memory 1 cpu-drawn --init-device cpu
-    wait; tail -3 "$work/mem_gpu-drawn.log" "$work/mem_cpu-drawn.log" 2>&1 | cut -c1-200
-    head -30 "$work/mem_gpu-drawn.txt"; head -30 "$work/mem_cpu-drawn.txt"; pack
+    gpus=$(nvidia-smi -L | wc -l)
+    if [ "$gpus" -ge 2 ]; then memory 0 gpu-drawn & memory 1 cpu-drawn --init-device cpu; wait
+    else memory 0 gpu-drawn; memory 0 cpu-drawn --init-device cpu; fi  # one GPU: in turn, and no profiles
+    for name in gpu-drawn cpu-drawn; do tail -2 "$work/mem_$name.log" | cut -c1-200; head -30 "$work/mem_$name.txt"; done
+    pack
+    [ "$gpus" -ge 2 ] || exit 0
     profile() {  # NAME OPTIONS...
       local name=$1; shift
       timeout -k 10 150 python3 -m mimo.cli "${slice[@]}" --nproc-per-node 2 --train-iters 8 --profile-dir \
