@@ -74,6 +74,9 @@ class LayerMemory:
     # the part of `kept` that only weight gradients read (their GEMMs' inputs), by part: where a part's weights
     # train nothing (frozen, no adapter), autograd does not keep it
     wgrad_inputs: Kept = nothing_kept
+    # routed experts run as one grouped GEMM over their weights stacked (mimo.plugins.kit.grouped_mm_moe): where the
+    # weights do not lie back to back (the distributed optimizer's buffer), the forward keeps a stacked copy
+    stacked_experts: bool = False
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,15 @@ class _GroupedMMForward:
             for weights in expert_weights(self):
                 pack_contiguously(weights)
 
+    def _apply(self, fn, recurse=True):
+        # a device or dtype move (weights drawn on the CPU, then moved to the GPU) gives every weight a storage of
+        # its own: lay them back to back again, or every forward stacks a copy and keeps it for the backward
+        # (1.19 GiB on the slice: measured with `--memory-snapshot-dir`)
+        module = super()._apply(fn, recurse)
+        if getattr(self, "grouped_mm", False):
+            self._pack_weights()
+        return module
+
 
 class GroupedMMExperts(_GroupedMMForward, TEGroupedMLP):
     """transformer-engine's TEGroupedMLP (weight0..weightN of its grouped linears) run as torch grouped GEMMs."""

@@ -105,7 +105,8 @@ def transformer(h: int, heads: int, groups: int, head_dim: int, ffn: int, kernel
     return LayerMemory(kind, a.weights + m.weights, kept, working)
 
 
-def moe(h: int, experts: int, topk: int, expert_ffn: int, shared_ffn: int, kernels: Kernels) -> LayerMemory:
+def moe(h: int, experts: int, topk: int, expert_ffn: int, shared_ffn: int, kernels: Kernels,
+        stacked_experts: bool = False) -> LayerMemory:
     """Pre-norm routed experts (no gate, no bias) with a shared expert; the router in fp32.
 
     Each token reaches `topk` experts: the dispatched copies (the experts' input), their activations and their
@@ -127,7 +128,7 @@ def moe(h: int, experts: int, topk: int, expert_ffn: int, shared_ffn: int, kerne
         return TokenBytes(expert=topk * (h * v + (0 if mode == "selective" and kernels.te else expert_ffn * v)))
 
     kept, working = _full(kept_none, h)
-    return LayerMemory("moe", weights, kept, working, wgrad_inputs)
+    return LayerMemory("moe", weights, kept, working, wgrad_inputs, stacked_experts=stacked_experts)
 
 
 def mamba(h: int, heads: int, head_dim: int, groups: int, state: int, conv_kernel: int, kernels: Kernels, *,

@@ -10,14 +10,18 @@ from mimo.plugins.kit import memory_layers as ml
 from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from .settings import IMAGES, NemotronVLMSettings
-from .specs import resolve_backend
+from .specs import resolve_backend, uses_grouped_mm
+
+
+def _backend(s: NemotronVLMSettings) -> str:
+    # an explicit backend is estimated as asked, also where it cannot run (a plan made off the GPU machines)
+    return s.backend if s.backend != "auto" else resolve_backend("auto")
 
 
 def kernels(s: NemotronVLMSettings) -> ml.Kernels:
     """te: transformer-engine's fused norm + linear and attention, mamba-ssm's fused scan. local: mimo's norm +
     linear (the norm in fp32 on a copy of its input) and SDPA module."""
-    # an explicit backend is estimated as asked, also where it cannot run (a plan made off the GPU machines)
-    if (s.backend if s.backend != "auto" else resolve_backend("auto")) == "te":
+    if _backend(s) == "te":
         return ml.Kernels(fused_norm=True, te=True)
     return ml.Kernels(fp32_norm=True)
 
@@ -29,7 +33,8 @@ def llm_layers(s: NemotronVLMSettings) -> list[LayerMemory]:
         "M": lambda: ml.mamba(s.hidden_size, s.mamba_num_heads, s.mamba_head_dim, s.mamba_num_groups,
                               s.mamba_state_dim, s.mamba_conv_kernel, k, fused_scan=fused),
         "E": lambda: ml.moe(s.hidden_size, s.num_experts, s.moe_router_topk, s.moe_ffn_hidden_size,
-                            s.moe_shared_expert_intermediate_size, k),
+                            s.moe_shared_expert_intermediate_size, k,
+                            stacked_experts=uses_grouped_mm(s.expert_gemm, _backend(s))),
         "*": lambda: ml.attention(s.hidden_size, s.num_attention_heads, s.num_query_groups, s.kv_channels, k),
         "-": lambda: ml.mlp(s.hidden_size, s.ffn_hidden_size, k),
     }

@@ -52,7 +52,7 @@ case "${1:-}" in
       tail -30 "$work/experts.txt"; pack
     fi
     ;;
-  diagnose)  # issue 48's two open gaps, for the record. Memory: the CP comparison's 8k workload (two 4096-patch
+  diagnose|remeasure)  # issue 48's two open gaps, for the record. Memory: the CP comparison's 8k workload (two 4096-patch
     # images a sample) on one GPU each, the weights drawn on the GPU (GPU 0) and on the CPU (GPU 1), the allocator
     # recorded to iteration 2 and what was live at each peak listed (scripts/memory_at_peak.py). Time: DP 2 and
     # EP 2 profiled (iterations 6-7; the summaries come back, the traces are left out: too large)
@@ -72,6 +72,22 @@ case "${1:-}" in
       timeout 120 python3 scripts/memory_at_peak.py "/tmp/mem_$name" --top 50 --json "$work/mem_$name.json" \
         > "$work/mem_$name.txt" 2>&1
     }
+    if [ "$1" = remeasure ]; then  # after the expert stacks' fix: the 8k workload drawn on the CPU, then the
+      # one-GPU runs of lora_gpu.json's memory test as they were recorded (weights drawn on the CPU)
+      memory 0 cpu-drawn-fixed --init-device cpu
+      tail -2 "$work/mem_cpu-drawn-fixed.log" | cut -c1-200; head -16 "$work/mem_cpu-drawn-fixed.txt"; pack
+      one_gpu=(run --device cuda --provider nemotron-moe-vlm-52l --set 'hybrid_pattern=MEMEM*EMEM' --set num_experts=16
+               --set backend=te --precision bf16 --micro-batch-size 1 --num-microbatches 4 --train-iters 10
+               --log-interval 1 --seed 5 --set images_per_sample=1 --set patches_per_image=4096 --init-device cpu)
+      for name in lora-no-routed-experts full-finetune; do
+        extra=(); [ "$name" = full-finetune ] || extra=(--lora-rank 16 --lora-targets
+                                                        language:linear_qkv,linear_proj,in_proj,out_proj,shared_experts)
+        timeout -k 10 150 python3 -m mimo.cli "${one_gpu[@]}" "${extra[@]}" --metrics-file "$work/$name.jsonl" \
+          > "$work/$name.log" 2>&1
+        echo "$name exit $?"; grep "^iteration" "$work/$name.log" | tail -2 | cut -c1-250
+      done
+      pack; exit 0
+    fi
     gpus=$(nvidia-smi -L | wc -l)
     if [ "$gpus" -ge 2 ]; then memory 0 gpu-drawn & memory 1 cpu-drawn --init-device cpu; wait
     else memory 0 gpu-drawn; memory 0 cpu-drawn --init-device cpu; fi  # one GPU: in turn, and no profiles
@@ -89,6 +105,7 @@ case "${1:-}" in
     profile dp2 --set num_experts=16; pack
     profile ep2 --set num_experts=32 --llm-ep 2; pack
     ;;
-  *) echo "usage: slice_layouts.sh prepare | install | run | adapters-and-packed-cp | experts-and-fp8 | diagnose"
+  *) echo "usage: slice_layouts.sh prepare | install | run | adapters-and-packed-cp | experts-and-fp8 | diagnose |" \
+          "remeasure"
      exit 2 ;;
 esac

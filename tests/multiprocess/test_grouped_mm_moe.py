@@ -218,6 +218,10 @@ def test_nemotron_grouped_mm_model_uses_grouped_experts_and_keeps_megatrons_chec
         # each linear's expert weights lie in one tensor, after DDP's wrapping too: the GEMMs take them uncopied
         assert all(packed_view(weights) is not None for weights in expert_weights(layer.experts))
         assert type(layer.token_dispatcher) is _DeviceCountsDispatcher
+        moved = layer.experts.to(torch.float64)  # a move (CPU-drawn weights to the GPU) lays them out again
+        assert all(packed_view(weights) is not None and weights[0].dtype == torch.float64
+                   for weights in expert_weights(moved))
+        layer.experts.to(torch.float32)
     plain = [m for m in megatron.modules() if isinstance(m, MoELayer)]
     assert len(plain) == len(layers) and not any(isinstance(m, DeviceCountsMoELayer) for m in plain)
     assert all(type(m.experts) is SequentialMLP and type(m.token_dispatcher) is MoEAlltoAllTokenDispatcher

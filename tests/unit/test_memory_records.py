@@ -114,7 +114,9 @@ def test_cp_2_matched_cp_1_on_two_gpus():
 
 def test_the_whole_model_on_four_gpus_within_5_percent():
     """RADIO-H + the released 52-layer LLM (31.6B parameters) with EP4, full recompute and the precision-aware
-    optimizer on four H200s (layouts_gpu.json `four_gpus`): 97.1 GiB at most, against the plan's 93.8."""
+    optimizer on four H200s (layouts_gpu.json `four_gpus`): 97.1 GiB at most, against the plan's 93.8 then; 93.2
+    since (RADIO's recomputed layer no longer counted beside the LLM's activations, the experts' stacked copy under
+    the distributed optimizer counted)."""
     from mimo.core.config import (LaunchOptions, LayoutOptions, MemoryOptions, OptimizerOptions, PerformanceOptions,
                                   RunConfig, TrainingOptions)
     from mimo.core.run.plan import prepare
@@ -134,7 +136,7 @@ def test_the_whole_model_on_four_gpus_within_5_percent():
                             memory.options_of(plan), rows)
     assert [r.kind for r in ranks] == ["all ranks"]
     assert ranks[0].allocated / GIB == pytest.approx(max(record["peak_memory_gib"]), rel=0.05)
-    assert ranks[0].allocated / GIB == pytest.approx(record["planned_allocated_gib"][0], abs=0.05)
+    assert ranks[0].allocated / GIB == pytest.approx(93.18, abs=0.05)
 
 
 LORA = {r["id"]: r for r in json.loads((REPO / "docs/benchmarks/lora_gpu.json").read_text())["runs"]}
