@@ -44,14 +44,15 @@ def test_llm_ranks_of_the_split_within_5_percent_of_their_recorded_peak():
     assert estimates(record, "mean")["LLM ranks"] == estimates(record)["LLM ranks"]
 
 
-def test_llm_ranks_with_weights_drawn_on_the_gpus_planned_high_by_under_7_percent():
+def test_llm_ranks_with_weights_drawn_on_the_gpus_within_5_percent():
     """RADIO on rank 0 and the LLM DP3 on 4 H200s, weights drawn on the GPUs (call E): the LLM ranks peaked at
-    33.4 GiB, the plan says 35.7 (6.8% high). Runs with CPU-drawn weights peaked about 1.2 GiB higher on the same
-    work (slice-split-2img's LLM rank 34.7; slice-dp2-2img 56.2 against 55.0), and the estimate was fitted to
-    them: it errs on the safe side by that much since."""
+    33.4 GiB. Runs with CPU-drawn weights peaked about 1.2 GiB higher on the same work then (the routed experts'
+    stacked copies, since laid out again: plugins/kit/grouped_mm_moe.py), and the plan had been fitted to them
+    with the experts' outputs counted as kept, which they are not: 35.7 planned until both were found in a memory
+    snapshot (scripts/memory_at_peak.py)."""
     record = RECORDS["slice-split-1+3"]
     measured = record["peak_memory_gib"]["LLM ranks"]
-    assert measured < estimates(record)["LLM ranks"] < 1.07 * measured
+    assert estimates(record)["LLM ranks"] == pytest.approx(measured, rel=0.05)
 
 
 def test_the_slice_on_one_gpu_within_5_percent_of_its_recorded_peak():
@@ -92,13 +93,13 @@ def test_the_slice_at_32k_tokens_with_and_without_context_parallelism_within_5_p
     assert estimates(record)["all ranks"] == pytest.approx(record["peak_memory_gib"]["all ranks"], rel=0.05)
 
 
-def test_the_8k_baseline_of_the_cp_comparison_is_planned_high_by_under_7_percent():
-    """The CP comparison's 8192-token DP 2 run (weights drawn on the GPUs) peaked at 55.0 GiB; the plan says 58.8,
-    6.9% high, where the same run with the weights drawn on the CPU peaked at 56.2 (layouts_slice.json
-    slice-dp2-2img, within 5%): the estimate errs on the safe side here, by less than 7%."""
+def test_the_8k_baseline_of_the_cp_comparison_within_5_percent():
+    """The CP comparison's 8192-token DP 2 run (weights drawn on the GPUs) peaked at 55.0 GiB, and so did the same
+    work on one H200 with its allocator recorded, drawn on the GPU or (after the experts' relayout) on the CPU
+    (scripts/gpu/slice_layouts.sh diagnose / remeasure). The plan said 58.8 before it left out the experts' outputs
+    and stopped adding RADIO's recomputed layer to the LLM's activations (they are never held at once)."""
     record = next(r for r in CONTEXT_PARALLEL["runs"] if r["id"] == "slice-dp2-8k-2img-8mb")
-    measured = record["peak_memory_gib"]["all ranks"]
-    assert measured < estimates(record)["all ranks"] < 1.07 * measured
+    assert estimates(record)["all ranks"] == pytest.approx(record["peak_memory_gib"]["all ranks"], rel=0.05)
 
 
 def test_cp_2_matched_cp_1_on_two_gpus():
@@ -114,9 +115,9 @@ def test_cp_2_matched_cp_1_on_two_gpus():
 
 def test_the_whole_model_on_four_gpus_within_5_percent():
     """RADIO-H + the released 52-layer LLM (31.6B parameters) with EP4, full recompute and the precision-aware
-    optimizer on four H200s (layouts_gpu.json `four_gpus`): 97.1 GiB at most, against the plan's 93.8 then; 93.2
-    since (RADIO's recomputed layer no longer counted beside the LLM's activations, the experts' stacked copy under
-    the distributed optimizer counted)."""
+    optimizer on four H200s (layouts_gpu.json `four_gpus`): 97.1 GiB at most, against the plan's 93.8 then; 92.9
+    since (RADIO's recomputed layer no longer counted beside the LLM's activations, the experts' outputs not kept,
+    their stacked copy under the distributed optimizer counted)."""
     from mimo.core.config import (LaunchOptions, LayoutOptions, MemoryOptions, OptimizerOptions, PerformanceOptions,
                                   RunConfig, TrainingOptions)
     from mimo.core.run.plan import prepare
@@ -136,18 +137,19 @@ def test_the_whole_model_on_four_gpus_within_5_percent():
                             memory.options_of(plan), rows)
     assert [r.kind for r in ranks] == ["all ranks"]
     assert ranks[0].allocated / GIB == pytest.approx(max(record["peak_memory_gib"]), rel=0.05)
-    assert ranks[0].allocated / GIB == pytest.approx(93.18, abs=0.05)
+    assert ranks[0].allocated / GIB == pytest.approx(92.93, abs=0.05)
 
 
 LORA = {r["id"]: r for r in json.loads((REPO / "docs/benchmarks/lora_gpu.json").read_text())["runs"]}
 
 
 @pytest.mark.parametrize("run, targets", [
-    ("slice-lora16-no-routed-experts", "language:linear_qkv,linear_proj,in_proj,out_proj,shared_experts"),
-    ("slice-full-finetune", None)])
+    ("slice-lora16-no-routed-experts-2026-11-29", "language:linear_qkv,linear_proj,in_proj,out_proj,shared_experts"),
+    ("slice-full-finetune-2026-11-29", None)])
 def test_lora_and_full_fine_tuning_on_one_gpu_within_5_percent(run, targets):
     """lora_gpu.json: LoRA keeps no activations in the frozen encoder (nothing there trains) and no inputs of the
-    frozen routed experts' GEMMs (their weights get no gradient): 12.0 GiB measured; full fine-tuning 71.2."""
+    frozen routed experts' GEMMs (their weights get no gradient): 10.8 GiB measured; full fine-tuning 70.0 (measured
+    again after the expert weights' relayout on a move: 12.0 and 71.2 before, the forward's stacked copies)."""
     from mimo.core.config import AdapterOptions, MemoryOptions, RunConfig, TrainingOptions
     from mimo.core.run.plan import prepare
 
