@@ -16,7 +16,8 @@ def check_output_paths(config: RunConfig) -> None:
     is refused, what the others created here is removed again (a refused run leaves nothing behind)."""
     lg, c = config.logging, config.checkpoint
     paths = [(option, Path(path), False) for option, path in (
-        ("--tensorboard-dir", lg.tensorboard_dir), ("--profile-dir", lg.profile_dir), ("--save", c.save))
+        ("--tensorboard-dir", lg.tensorboard_dir), ("--profile-dir", lg.profile_dir),
+        ("--memory-snapshot-dir", lg.memory_snapshot_dir), ("--save", c.save))
         if path is not None]
     if lg.metrics_file is not None:
         paths.append(("--metrics-file", Path(lg.metrics_file), True))

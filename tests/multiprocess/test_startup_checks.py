@@ -33,6 +33,7 @@ def a_file(tmp_path):
 @pytest.mark.parametrize("where, message", [
     (lambda f: LoggingOptions(tensorboard_dir=f), "--tensorboard-dir {f} is a file, not a directory"),
     (lambda f: LoggingOptions(profile_dir=f / "prof"), "--profile-dir {f}/prof: {f} is a file, not a directory"),
+    (lambda f: LoggingOptions(memory_snapshot_dir=f), "--memory-snapshot-dir {f} is a file, not a directory"),
     (lambda f: LoggingOptions(metrics_file=f / "m.jsonl"),
      "--metrics-file {f}/m.jsonl: {f} is a file, not a directory"),
     (lambda f: LoggingOptions(metrics_file=f.parent), "--metrics-file {d} is a directory, not a file"),
