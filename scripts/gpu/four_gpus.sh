@@ -21,10 +21,10 @@
 # run-f: three jobs at once: GPU 0 the LoRA check and the whole model with adapters at sequence 4096 (one GPU);
 #        GPUs 1-3 the heterogeneous CP check (nemotron-moe-vlm-tiny, te, bf16: RADIO on one rank + the LLM CP 2,
 #        against CP 1), then on GPUs 1-2 the slice's DP2 and EP2, and CP2 at 32768 beside DP2 at 8192 (two images).
-# run-g: what the issues still ask of GPUs, three jobs at once: GPUs 0-1 packed CP (context_parallel.sh packed);
-#        GPU 2 the slice with adapters under --cuda-graphs, then under --fp8 tensorwise; GPU 3 idle. Then on all four
-#        `nemotron-moe-vlm-54l` at full size (EP4, full recompute, --optimizer-precision bf16) and the 52-layer model
-#        again (its start-up with the weights drawn on the GPUs).
+# run-g: what issue 52 still asks of four GPUs: `nemotron-moe-vlm-54l` at full size (EP4, full recompute,
+#        --optimizer-precision bf16) and the 52-layer model again (its start-up with the weights drawn on the GPUs);
+#        fan-in on GPUs (nemotron-moe-vlm-tiny, te, bf16: RADIO on 2 ranks feeding the LLM on 1, against
+#        colocated on one GPU, the same global batch); the slice's EP4 and DP4 profiled (iterations 6-7).
 # Results: $OUT/four_gpus.tgz: <part>/slice_layouts.json (rows), logs and metrics; the table is each part's last
 # output.
 set -uo pipefail
@@ -77,6 +77,19 @@ hetero_cp() {  # OUT_DIR: RADIO on GPU 1 and the LLM on GPU 2 (CP 1) against the
   python3 scripts/compare_losses.py "$out/cp1.jsonl" "$out/cp2.jsonl" | tail -3
   pack
 }
+fan_in() {  # OUT_DIR: RADIO on GPUs 0-1 feeding the LLM on GPU 2 against colocated on GPU 3, the same batch
+  local out="$WORK/$1"; mkdir -p "$out"
+  local run=(timeout -k 10 200 python3 -m mimo.cli run --provider nemotron-moe-vlm-tiny --set backend=te --device cuda
+             --precision bf16 --micro-batch-size 2 --global-batch-size 16 --set image_probability=0.5
+             --train-iters 10 --log-interval 1 --seed 5 --init-device cpu)
+  CUDA_VISIBLE_DEVICES=3 "${run[@]}" --metrics-file "$out/colocated.jsonl" > "$out/colocated.log" 2>&1
+  echo "colocated exit $?"
+  CUDA_VISIBLE_DEVICES=0,1,2 "${run[@]}" --nproc-per-node 3 --encoder-ranks 2 --metrics-file "$out/fan_in.jsonl" \
+    > "$out/fan_in.log" 2>&1
+  echo "fan-in exit $?"; tail -2 "$out/fan_in.log" | cut -c1-250
+  python3 scripts/compare_losses.py "$out/colocated.jsonl" "$out/fan_in.jsonl" | tail -3
+  pack
+}
 case "${1:-}" in
   prepare) prepare ;;
   install) install_te ;;
@@ -87,13 +100,19 @@ case "${1:-}" in
     if [ "$1" = run-e ]; then  # a fresh machine: EP4's first iteration is the record
       MIMO_SLOW_START_S=0 layouts slice_e 12 150 colocated-ep4 colocated-dp4 colocated-ep4-overlap split-1+3
     elif [ "$1" = run-g ]; then
-      ( CUDA_VISIBLE_DEVICES=0,1 OUT="$WORK/packed_cp" MIMO_WHEELS_READY=1 bash scripts/gpu/context_parallel.sh packed ) \
-        > "$WORK/packed_cp.txt" 2>&1 &
-      packed=$!
-      ( export CUDA_VISIBLE_DEVICES=2; layouts lora_modes 10 150 slice-lora16-graphs slice-lora16-fp8 ) \
-        > "$WORK/lora_modes.txt" 2>&1
-      wait $packed; tail -14 "$WORK/packed_cp.txt"; tail -8 "$WORK/lora_modes.txt"; pack
       MIMO_SLOW_START_S=0 layouts full 8 ${FULL_TIMEOUT:-200} full54-ep4 full-ep4
+      fan_in fan_in
+      for layout in ep4 dp4; do
+        experts=$([ $layout = ep4 ] && echo 64 || echo 16)
+        options=(); [ $layout = ep4 ] && options=(--llm-ep 4)
+        timeout -k 10 150 python3 -m mimo.cli run --device cuda --provider nemotron-moe-vlm-52l \
+          --set 'hybrid_pattern=MEMEM*EMEM' --set backend=te --set num_experts=$experts --precision bf16 \
+          --micro-batch-size 1 --num-microbatches 8 --nproc-per-node 4 --cuda-graphs --train-iters 8 \
+          --log-interval 1 --seed 5 "${options[@]}" --profile-dir "$WORK/profile_$layout" --profile-step-start 6 \
+          --profile-step-end 7 > "$WORK/profile_$layout.log" 2>&1
+        echo "profile $layout exit $?"; grep -A24 "^profile (" "$WORK/profile_$layout.log" | cut -c1-200
+        rm -f "$WORK/profile_$layout"/trace_rank*.json; pack
+      done
     elif [ "$1" = run-f ]; then
       ( export CUDA_VISIBLE_DEVICES=0
         NVIDIA_TF32_OVERRIDE=0 timeout 120 python3 scripts/gpu/check_grouped_lora.py > "$WORK/grouped_lora.txt" 2>&1
