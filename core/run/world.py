@@ -83,6 +83,8 @@ def join(plan: Plan, *, seed: int | None = None) -> World:
         "optimizer-precision", config.optimizer.optimizer_precision != "fp32")) if on]
     if config.training.init_device == "cuda":
         gpu_only.append("--init-device cuda")
+    if config.logging.memory_snapshot_dir is not None:  # the GPU allocator's history
+        gpu_only.append("--memory-snapshot-dir")
     if device.type != "cuda" and gpu_only:
         raise UsageError(f"{gpu_only[0]} needs a GPU; this run is on the CPU")
     if perf.cuda_graphs:
