@@ -64,16 +64,18 @@ optimizer_precision() {  # OUT_DIR: mock-vlm on 2 GPUs, bf16, the three --optimi
   python3 scripts/compare_losses.py "$out/bf16.jsonl" "$out/bf16_resumed.jsonl" | tail -1
   pack
 }
+tiny_run() {  # OUT_DIR NAME GPUS OPTIONS...: one run of the caller's `run` command into OUT_DIR/NAME.{jsonl,log}
+  local out=$1 name=$2 gpus=$3; shift 3
+  CUDA_VISIBLE_DEVICES=$gpus "${run[@]}" "$@" --metrics-file "$out/$name.jsonl" > "$out/$name.log" 2>&1
+  echo "$name exit $?"; tail -2 "$out/$name.log" | cut -c1-250
+}
 hetero_cp() {  # OUT_DIR: RADIO on GPU 1 and the LLM on GPU 2 (CP 1) against the LLM CP 2 on GPUs 2-3
   local out="$WORK/$1"; mkdir -p "$out"
   local run=(timeout -k 10 200 python3 -m mimo.cli run --provider nemotron-moe-vlm-tiny --set backend=te --device cuda
              --precision bf16 --encoder-ranks 1 --micro-batch-size 1 --num-microbatches 4 --set seq_length=1024
              --train-iters 10 --log-interval 1 --seed 5 --init-device cpu)
-  CUDA_VISIBLE_DEVICES=1,2 "${run[@]}" --nproc-per-node 2 --metrics-file "$out/cp1.jsonl" > "$out/cp1.log" 2>&1
-  echo "hetero cp1 exit $?"
-  CUDA_VISIBLE_DEVICES=1,2,3 "${run[@]}" --nproc-per-node 3 --llm-cp 2 --metrics-file "$out/cp2.jsonl" \
-    > "$out/cp2.log" 2>&1
-  echo "hetero cp2 exit $?"; tail -2 "$out/cp2.log" | cut -c1-250
+  tiny_run "$out" cp1 1,2 --nproc-per-node 2
+  tiny_run "$out" cp2 1,2,3 --nproc-per-node 3 --llm-cp 2
   python3 scripts/compare_losses.py "$out/cp1.jsonl" "$out/cp2.jsonl" | tail -3
   pack
 }
@@ -82,11 +84,8 @@ fan_in() {  # OUT_DIR: RADIO on GPUs 0-1 feeding the LLM on GPU 2 against coloca
   local run=(timeout -k 10 200 python3 -m mimo.cli run --provider nemotron-moe-vlm-tiny --set backend=te --device cuda
              --precision bf16 --micro-batch-size 2 --global-batch-size 16 --set image_probability=0.5
              --train-iters 10 --log-interval 1 --seed 5 --init-device cpu)
-  CUDA_VISIBLE_DEVICES=3 "${run[@]}" --metrics-file "$out/colocated.jsonl" > "$out/colocated.log" 2>&1
-  echo "colocated exit $?"
-  CUDA_VISIBLE_DEVICES=0,1,2 "${run[@]}" --nproc-per-node 3 --encoder-ranks 2 --metrics-file "$out/fan_in.jsonl" \
-    > "$out/fan_in.log" 2>&1
-  echo "fan-in exit $?"; tail -2 "$out/fan_in.log" | cut -c1-250
+  tiny_run "$out" colocated 3
+  tiny_run "$out" fan_in 0,1,2 --nproc-per-node 3 --encoder-ranks 2
   python3 scripts/compare_losses.py "$out/colocated.jsonl" "$out/fan_in.jsonl" | tail -3
   pack
 }
