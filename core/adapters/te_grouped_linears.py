@@ -26,8 +26,10 @@ FC = ("linear_fc1", "linear_fc2")
 def offsets_of(m_splits, device: torch.device) -> torch.Tensor:
     """The cumulative row counts of `m_splits` (a host list, or a tensor) as an int32 tensor on `device`: the
     `offs` of torch's grouped GEMM."""
-    counts = torch.as_tensor(m_splits, dtype=torch.int32).to(device, non_blocking=True)
-    return counts.cumsum(0, dtype=torch.int32)
+    counts = torch.as_tensor(m_splits, dtype=torch.int32)
+    if device.type == "cuda" and counts.device.type == "cpu":  # pinned: a pageable copy would wait for the GPU
+        counts = counts.pin_memory()
+    return counts.to(device, non_blocking=True).cumsum(0, dtype=torch.int32)
 
 
 def _adding(term):

@@ -81,7 +81,9 @@ def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Ten
     activation. `recompute`: a megatron-core CheckpointWithoutOutput for the activation (selective recompute).
     `adapters`: for fc1 and fc2, None or `term(x, offsets)`, added to that linear's output as a low-rank adapter
     beside each expert's linear adds it (fc1's before the activation, fc2's to the probs-weighted output)."""
-    offsets = counts.to(device=hidden.device, dtype=torch.int32, non_blocking=True).cumsum(0, dtype=torch.int32)
+    # the dtype changes on the device: a host tensor converted on the host first would be a new pageable tensor,
+    # whose copy makes the host wait for the GPU's queue (megatron-core's all-to-all hands pinned host counts)
+    offsets = counts.to(device=hidden.device, non_blocking=True).cumsum(0, dtype=torch.int32)
     up = _grouped_linear(hidden, fc1, offsets)
     if adapters[0] is not None:
         up = up + adapters[0](hidden, offsets).to(up.dtype)
