@@ -171,4 +171,14 @@ app.command("plan", cls=WholeNamesCommand)(with_options(_plan, [
 
 
 def main():  # pragma: no cover - console entry point
-    sys.exit(app())
+    from mimo.core.run.peer_loss import lost_peer_line
+
+    try:
+        code = app()
+    except Exception as err:  # a spawned worker whose peers stopped first: one line, not a traceback
+        line = lost_peer_line(err)
+        if line is None:
+            raise
+        print(line, file=sys.stderr)
+        code = 1
+    sys.exit(code)

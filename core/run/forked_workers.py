@@ -23,6 +23,8 @@ import sys
 import threading
 import traceback
 
+from .peer_loss import lost_peer_line
+
 
 def import_modules(names: list[str]) -> None:
     """Import, in the launcher, what its workers will import: they are forked with it."""
@@ -51,8 +53,12 @@ def run_cli(argv: list[str]) -> int:
         runpy.run_module("mimo.cli", run_name="__main__", alter_sys=True)
     except SystemExit as stop:
         code = _exit_code(stop.code)
-    except BaseException:  # what the interpreter prints for an uncaught exception
-        traceback.print_exc()
+    except BaseException as err:  # what the interpreter prints for an uncaught exception
+        line = lost_peer_line(err)
+        if line is None:
+            traceback.print_exc()
+        else:
+            print(line, file=sys.stderr)
         code = 1
     finally:
         threading._shutdown()  # the interpreter's own order at exit: threads, then atexit handlers
