@@ -40,7 +40,7 @@ class ForwardLoss:
         embeddings = None
         if isinstance(batch, EncodedBatch):  # --encoder-pass step: the encoders ran for the whole step
             batch, embeddings = batch.batch, batch.embeddings
-        check_row(model, batch["input_ids"].shape[-1], packed=batch.get("packing_kwargs") is not None)
+        check_row(model, batch["input_ids"].shape[-1])
         with self._label("mimo/to-device"):
             model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
             # where each encoder's placeholders are, found on the host: the merge then never waits for the GPU

@@ -31,8 +31,8 @@ def shard_multiple(llm: ModuleParallelism, sequence_parallel: bool) -> int:
 
 def splits_packed_rows(device: str) -> bool:
     """Whether a run on `device` can split packed (THD) rows over CP: transformer-engine's
-    `thd_get_partitioned_indices` does, on GPUs. A plan for GPUs made on a host without one counts as able (its
-    workers check again at their first micro-batch, check_row)."""
+    `thd_get_partitioned_indices` does, on GPUs. A plan for GPUs made on a host without one counts as able: the
+    workers make the plan again on their GPU hosts, where this looks for transformer-engine."""
     import torch
 
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
@@ -51,7 +51,9 @@ def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: 
         raise UsageError(f"--llm-cp {llm.cp} with --cuda-graphs is not supported yet (a CP run with graphs did not "
                          f"end after its last iteration, and was no faster); leave --cuda-graphs off")
     if pack_sequences and not splits_packed:
-        raise UsageError(_NO_PACKED_SPLIT.format(cp=llm.cp))
+        raise UsageError(f"--llm-cp {llm.cp} with --pack-sequences needs transformer-engine on GPUs (its split of "
+                         f"packed rows; the CPU's backends have none): run on GPUs with mimo[te] installed, or "
+                         f"without --pack-sequences")
     multiple = shard_multiple(llm, sequence_parallel)
     if seq_length is not None and seq_length % multiple:
         what = f"2 x CP x TP = 2 x {llm.cp} x {llm.tp}" if multiple != 2 * llm.cp else f"2 x CP = 2 x {llm.cp}"
@@ -60,18 +62,12 @@ def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: 
                          f"{multiple} (the load-balanced split); use --set seq_length={fits}")
 
 
-_NO_PACKED_SPLIT = ("--llm-cp {cp} with --pack-sequences needs transformer-engine on GPUs (its split of packed rows; "
-                    "the CPU's backends have none): run on GPUs with mimo[te] installed, or without --pack-sequences")
-
-
-def check_row(model, width: int, packed: bool = False) -> None:
+def check_row(model, width: int) -> None:
     """A micro-batch's rows must split evenly over CP: one line here instead of megatron-core's assertion. `model`:
     the MimoModel, whose partition adapter holds its CP (and SP) groups on LLM ranks."""
     cfg = getattr(getattr(model, "partition_adapter", None), "cfg", None)
     if cfg is None or not cfg.use_cp:
         return
-    if packed and importlib.util.find_spec("transformer_engine_torch") is None:
-        raise UsageError(_NO_PACKED_SPLIT.format(cp=cfg.cp_group.size()))
     multiple = 2 * cfg.cp_group.size() * (cfg.tp_group.size() if cfg.seq_parallel else 1)
     if width % multiple:
         raise UsageError(f"a micro-batch row of {width} tokens does not split over context parallelism: rows must "

@@ -99,7 +99,7 @@ def start(plan: Plan) -> Session:
     device, topo, params_dtype = world.device, world.topology, world.params_dtype
     phases.done("joining")
     memory = MemorySnapshot(config.logging.memory_snapshot_dir, config.logging.memory_snapshot_iteration,
-                            rank=dist.get_rank(), device=device)
+                            rank=dist.get_rank())
     model = world.build_model()
     phases.done("the model")
     optimizer = build_optimizer(config.optimizer, model=model, params_dtype=params_dtype)

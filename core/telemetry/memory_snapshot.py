@@ -20,9 +20,9 @@ class MemorySnapshot:
     """Records from construction to the end of `iteration`, then writes memory_rank{rank}.pickle; a no-op
     without a directory."""
 
-    def __init__(self, directory: Path | None, iteration: int, *, rank: int, device: torch.device):
+    def __init__(self, directory: Path | None, iteration: int, *, rank: int):
         self.directory, self.iteration, self.rank = directory, iteration, rank
-        self.recording = directory is not None and device.type == "cuda"
+        self.recording = directory is not None  # on GPU runs only: joining the world refuses it on the CPU
         if self.recording:
             torch.cuda.memory._record_memory_history(max_entries=MAX_ENTRIES, stacks="python")
 
