@@ -462,3 +462,19 @@ def test_radio_boundaries_left_on_the_host_reach_the_hidden_states_device():
     assert moved.cu_seqlens_q.device.type == moved.cu_seqlens_kv.device.type == "meta"
     assert moved.max_seqlen_q == 18 and params.cu_seqlens_q.device.type == "cpu"  # the caller's object unchanged
     assert _boundaries_to_device(None, (torch.empty(30, 1, 4),), {"packed_seq_params": params}) is None
+
+
+def test_balanced_routing_for_benchmarks_reaches_megatron_and_keeps_the_routers_out_of_graphs(world):
+    """moe_router_force_load_balancing (benchmarks only): megatron-core's random routing logits, which no CUDA graph
+    of the router may capture."""
+    from mimo.providers.nemotron.model import _routers_graphable
+
+    parallelism = topology.plan(LayoutOptions(), 1, nemotron.model_shape(NemotronVLMSettings(**TINY)),
+                                micro_batch_size=1)
+    topo = topology.build(parallelism, backend="gloo")
+    ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
+    for balanced in (False, True):
+        settings = NemotronVLMSettings(**{**TINY, "moe_router_force_load_balancing": balanced})
+        spec = nemotron.build_language_model(settings, ctx)
+        assert spec.params["config"].moe_router_force_load_balancing is balanced
+        assert _routers_graphable(settings, ctx, "te") is not balanced
