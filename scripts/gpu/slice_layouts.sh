@@ -105,7 +105,62 @@ case "${1:-}" in
     profile dp2 --set num_experts=16; pack
     profile ep2 --set num_experts=32 --llm-ep 2; pack
     ;;
+  one-gpu)  # issue 48 on one GPU: megatron-core's dispatcher (counts to the host, a wait per MoE layer and
+    # micro-batch, the chunk sort) against mimo's device counts on the slice, in turn on the same data, the baseline
+    # again last (scripts/gpu/dispatch_paths.py): expert parallelism's price beside its all-to-all. Then issue 50's
+    # grouped-experts LoRA check with its FP8 part (bf16), and whether NCCL EP (the flex dispatcher) is there.
+    use_wheels te
+    export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
+    work=/tmp/slice_layouts; mkdir -p "$work"; versions "$work/versions.txt"
+    pack() { mkdir -p "${OUT:-runs}"; tar czf "${OUT:-runs}/.r.$BASHPID.tgz" -C "$work" . && \
+             mv -f "${OUT:-runs}/.r.$BASHPID.tgz" "${OUT:-runs}/slice_layouts.tgz"; }
+    python3 -c "import torch; print('nccl', torch.cuda.nccl.version())
+import megatron.core.transformer.moe.fused_a2a as a; print('NCCL EP for megatron-core:', a.nccl_ep_dispatch is not None)" \
+      > "$work/ncclep.txt" 2>&1; tail -2 "$work/ncclep.txt"
+    slice=(run --device cuda --provider nemotron-moe-vlm-52l --set 'hybrid_pattern=MEMEM*EMEM' --set backend=te
+           --set num_experts=16 --precision bf16 --micro-batch-size 1 --num-microbatches 8 --cuda-graphs
+           --log-interval 1 --seed 5 --train-iters 14)
+    path() {  # NAME device|host [OPTIONS]
+      local name=$1 mode=$2; shift 2
+      timeout -k 10 "${CAP:-150}" python3 scripts/gpu/dispatch_paths.py "$mode" "${slice[@]}" \
+        --metrics-file "$work/$name.jsonl" "$@" > "$work/$name.log" 2>&1
+      echo "$name exit $?"; grep "^iteration" "$work/$name.log" | tail -1 | cut -c1-220
+    }
+    CAP=200 path device device; path host host; path host-eager-router host --set moe_router_graphs=false
+    path device-again device
+    for other in host host-eager-router device-again; do
+      python3 scripts/gpu/dispatch_paths.py compare "$work/device.jsonl" "$work/$other.jsonl" --skip 4
+    done | tee "$work/compare.txt"
+    pack
+    left=$(( 560 - SECONDS )); (( left < 40 )) && left=40
+    NVIDIA_TF32_OVERRIDE=0 timeout -k 10 "$left" python3 scripts/gpu/check_grouped_lora.py \
+      --precision bf16 > "$work/grouped_lora_bf16.txt" 2>&1; echo "check_grouped_lora exit $?"
+    cut -c1-400 "$work/grouped_lora_bf16.txt" | grep -v Warning | tail -8; pack
+    ;;
+  ep-profile)  # issue 48 on two GPUs: DP 2 and EP 2 profiled (iterations 6-7: GPU time by kind, idle time by host
+    # operation, the host's waits), NCCL's transport between the GPUs, then EP 2 without the shared expert's side
+    # stream; summaries come back, the traces are left out (too large)
+    use_wheels te
+    export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
+    work=/tmp/slice_layouts; mkdir -p "$work"; versions "$work/versions.txt"; nvidia-smi topo -m > "$work/topo.txt"
+    pack() { mkdir -p "${OUT:-runs}"; tar czf "${OUT:-runs}/.r.$BASHPID.tgz" -C "$work" . && \
+             mv -f "${OUT:-runs}/.r.$BASHPID.tgz" "${OUT:-runs}/slice_layouts.tgz"; }
+    slice=(run --device cuda --provider nemotron-moe-vlm-52l --set 'hybrid_pattern=MEMEM*EMEM' --set backend=te
+           --precision bf16 --micro-batch-size 1 --num-microbatches 8 --cuda-graphs --log-interval 1 --seed 5)
+    profile() {  # NAME OPTIONS...
+      local name=$1; shift
+      NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT timeout -k 10 150 python3 -m mimo.cli "${slice[@]}" --nproc-per-node 2 \
+        --train-iters 8 --profile-dir "$work/profile_$name" --profile-step-start 6 --profile-step-end 7 \
+        --metrics-file "$work/profile_$name.jsonl" "$@" > "$work/profile_$name.log" 2>&1
+      echo "profile $name exit $?"; grep -m3 " via " "$work/profile_$name.log" | cut -c1-160
+      grep -A24 "^profile (" "$work/profile_$name.log" | cut -c1-200
+      rm -f "$work/profile_$name"/trace_rank*.json
+    }
+    profile dp2 --set num_experts=16; pack
+    profile ep2 --set num_experts=32 --llm-ep 2; pack
+    profile ep2-no-side-stream --set num_experts=32 --llm-ep 2 --set shared_expert_overlap=false; pack
+    ;;
   *) echo "usage: slice_layouts.sh prepare | install | run | adapters-and-packed-cp | experts-and-fp8 | diagnose |" \
-          "remeasure"
+          "remeasure | one-gpu | ep-profile"
      exit 2 ;;
 esac
