@@ -54,8 +54,8 @@ class NemotronVLMSettings:
                "measures a layout without the routing imbalance of untrained weights")
     moe_router_graphs: bool = _setting(
         True, "with --cuda-graphs: capture each MoE layer's router too (megatron-core's moe_router scope) where "
-              "nothing there waits for the host: the routed experts as grouped GEMMs (expert_gemm) on one rank of "
-              "experts, LLM TP 1, no FP8, no LLM recompute")
+              "nothing there waits for the host: the routed experts as grouped GEMMs (expert_gemm), LLM TP 1 and "
+              "expert TP 1, no FP8, no LLM recompute")
 
     # -- vision encoder (RADIO ViT)
     vision_layers: int = _setting(32, "transformer layers of the RADIO encoder", **SIZE)

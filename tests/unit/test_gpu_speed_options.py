@@ -62,10 +62,16 @@ def test_nemotron_te_additions_make_a_valid_megatron_config(monkeypatch):
     off = ({"settings": dataclasses.replace(settings, moe_router_graphs=False)},
            {"settings": dataclasses.replace(settings, expert_gemm="megatron")},
            {"ctx": dataclasses.replace(ctx, recompute={"language": "selective"})},
-           {"ctx": dataclasses.replace(ctx, parallelism={**PARALLELISM, "language": ModuleParallelism(0, 2, ep=2)})})
+           {"ctx": dataclasses.replace(ctx, parallelism={**PARALLELISM, "language": ModuleParallelism(0, 2, tp=2)})},
+           {"ctx": dataclasses.replace(ctx, parallelism={**PARALLELISM,
+                                                         "language": ModuleParallelism(0, 2, ep=2, expt_tp=2)})})
     for case in off:
         fields = nemotron_model._cuda_graph_fields(case.get("settings", settings), case.get("ctx", ctx), "te")
         assert fields == {"cuda_graph_modules": ["mamba", "attn"]}, case
+    # under expert parallelism too: the dispatcher's wait for the token counts is outside the router's graph
+    ep2 = dataclasses.replace(ctx, parallelism={**PARALLELISM, "language": ModuleParallelism(0, 2, ep=2)})
+    assert nemotron_model._cuda_graph_fields(settings, ep2, "te") == {"cuda_graph_modules": ["mamba", "attn",
+                                                                                          "moe_router"]}
     chosen = dataclasses.replace(ctx, cuda_graph_modules=("attn",))  # --cuda-graph-modules over the provider
     config = chosen.transformer_config("language", num_layers=2, hidden_size=64, num_attention_heads=4,
                                        **_te_fields(settings, ctx))
