@@ -57,6 +57,8 @@ LAYOUTS = {
     "colocated-dp2-balanced": Layout(2, (), {"moe_router_force_load_balancing": "true"}),
     "colocated-ep2-balanced": Layout(2, ("--llm-ep", "2"), {"num_experts": 32,
                                                              "moe_router_force_load_balancing": "true"}),
+    # the routers eager, as they were under expert parallelism before they were graphed there too
+    "colocated-ep2-eager-routers": Layout(2, ("--llm-ep", "2"), {"num_experts": 32, "moe_router_graphs": "false"}),
     "colocated-dp4": Layout(4),
     "colocated-ep4": Layout(4, ("--llm-ep", "4"), {"num_experts": 64}),
     "colocated-ep4-overlap": Layout(4, ("--llm-ep", "4", "--overlap-grad-reduce"), {"num_experts": 64}),

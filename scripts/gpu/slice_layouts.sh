@@ -137,9 +137,10 @@ import megatron.core.transformer.moe.fused_a2a as a; print('NCCL EP for megatron
       --precision bf16 > "$work/grouped_lora_bf16.txt" 2>&1; echo "check_grouped_lora exit $?"
     cut -c1-400 "$work/grouped_lora_bf16.txt" | grep -v Warning | tail -8; pack
     ;;
-  ep-profile)  # issue 48 on two GPUs: DP 2 and EP 2 profiled (iterations 6-7: GPU time by kind, idle time by host
-    # operation, the host's waits), NCCL's transport between the GPUs, then EP 2 without the shared expert's side
-    # stream; summaries come back, the traces are left out (too large)
+  ep-profile)  # issue 48 on two GPUs: DP 2, EP 2 (its routers graphed) and EP 2 with eager routers as rows of
+    # layouts_gpu.json (bench/slice_layouts.py, 10 iterations); then DP 2 and EP 2 profiled (iterations 6-7: GPU
+    # time by kind, idle time by host operation, the host's waits) with NCCL's transport between the GPUs, and EP 2
+    # without the shared expert's side stream; summaries come back, the traces are left out (too large)
     use_wheels te
     export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
     work=/tmp/slice_layouts; mkdir -p "$work"; versions "$work/versions.txt"; nvidia-smi topo -m > "$work/topo.txt"
@@ -156,9 +157,12 @@ import megatron.core.transformer.moe.fused_a2a as a; print('NCCL EP for megatron
       grep -A24 "^profile (" "$work/profile_$name.log" | cut -c1-200
       rm -f "$work/profile_$name"/trace_rank*.json
     }
+    python3 bench/slice_layouts.py --out "$work/rows" --iterations 10 --warmup 4 --timeout 150 \
+      --layouts colocated-dp2 colocated-ep2 colocated-ep2-eager-routers > "$work/rows.txt" 2>&1
+    tail -8 "$work/rows.txt"; pack
     profile dp2 --set num_experts=16; pack
     profile ep2 --set num_experts=32 --llm-ep 2; pack
-    profile ep2-no-side-stream --set num_experts=32 --llm-ep 2 --set shared_expert_overlap=false; pack
+    (( SECONDS < 450 )) && profile ep2-no-side-stream --set num_experts=32 --llm-ep 2 --set shared_expert_overlap=false; pack
     ;;
   *) echo "usage: slice_layouts.sh prepare | install | run | adapters-and-packed-cp | experts-and-fp8 | diagnose |" \
           "remeasure | one-gpu | ep-profile"
