@@ -18,6 +18,7 @@ from mimo.errors import UsageError
 
 from . import estimate as memory
 from ..parallel import context_parallel, topology
+from ..parallel.provider_refusal import provider_refusal
 from ..config import LayoutOptions
 from .estimate import GIB
 from .fit import encoder_rows
@@ -159,7 +160,7 @@ def _language_model_accepts(plan, parallelism: dict, accepted: dict) -> bool:
         return True
     key = (llm.tp, llm.cp)
     if key not in accepted:
-        accepted[key] = context_parallel.provider_refusal(plan, parallelism) is None
+        accepted[key] = provider_refusal(plan, parallelism) is None
     return accepted[key]
 
 

@@ -73,22 +73,3 @@ def check_row(model, width: int) -> None:
         raise UsageError(f"a micro-batch row of {width} tokens does not split over context parallelism: rows must "
                          f"be a multiple of {multiple} (2 x --llm-cp, x TP under --sequence-parallel); pad the data "
                          f"to such a length")
-
-
-def provider_refusal(plan, parallelism: dict | None = None) -> str | None:
-    """The provider's own refusal of its LLM under CP (a backend without CP, heads that do not split over TP x CP),
-    or None: its language model built once without process groups (no weights), laid out as `parallelism` (the
-    plan's own by default). None too for a plan made for GPUs on a host without one (`mimo plan --device cuda` on a
-    login node): a provider checks its backend against this machine; the workers' build still refuses there."""
-    import dataclasses
-
-    import torch
-
-    if plan.config.training.device == "cuda" and not torch.cuda.is_available():
-        return None
-    laid_out = plan if parallelism is None else dataclasses.replace(plan, parallelism=parallelism)
-    try:
-        plan.hooks.build_language_model(settings=plan.settings, ctx=laid_out.build_context({}))
-    except ValueError as err:
-        return str(err)
-    return None

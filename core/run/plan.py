@@ -18,6 +18,7 @@ from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from ..forward import encoder_pass
 from ..memory import fit
 from ..parallel import context_parallel, topology
+from ..parallel.provider_refusal import provider_refusal
 from . import launch
 
 
@@ -103,7 +104,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
                                        modalities, config.provider)
     plan = Plan(config, provider, hooks, settings, shapes, parallelism, world_size, global_batch,
                 global_batch // per_microbatch, train_iters, step, adapter_targets=lora)
-    if parallelism[LANGUAGE].cp > 1 and (refused := context_parallel.provider_refusal(plan)):
+    if refused := provider_refusal(plan):  # what every worker's build would refuse, before any process starts
         raise UsageError(f"provider '{plan.config.provider}': {refused}")
     encoder_pass.fit_auto(plan, fit.fits)  # auto: the step's encoder activations must fit the GPU
     return plan

@@ -86,6 +86,24 @@ def test_nemotron_te_additions_make_a_valid_megatron_config(monkeypatch):
     assert not nemotron_model._fused_loss(settings, "local")
 
 
+def test_what_a_providers_build_refuses_the_plan_refuses_before_any_process_starts():
+    """Sequence parallelism on the local backend: the provider's build refuses it, and `mimo plan` (and the
+    launcher, which makes the same plan) says so in one line instead of every worker after the processes started."""
+    from mimo.core.config import LaunchOptions, LayoutOptions
+    from mimo.core.run.plan import prepare
+
+    config = RunConfig(provider="nemotron-moe-vlm-tiny", launch=LaunchOptions(nproc_per_node=3),
+                       training=TrainingOptions(micro_batch_size=1), layout=LayoutOptions(encoder_ranks=1, llm_tp=2),
+                       performance=PerformanceOptions(sequence_parallel=True))
+    with pytest.raises(UsageError) as err:
+        prepare(config, world_size=3)
+    message = str(err.value)
+    assert message.startswith("provider 'nemotron-moe-vlm-tiny': --sequence-parallel needs backend te")
+    assert "\n" not in message
+    plain = dataclasses.replace(config, layout=LayoutOptions(encoder_ranks=1), performance=PerformanceOptions())
+    assert prepare(plain, world_size=3).parallelism["language"].dp == 2
+
+
 @pytest.mark.parametrize("ctx_fields, backend, message", [
     (dict(cuda_graphs=True), "local", "--cuda-graphs needs backend te"),
     (dict(cuda_graphs=True, llm_input_packed=True), "te", "--cuda-graphs: packed --data gives the LLM sequences"),
