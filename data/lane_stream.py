@@ -57,12 +57,16 @@ class LaneStream:
         config = WorkerConfig(rank=self.rank, world_size=num_lanes // k, num_workers=self.num_workers,
                               seed_offset=seed, global_error_handler=self.loose)
         # an evaluation reads another split (split_part) the same way: seeded, repeating, so it never runs dry
-        self.what = f"{dataset_kwargs.get('split_part', 'train')} samples".replace("train samples", "training samples")
+        split = dataset_kwargs.get("split_part", "train")
+        self.what = f"{split} samples".replace("train samples", "training samples")
+        # how a dataset prepared for training alone (--split-ratio 1,0,0, as docs/data.md's examples) gets one
+        self.how = "" if split == "train" else (f"; energon prepare's --split-ratio gives a dataset a {split} share "
+                                               "(docs/evaluation.md)")
         try:
             self.dataset = get_train_dataset(path, worker_config=config, batch_size=None, task_encoder=task_encoder,
                                              **dataset_kwargs)
         except EmptyDatasetError as err:
-            raise UsageError(f"--data {path}: the dataset has no {self.what} ({err})") from None
+            raise UsageError(f"--data {path}: the dataset has no {self.what} ({err}){self.how}") from None
         except (FileNotFoundError, ValueError, KeyError, ImportError, AttributeError, TypeError) as err:
             # a sample class that cannot be imported (preflight names it first: data/check.py)
             raise UsageError(unreadable_dataset(path) or f"--data {path}: not an energon dataset or metadataset "
@@ -85,7 +89,7 @@ class LaneStream:
         if 0 not in sizes:
             return
         if num_lanes * self.per_lane == 1:
-            raise UsageError(f"--data {path}: the dataset has no {self.what}")
+            raise UsageError(f"--data {path}: the dataset has no {self.what}{self.how}")
         raise UsageError(f"--data {path}: too few {self.what} for {num_lanes} LLM data-parallel lanes x "
                          f"{self.per_lane} loader workers (some workers get none): lower --num-workers")
 

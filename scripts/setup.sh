@@ -5,12 +5,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
 
+quiet() { grep -v "^WARNING: Location" || true; }  # local index folders some machines configure: harmless
 if [ ! -x .venv/bin/python ]; then
   python=$(find_python)
   "$python" -m venv .venv
-  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q --upgrade pip 2>&1 | quiet
 fi
-quiet() { grep -v "^WARNING: Location" || true; }  # local index folders some machines configure: harmless
 .venv/bin/python -m pip install -q -r requirements.lock 2>&1 | quiet
 # Everything mimo needs came from the lock; --no-deps keeps pip from resolving anything past it.
 # (PYTHONWARNINGS: setuptools warns about every editable install of a package whose folder is the repository.)

@@ -210,7 +210,7 @@ class Checkpointer:
         if self.lora:  # the base the adapters were trained on, then the adapters
             adapter_state.check_base(common["adapters"], opts, self.seed, directory)
             self.adapter_base = common["adapters"]
-            self._load_base()
+            self._load_base(resuming=True)
         self._check_compatible(common, directory)
         if opts.finetune:
             self._load_weights_only(opts.load, what="--finetune", common=common)
@@ -248,13 +248,14 @@ class Checkpointer:
                              f"this run has {lanes}: resume with the same layout, or pass --finetune")
         return iteration, common["consumed_samples"], loaded.get("data_state")
 
-    def _load_base(self) -> None:
-        """The run's initial weights: its Hugging Face folders or --pretrained (of a LoRA run: the base)."""
+    def _load_base(self, resuming: bool = False) -> None:
+        """The run's initial weights: its Hugging Face folders or --pretrained (of a LoRA run: the base; `resuming`:
+        the adapters' checkpoint restores optimizer, schedule and data next)."""
         if self.load_hf is not None:  # Hugging Face folders: each rank reads its slices
             self.load_hf()
             self._refresh_main_params()
         elif self.options.pretrained:
-            self._load_pretrained(self.options.pretrained)
+            self._load_pretrained(self.options.pretrained, resuming)
 
     def _check_optimizer_resharding(self, common: dict) -> None:
         """Distributed-optimizer state saved per DP shard (dp_reshardable) loads only at the same DP size."""
@@ -272,20 +273,21 @@ class Checkpointer:
                                  f"this run has DP {par.dp}: resume at DP {saved}, or pass --no-load-optim (save "
                                  f"with --dist-ckpt-optim-fully-reshardable to reshard later)")
 
-    def _load_pretrained(self, path: Path) -> None:
+    def _load_pretrained(self, path: Path, resuming: bool = False) -> None:
+        anew = "" if resuming else "; optimizer, schedule and data start anew"
         directory = foreign_directory(path)
         if directory is None:
-            self._load_weights_only(path, what="--pretrained")
+            self._load_weights_only(path, what="--pretrained", fresh=not resuming)
         elif self.load_foreign is None:
             raise UsageError(f"--pretrained {path} is not a mimo checkpoint")
         else:
             self.load_foreign(path, directory)
             self._refresh_main_params()
             if dist.get_rank() == 0:
-                print(f"loaded weights from {directory} (a dist checkpoint the provider's load_pretrained read); "
-                      f"optimizer, schedule and data start anew", flush=True)
+                print(f"loaded weights from {directory} (a dist checkpoint the provider's load_pretrained read)"
+                      f"{anew}", flush=True)
 
-    def _load_weights_only(self, root: Path, what: str, common: dict | None = None) -> None:
+    def _load_weights_only(self, root: Path, what: str, common: dict | None = None, fresh: bool = True) -> None:
         iteration = read_tracker(root)
         if iteration is None:
             raise UsageError(f"{what} {root}: no checkpoint there ({TRACKER} is missing)")
@@ -301,8 +303,8 @@ class Checkpointer:
         self._refresh_main_params()
         if dist.get_rank() == 0:
             origin = f"{directory} (saved at iteration {iteration} by provider {common['run']['provider']})"
-            fresh = "; optimizer, schedule and data start anew" if self.optimizer is not None else ""
-            print(f"loaded weights from {origin} in {time.perf_counter() - started:.2f} s{fresh}", flush=True)
+            anew = "; optimizer, schedule and data start anew" if fresh and self.optimizer is not None else ""
+            print(f"loaded weights from {origin} in {time.perf_counter() - started:.2f} s{anew}", flush=True)
 
     def _load_model(self, state: dict, part: str) -> None:
         """Strict, but for `_extra_state` entries the checkpoint did not have (see _dist_load) and, in a LoRA run,

@@ -17,6 +17,8 @@ def check_resume(config: RunConfig, speak: bool = True) -> int | None:
 
     `speak`: whether this process prints the fresh-start line (one process of the run does)."""
     c = config.checkpoint
+    if speak:
+        _warn_replacing(config)
     if c.load is None:
         return None
     load = Path(c.load)
@@ -32,6 +34,22 @@ def check_resume(config: RunConfig, speak: bool = True) -> int | None:
         return None
     where = "no such directory" if not load.exists() else f"no checkpoint there ({TRACKER} is missing)"
     raise UsageError(f"--load {load}: {where}; to start fresh, drop --load or give it the --save directory")
+
+
+def _warn_replacing(config: RunConfig) -> None:
+    """One line when `--save` already holds checkpoints that this run does not `--load`: it starts over and its
+    saves replace them (`--keep-last` deletes the rest), which a resume command missing `--load` does silently."""
+    c = config.checkpoint
+    if c.save is None or (c.load is not None and _same(Path(c.load), Path(c.save))):
+        return
+    try:
+        iteration = read_tracker(Path(c.save))
+    except UsageError:  # a corrupted tracker: this run's first save replaces it
+        return
+    if iteration is not None:
+        pruned = ", and --keep-last deletes the older ones" if c.keep_last else ""
+        print(f"warning: --save {c.save} already holds checkpoints (up to iteration {iteration}) that this run does "
+              f"not load: its saves replace them{pruned}; to resume them, add --load {c.save}", flush=True)
 
 
 def require_checkpoint(load: Path) -> int:

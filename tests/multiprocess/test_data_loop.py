@@ -272,6 +272,9 @@ def test_bad_dataset_paths_are_one_clear_line(tmp_path, dataset):
     prepare_energon_dataset(info.path, info.shards, split_parts_patterns=[("train", "^$"), ("val", ".*")])
     with pytest.raises(UsageError, match="no training samples"):
         LaneLoader(info.path, te, micro_batch_size=2, num_lanes=1)
+    with pytest.raises(UsageError, match=r"has no val samples .*; energon prepare's --split-ratio gives a dataset a "
+                                         r"val share \(docs/evaluation.md\)$"):
+        LaneLoader(dataset.path, te, micro_batch_size=2, num_lanes=1, split_part="val")
     with pytest.raises(UsageError, match="lower --num-workers"):
         LaneLoader(dataset.path, te, micro_batch_size=2, num_lanes=4, lanes=range(0, 1), num_workers=16)
     broken = write_sample_dataset(tmp_path / "broken", num_samples=4, shard_size=4, corrupt_indices=range(4))

@@ -35,6 +35,23 @@ def test_load_without_a_checkpoint_is_an_error_unless_it_is_the_save_directory(t
     assert check_resume(config(None)) is None
 
 
+def test_a_save_directory_with_checkpoints_not_loaded_is_named(tmp_path, capsys):
+    save = tmp_path / "save"
+    save.mkdir()
+    assert check_resume(config(None, save=save)) is None
+    assert capsys.readouterr().out == ""  # nothing there yet: nothing to say
+    (save / "latest_checkpointed_iteration.txt").write_text("150\n")
+    cfg = config(None, save=save)
+    cfg.checkpoint.keep_last = 3
+    assert check_resume(cfg) is None
+    assert capsys.readouterr().out.splitlines() == [
+        f"warning: --save {save} already holds checkpoints (up to iteration 150) that this run does not load: its "
+        f"saves replace them, and --keep-last deletes the older ones; to resume them, add --load {save}"]
+    assert check_resume(config(None, save=save), speak=False) is None
+    assert check_resume(config(save, save=tmp_path / "." / "save")) == 150  # resuming them: nothing to say
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("field", ["lr", "adam_eps", "clip_grad"])
 def test_numeric_options_must_be_finite(field):
     for value in (math.nan, math.inf):

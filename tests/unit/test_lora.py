@@ -11,7 +11,7 @@ from helpers import train_steps, world_of_one
 from mimo.core.adapters import linears
 from mimo.core.adapters.apply import adapter_parameters, is_adapter_name, merge_adapters
 from mimo.core.adapters.targets import resolve
-from mimo.core.config import AdapterOptions, OptimizerOptions, RunConfig, TrainingOptions
+from mimo.core.config import AdapterOptions, CheckpointOptions, OptimizerOptions, RunConfig, TrainingOptions
 from mimo.core.config.adapters import parse_targets
 from mimo.core.forward.batch_transfer import to_device
 from mimo.core.parallel.optim import build_optimizer
@@ -52,6 +52,29 @@ def test_a_target_module_the_model_lacks_names_the_modules():
 def test_scale_defaults_to_two():
     assert AdapterOptions(lora_rank=8).scale == 2.0
     assert AdapterOptions(lora_rank=8, lora_alpha=4).scale == 0.5
+
+
+def test_resuming_adapters_does_not_say_their_optimizer_starts_anew(tmp_path, monkeypatch, capsys):
+    """A LoRA resume loads its --pretrained base before the adapters' checkpoint, which restores the optimizer,
+    the schedule and the data: the base's line says they start anew only when nothing is resumed."""
+    from mimo.core.checkpoint import checkpointer
+
+    ckpt = object.__new__(checkpointer.Checkpointer)
+    ckpt.options, ckpt.optimizer, ckpt.lora = CheckpointOptions(pretrained=str(tmp_path)), object(), True
+    ckpt.load_hf = ckpt.load_foreign = None
+    ckpt._check_compatible = ckpt._load_model = lambda *args: None
+    ckpt._model_state, ckpt._dist_load = (lambda part: {}), (lambda state, directory: state)
+    ckpt._refresh_main_params = lambda: None
+    monkeypatch.setattr(checkpointer, "foreign_directory", lambda path: None)
+    monkeypatch.setattr(checkpointer, "read_tracker", lambda root: 2)
+    monkeypatch.setattr(checkpointer, "read_common", lambda d: {"contents": {}, "run": {"provider": "mock-vlm"}})
+    monkeypatch.setattr(checkpointer.adapter_state, "check_saved", lambda *args: None)
+    monkeypatch.setattr(checkpointer.dist, "get_rank", lambda: 0)
+    ckpt._load_base()
+    assert capsys.readouterr().out.rstrip().endswith("; optimizer, schedule and data start anew")
+    ckpt._load_base(resuming=True)
+    line = capsys.readouterr().out.rstrip()
+    assert line.startswith(f"loaded weights from {tmp_path}") and "anew" not in line
 
 
 @pytest.fixture(scope="module")
