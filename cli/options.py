@@ -15,6 +15,7 @@ import typer
 from mimo.core import run_file
 from mimo.core.config import COMPONENTS, RunConfig
 from mimo.errors import UsageError
+from mimo.plugins.settings import read_settings_file
 
 
 def loop_parameters() -> list[inspect.Parameter]:
@@ -71,6 +72,14 @@ def _given_on_command_line(ctx) -> set[str]:
             and source.name not in ("DEFAULT", "DEFAULT_MAP")}
 
 
+def _provider_named_by(provider_config: Path | None) -> str | None:
+    """The provider a --provider-config file names (`provider: NAME`, as `mimo ckpt import-hf` writes it)."""
+    if provider_config is None:
+        return None
+    named = read_settings_file(provider_config).get("provider")
+    return named if isinstance(named, str) else None
+
+
 def run_config(kwargs: dict, ctx=None) -> RunConfig:
     """The RunConfig of the command line (`ctx`: typer's context, which says what was typed), over --config's
     file where one is given."""
@@ -88,10 +97,11 @@ def run_config(kwargs: dict, ctx=None) -> RunConfig:
             else:
                 chosen[f.name] = values[f.name]
         parts[section] = cls(**chosen)
-    provider = values.get("provider") or (file_values or {}).get(run_file.PROVIDER)
+    provider = (values.get("provider") or (file_values or {}).get(run_file.PROVIDER)
+                or _provider_named_by(values.get("provider_config")))
     if not provider:
-        raise UsageError("--provider NAME is needed (or 'provider: NAME' in the --config file); see: mimo "
-                         "providers list")
+        raise UsageError("--provider NAME is needed (or 'provider: NAME' in the --config or --provider-config "
+                         "file); see: mimo providers list")
     named = (file_values or {}).get(run_file.PROVIDER)
     if named not in (None, provider):
         raise UsageError(f"--config {values['config']} is a run of provider '{named}', --provider says '{provider}': "

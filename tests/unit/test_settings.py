@@ -180,3 +180,19 @@ def test_mock_vlm_declares_its_rules(assignments, message):
     with pytest.raises(UsageError) as err:
         build_settings(Provider("mock-vlm", "test", MockVLMSettings), assignments)
     assert str(err.value) == message
+
+
+
+def test_a_provider_config_that_names_its_provider_stands_in_for_provider(tmp_path):
+    """`mimo ckpt import-hf` writes `provider: NAME` into provider.yaml: `--provider-config` of it is enough."""
+    from typer.testing import CliRunner
+
+    from mimo.cli.main import app
+
+    named, unnamed = tmp_path / "named.yaml", tmp_path / "unnamed.yaml"
+    named.write_text("provider: mock-vlm\nimage_probability: 0.5\n")
+    unnamed.write_text("image_probability: 0.5\n")
+    result = CliRunner().invoke(app, ["plan", "--provider-config", str(named), "--device", "cpu"])
+    assert result.exit_code == 0 and "Layout valid" in result.output, result.output
+    result = CliRunner().invoke(app, ["plan", "--provider-config", str(unnamed), "--device", "cpu"])
+    assert result.exit_code == 2 and "--provider NAME is needed" in result.output
