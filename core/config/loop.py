@@ -58,6 +58,14 @@ class OptimizerOptions(Options):
         "optimizer: needs --precision bf16, --use-distributed-optimizer and transformer-engine on a GPU")
 
     def check(self) -> None:
+        # torch's Adam and megatron-core's scheduler refuse these with a traceback (a negative clip: not at all)
+        for name, value in (("--lr", self.lr), ("--min-lr", self.min_lr), ("--weight-decay", self.weight_decay),
+                            ("--adam-eps", self.adam_eps), ("--clip-grad", self.clip_grad)):
+            if value < 0:
+                raise UsageError(f"{name} must be 0 or more, got {value}")
+        for name, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            if not 0 <= value < 1:
+                raise UsageError(f"{name} must lie in [0, 1), got {value}")
         if self.min_lr > self.lr:
             raise UsageError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
 
@@ -81,6 +89,13 @@ class SchedulerOptions(Options):
             raise UsageError("give at most one of --lr-decay-iters and --lr-decay-samples")
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None and self.lr_wsd_decay_samples is None:
             raise UsageError("--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
+        for name, value in (("--lr-warmup-iters", self.lr_warmup_iters),
+                            ("--lr-warmup-samples", self.lr_warmup_samples)):
+            if value < 0:
+                raise UsageError(f"{name} must be 0 or more, got {value}")
+        at_least_one(("--lr-decay-iters", self.lr_decay_iters), ("--lr-decay-samples", self.lr_decay_samples),
+                     ("--lr-wsd-decay-iters", self.lr_wsd_decay_iters),
+                     ("--lr-wsd-decay-samples", self.lr_wsd_decay_samples))
 
 
 @dataclass
@@ -195,6 +210,8 @@ class LaunchOptions(Options):
 
     def check(self) -> None:
         at_least_one(("--nproc-per-node", self.nproc_per_node), ("--nnodes", self.nnodes))
+        if self.distributed_timeout_minutes <= 0:  # torch's rendezvous would time out at once, with a traceback
+            raise UsageError(f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint host:port, the same on every node")
 

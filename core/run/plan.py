@@ -17,7 +17,7 @@ from ..checkpoint import hf
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from ..forward import encoder_pass
 from ..memory import fit
-from ..parallel import context_parallel, topology
+from ..parallel import context_parallel, optim, topology
 from . import launch
 
 
@@ -94,6 +94,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     train_iters = t.train_iters or (t.train_samples // global_batch if t.train_samples else DEFAULT_TRAIN_ITERS)
     if train_iters < 1:
         raise UsageError(f"--train-samples {t.train_samples} is less than one global batch ({global_batch})")
+    optim.check_schedule(config.scheduler, global_batch, train_iters * global_batch)
     step = encoder_pass.step_encoders(config.performance.encoder_pass, hooks=hooks, parallelism=parallelism,
                                       device=t.device)
     lora = None

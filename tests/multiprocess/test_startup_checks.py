@@ -8,6 +8,7 @@ import pytest
 from helpers import run_mimo
 from mimo.core.config import (COMPONENTS, CheckpointOptions, LaunchOptions, LoggingOptions, OptimizerOptions,
                               PerformanceOptions, RunConfig, SchedulerOptions, TrainingOptions)
+from mimo.core.parallel.optim import check_schedule
 from mimo.core.run.output_paths import check_output_paths
 from mimo.errors import UsageError
 
@@ -112,6 +113,13 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_setting(tmp_path):
     (TrainingOptions(micro_batch_size=0), "--micro-batch-size must be at least 1, got 0"),
     (OptimizerOptions(lr=float("nan")), "--lr must be a finite number, got nan"),
     (OptimizerOptions(lr=1e-5, min_lr=1e-4), "--min-lr 0.0001 is above --lr 1e-05"),
+    (OptimizerOptions(lr=-1.0), "--lr must be 0 or more, got -1.0"),
+    (OptimizerOptions(adam_beta1=1.5), "--adam-beta1 must lie in [0, 1), got 1.5"),
+    (OptimizerOptions(weight_decay=-0.1), "--weight-decay must be 0 or more, got -0.1"),
+    (OptimizerOptions(clip_grad=-1.0), "--clip-grad must be 0 or more, got -1.0"),
+    (SchedulerOptions(lr_decay_iters=0), "--lr-decay-iters must be at least 1, got 0"),
+    (SchedulerOptions(lr_warmup_iters=-1), "--lr-warmup-iters must be 0 or more, got -1"),
+    (LaunchOptions(distributed_timeout_minutes=0.0), "--distributed-timeout-minutes must be positive, got 0.0"),
     (LaunchOptions(nnodes=2), "--nnodes > 1 needs --rdzv-endpoint host:port"),
     (CheckpointOptions(save_interval=5), "--save-interval needs --save DIR"),
     (SchedulerOptions(lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
@@ -138,3 +146,15 @@ def test_what_crosses_components_is_the_run_configs_to_check():
         RunConfig(provider="mock-vlm", performance=overlap).validate()
     RunConfig(provider="mock-vlm", performance=overlap, training=TrainingOptions(precision="bf16"),
               optimizer=OptimizerOptions(use_distributed_optimizer=True)).validate()
+
+
+def test_a_warmup_as_long_as_the_decay_is_refused_before_the_scheduler_asserts_it():
+    # plan.prepare calls this with the run's global batch (4 here) and length in samples
+    for scheduler, message in ((SchedulerOptions(lr_warmup_iters=5), "--lr-warmup-iters 5 is not shorter than the "
+                                "learning-rate decay (the whole run: 2 in the same units)"),
+                               (SchedulerOptions(lr_warmup_samples=8, lr_decay_iters=1),
+                                "--lr-warmup-samples 8 is not shorter than the learning-rate decay (--lr-decay-iters: "
+                                "4 in the same units)")):
+        with pytest.raises(UsageError, match=re.escape(message)):
+            check_schedule(scheduler, global_batch_size=4, train_samples=8)
+    check_schedule(SchedulerOptions(lr_warmup_iters=1), global_batch_size=4, train_samples=8)
