@@ -111,6 +111,11 @@ def _check_module(name: str, par: ModuleParallelism, shape: ModuleShape, sequenc
     for count, what in ((shape.num_attention_heads, "attention heads"), (shape.num_query_groups, "query groups")):
         if count and count % par.tp:
             raise UsageError(f"{tp_opt} {par.tp} does not divide the {who}'s {count} {what}: use one of {_divisors(count)}")
+    if shape.vocab_size and shape.vocab_size % par.tp:
+        multiple = -(-shape.vocab_size // par.tp) * par.tp
+        raise UsageError(f"{tp_opt} {par.tp} does not divide the {who}'s vocabulary of {shape.vocab_size} "
+                         f"(megatron-core splits the embedding evenly over TP): pad it to {multiple}, or use "
+                         f"{tp_opt} among {_divisors(shape.vocab_size)}")
     if par.pp > 1 and shape.num_layers % par.pp:
         raise UsageError(f"--llm-pp {par.pp} does not divide the LLM's {shape.num_layers} layers: use one of {_divisors(shape.num_layers)}")
     if is_llm and shape.num_experts and par.tp > 1 and not sequence_parallel:

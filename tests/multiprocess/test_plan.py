@@ -10,9 +10,10 @@ from mimo.core.run.plan import prepare
 from mimo.errors import UsageError
 
 
-def plan(world, micro_batch_size=4, **layout):
+def plan(world, micro_batch_size=4, settings=(), **layout):
     config = RunConfig(provider="mock-vlm", launch=LaunchOptions(nproc_per_node=world),
-                       training=TrainingOptions(micro_batch_size=micro_batch_size), layout=LayoutOptions(**layout))
+                       provider_settings=list(settings), training=TrainingOptions(micro_batch_size=micro_batch_size),
+                       layout=LayoutOptions(**layout))
     return prepare(config, world_size=world)
 
 
@@ -35,6 +36,14 @@ def test_invalid_layouts_are_refused(world, layout, mbs, message):
     with pytest.raises(UsageError) as err:
         plan(world, mbs, **layout)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_tp_must_divide_the_vocabulary():
+    # megatron-core's embedding asserts it on every rank once the model is built; mimo plan accepted it
+    with pytest.raises(UsageError, match=r"^--llm-tp 2 does not divide the LLM's vocabulary of 261 \(megatron-core "
+                                         r"splits the embedding evenly over TP\): pad it to 262, or use --llm-tp "):
+        plan(3, settings=["vocab_size=261"], encoder_ranks=1, llm_tp=2)
+    plan(3, settings=["vocab_size=262"], encoder_ranks=1, llm_tp=2)
 
 
 @pytest.mark.parametrize("world, layout, dps", [
