@@ -31,6 +31,7 @@ from ..generation.answers import answer_all, prompt_format_of
 from ..generation.decoder import Decoder, check_plan
 from ..generation.sampling import Sampler, SamplingOptions
 from ..generation.text_metrics import mean
+from .output_paths import check_output_file
 from .plan import Plan, prepare
 from .preflight import check_pretrained
 from .world import join
@@ -66,7 +67,10 @@ class GenerateRequest:
             raise UsageError(f"--limit must be at least 1, got {self.limit}")
         for image in self.images:
             if not Path(image).is_file():
-                raise UsageError(f"--image {image}: no such file")
+                raise UsageError(f"--image {image}: " + ("a directory, not an image file" if Path(image).is_dir()
+                                                         else "no such file"))
+        if self.output is not None:
+            check_output_file("--output", self.output)
         self.sampling.validate()
 
     def prompts(self, data: Path | None) -> tuple[list, int]:

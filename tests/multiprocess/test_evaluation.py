@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import read_metrics, run_mimo, world_of_one
+from mimo.errors import UsageError
 
 BASE = ("--provider", "mock-vlm", "--device", "cpu", "--log-interval", "1")
 ENV = {"TORCH_COMPILE_DISABLE": "1"}
@@ -163,3 +164,12 @@ def test_bad_evaluation_options_are_one_line(args, message):
     result = run_mimo(*args[:1], *BASE, *args[1:], env=ENV)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_without_weights_or_a_provider_eval_and_generate_ask_for_the_weights():
+    from mimo.cli.checkpoint_config import config_from_checkpoint
+
+    for command in ("eval", "generate"):  # they asked for --provider, which would then ask for --load
+        with pytest.raises(UsageError, match=f"^mimo {command} needs --load CKPT \\(a mimo checkpoint\\) or "
+                                             f"--pretrained PATH"):
+            config_from_checkpoint({"provider": None}, None, command)

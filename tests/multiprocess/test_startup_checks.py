@@ -9,7 +9,7 @@ from helpers import run_mimo
 from mimo.core.config import (COMPONENTS, CheckpointOptions, LaunchOptions, LoggingOptions, OptimizerOptions,
                               PerformanceOptions, RunConfig, SchedulerOptions, TrainingOptions)
 from mimo.core.parallel.optim import check_schedule
-from mimo.core.run.output_paths import check_output_paths
+from mimo.core.run.output_paths import check_output_file, check_output_paths
 from mimo.errors import UsageError
 
 CPU = ("run", "--provider", "mock-vlm", "--device", "cpu", "--train-iters", "2", "--log-interval", "1")
@@ -158,3 +158,13 @@ def test_a_warmup_as_long_as_the_decay_is_refused_before_the_scheduler_asserts_i
         with pytest.raises(UsageError, match=re.escape(message)):
             check_schedule(scheduler, global_batch_size=4, train_samples=8)
     check_schedule(SchedulerOptions(lr_warmup_iters=1), global_batch_size=4, train_samples=8)
+
+
+def test_a_commands_result_file_is_checked_before_its_work(tmp_path, a_file):
+    # mimo eval --json, mimo generate --output: written at the end, where a bad path was a traceback
+    with pytest.raises(UsageError, match=f"^--json {a_file}/e.json: {a_file} is a file, not a directory$"):
+        check_output_file("--json", a_file / "e.json")
+    with pytest.raises(UsageError, match=f"^--output {tmp_path} is a directory, not a file$"):
+        check_output_file("--output", tmp_path)
+    check_output_file("--json", tmp_path / "new" / "e.json")
+    assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "e.json").exists()
