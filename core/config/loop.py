@@ -185,7 +185,7 @@ class LoggingOptions(Options):
                "busiest kernels (the profiled iterations' host side runs slower)")
 
     def check(self) -> None:
-        at_least_one(("--log-interval", self.log_interval))
+        at_least_one(("--log-interval", self.log_interval), ("--flop-check-iteration", self.flop_check_iteration))
         if self.max_nan_iters < 1:
             raise UsageError(f"--max-nan-iters must be at least 1, got {self.max_nan_iters}")
         if self.memory_snapshot_dir and self.memory_snapshot_iteration < 1:

@@ -95,6 +95,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     if train_iters < 1:
         raise UsageError(f"--train-samples {t.train_samples} is less than one global batch ({global_batch})")
     optim.check_schedule(config.scheduler, global_batch, train_iters * global_batch)
+    _check_chosen_iterations(config.logging, train_iters)
     step = encoder_pass.step_encoders(config.performance.encoder_pass, hooks=hooks, parallelism=parallelism,
                                       device=t.device)
     lora = None
@@ -108,6 +109,17 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
         raise UsageError(f"provider '{plan.config.provider}': {refused}")
     encoder_pass.fit_auto(plan, fit.fits)  # auto: the step's encoder activations must fit the GPU
     return plan
+
+
+def _check_chosen_iterations(logging, train_iters: int) -> None:
+    """An iteration the run never reaches would silently profile or count nothing."""
+    chosen = [("--flop-check-iteration", logging.flop_check_iteration)]
+    if logging.profile_dir:
+        chosen.append(("--profile-step-end", logging.profile_step_end))
+    for option, iteration in chosen:
+        if iteration is not None and iteration > train_iters:
+            raise UsageError(f"{option} {iteration} is past the run's last iteration ({train_iters}): choose one "
+                             f"the run reaches, or train longer")
 
 
 def hf_base_settings(config: RunConfig, provider: Provider, hooks) -> dict:

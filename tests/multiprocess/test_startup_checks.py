@@ -120,6 +120,7 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_setting(tmp_path):
     (SchedulerOptions(lr_decay_iters=0), "--lr-decay-iters must be at least 1, got 0"),
     (SchedulerOptions(lr_warmup_iters=-1), "--lr-warmup-iters must be 0 or more, got -1"),
     (LaunchOptions(distributed_timeout_minutes=0.0), "--distributed-timeout-minutes must be positive, got 0.0"),
+    (LoggingOptions(flop_check_iteration=0), "--flop-check-iteration must be at least 1, got 0"),
     (LaunchOptions(nnodes=2), "--nnodes > 1 needs --rdzv-endpoint host:port"),
     (CheckpointOptions(save_interval=5), "--save-interval needs --save DIR"),
     (SchedulerOptions(lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
@@ -168,3 +169,15 @@ def test_a_commands_result_file_is_checked_before_its_work(tmp_path, a_file):
         check_output_file("--output", tmp_path)
     check_output_file("--json", tmp_path / "new" / "e.json")
     assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "e.json").exists()
+
+
+def test_an_iteration_the_run_never_reaches_is_refused():
+    from mimo.core.run.plan import _check_chosen_iterations
+
+    # they profiled or counted nothing, silently
+    with pytest.raises(UsageError, match=r"^--profile-step-end 6 is past the run's last iteration \(2\)"):
+        _check_chosen_iterations(LoggingOptions(profile_dir="p"), train_iters=2)
+    with pytest.raises(UsageError, match=r"^--flop-check-iteration 3 is past the run's last iteration \(2\)"):
+        _check_chosen_iterations(LoggingOptions(flop_check_iteration=3), train_iters=2)
+    _check_chosen_iterations(LoggingOptions(), train_iters=2)  # the default window without --profile-dir
+    _check_chosen_iterations(LoggingOptions(profile_dir="p", profile_step_start=1, profile_step_end=2), train_iters=2)
