@@ -26,6 +26,7 @@ def plan(world, micro_batch_size=4, settings=(), **layout):
     (6, {"encoder_ranks": 3, "encoder_tp": 3}, 4, "--encoder-tp 3 does not divide the encoder 'images''s 4 attention heads"),
     # EP must divide the experts; mock-vlm has none
     (3, {"encoder_ranks": 1, "llm_ep": 2}, 4, "--llm-ep 2 needs a mixture-of-experts LLM"),
+    (2, {"llm_expt_tp": 2}, 4, "--llm-expt-tp 2 needs a mixture-of-experts LLM; this provider's LLM has no experts"),
     # encoder DP 2 and LLM DP 3 do not divide one another; fan-in needs the micro-batch to split evenly
     (5, {"encoder_ranks": 2}, 4, "encoder DP 2 and LLM DP 3 must divide one another for the bridge: try --encoder-ranks 1"),
     (4, {"encoder_ranks": 2, "llm_tp": 2}, 3, "--micro-batch-size 3 cannot be split over the 2 encoder ranks"),
