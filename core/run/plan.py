@@ -81,6 +81,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
                            pack_sequences=config.data.data is not None and config.data.pack_sequences,
                            cuda_graphs=config.performance.cuda_graphs,
                            splits_packed=context_parallel.splits_packed_rows(config.training.device))
+    _refuse_gpu_only_layouts(config, parallelism[LANGUAGE])
     unknown = sorted(set(config.performance.recompute_modes()) - set(shapes) - {"*"})
     if unknown:
         raise UsageError(f"--recompute names module '{unknown[0]}', which provider '{config.provider}' does not "
@@ -109,6 +110,19 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
         raise UsageError(f"provider '{plan.config.provider}': {refused}")
     encoder_pass.fit_auto(plan, fit.fits)  # auto: the step's encoder activations must fit the GPU
     return plan
+
+
+def _refuse_gpu_only_layouts(config: RunConfig, llm: ModuleParallelism) -> None:
+    """What a --device cpu run's workers would refuse (or fail at) after start-up, said by the plan (docs/cpu.md).
+    Only for an explicit --device cpu: a plan made on a CPU host with --device auto may be for GPUs."""
+    if config.training.device != "cpu":
+        return
+    if config.performance.sequence_parallel:
+        raise UsageError("--sequence-parallel needs transformer-engine's norms, which need a GPU: drop it on the CPU "
+                         "(an LLM with experts then keeps --llm-tp 1 and splits them with --llm-ep)")
+    if llm.expt_tp > 1:  # megatron-core's expert-TP gather asks CUDA for its device in backward
+        raise UsageError(f"--llm-expt-tp {llm.expt_tp} does not run on the CPU: split the experts with --llm-ep "
+                         f"instead")
 
 
 def _check_chosen_iterations(logging, train_iters: int) -> None:
