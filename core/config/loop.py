@@ -247,8 +247,9 @@ class CheckpointOptions(Options):
             raise UsageError("give --pretrained (a whole model) or its parts (--pretrained-llm, --pretrained-vision), "
                              "not both")
         at_least_one(("--save-interval", self.save_interval), ("--keep-last", self.keep_last))
-        if self.save_interval and not self.save:
-            raise UsageError("--save-interval needs --save DIR")
+        for option, value in (("--save-interval", self.save_interval), ("--keep-last", self.keep_last)):
+            if value and not self.save:  # --keep-last was ignored silently
+                raise UsageError(f"{option} needs --save DIR")
         if self.finetune and not self.load:
             raise UsageError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
 

@@ -123,6 +123,7 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_setting(tmp_path):
     (LoggingOptions(flop_check_iteration=0), "--flop-check-iteration must be at least 1, got 0"),
     (LaunchOptions(nnodes=2), "--nnodes > 1 needs --rdzv-endpoint host:port"),
     (CheckpointOptions(save_interval=5), "--save-interval needs --save DIR"),
+    (CheckpointOptions(keep_last=2), "--keep-last needs --save DIR"),
     (SchedulerOptions(lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
     (LoggingOptions(profile_with_stack=True), "--profile-with-stack records stacks in a profile"),
 ])
