@@ -12,6 +12,11 @@ from .layout import COMMON, TRACKER, read_tracker
 from ..config import RunConfig
 
 
+# The checkpoint options of a command that only reads weights (mimo eval, mimo generate): a --config run file's
+# save_interval and keep_last would otherwise be refused for want of the save directory dropped with them.
+NO_SAVING = {"save": None, "save_interval": None, "keep_last": None}
+
+
 def check_resume(config: RunConfig, speak: bool = True) -> int | None:
     """The iteration `--load` resumes from, or None for a fresh start; raise UsageError when `--load` is wrong.
 
