@@ -214,6 +214,11 @@ class LaunchOptions(Options):
             raise UsageError(f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint host:port, the same on every node")
+        if self.rdzv_endpoint:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise UsageError(f"--rdzv-endpoint {self.rdzv_endpoint} must be host:port (e.g. node0:29500), the "
+                                 f"same on every node")
 
 
 @dataclass

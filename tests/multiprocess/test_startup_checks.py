@@ -122,6 +122,7 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_setting(tmp_path):
     (LaunchOptions(distributed_timeout_minutes=0.0), "--distributed-timeout-minutes must be positive, got 0.0"),
     (LoggingOptions(flop_check_iteration=0), "--flop-check-iteration must be at least 1, got 0"),
     (LaunchOptions(nnodes=2), "--nnodes > 1 needs --rdzv-endpoint host:port"),
+    (LaunchOptions(nnodes=2, rdzv_endpoint="node0"), "--rdzv-endpoint node0 must be host:port (e.g. node0:29500)"),
     (CheckpointOptions(save_interval=5), "--save-interval needs --save DIR"),
     (CheckpointOptions(keep_last=2), "--keep-last needs --save DIR"),
     (SchedulerOptions(lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
@@ -182,3 +183,14 @@ def test_an_iteration_the_run_never_reaches_is_refused():
         _check_chosen_iterations(LoggingOptions(flop_check_iteration=3), train_iters=2)
     _check_chosen_iterations(LoggingOptions(), train_iters=2)  # the default window without --profile-dir
     _check_chosen_iterations(LoggingOptions(profile_dir="p", profile_step_start=1, profile_step_end=2), train_iters=2)
+
+
+def test_a_rendezvous_host_that_does_not_resolve_is_refused_before_the_launch():
+    from mimo.core.run.launch import check_rendezvous_host
+
+    # torch's rendezvous retried it until its timeout: the run hung
+    with pytest.raises(UsageError, match=r"^--rdzv-endpoint nowhere.invalid:29500: host 'nowhere.invalid' is not "
+                                         r"known here \("):
+        check_rendezvous_host("nowhere.invalid:29500")
+    check_rendezvous_host("localhost:29500")
+    check_rendezvous_host(None)
