@@ -15,6 +15,7 @@ from mimo.core.checkpoint.layout import read_tracker
 from mimo.core.checkpoint.resume import require_checkpoint
 from mimo.core.checkpoint.saved_run import honour, refuse_changed_settings, report_lines, saved_run
 from mimo.core.config import RunConfig
+from mimo.errors import UsageError
 
 from .options import _given_on_command_line, run_config
 
@@ -22,6 +23,10 @@ from .options import _given_on_command_line, run_config
 def config_from_checkpoint(kwargs: dict, ctx, command: str) -> tuple[RunConfig, Callable | None]:
     """(the command's RunConfig, `report(plan) -> lines` saying what came from the checkpoint; None when the
     checkpoint records no run)."""
+    weights = ("load", "pretrained", "pretrained_llm", "pretrained_vision")
+    if not kwargs.get("provider") and not kwargs.get("config") and not any(kwargs.get(w) for w in weights):
+        raise UsageError(f"mimo {command} needs --load CKPT (a mimo checkpoint) or --pretrained PATH (a mimo "
+                         f"checkpoint or a Hugging Face folder)")
     if not kwargs.get("provider"):  # an empty folder is the problem to name, not the missing --provider
         if kwargs.get("load"):
             require_checkpoint(kwargs["load"])

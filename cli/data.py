@@ -48,6 +48,8 @@ def sample(directory: Path,
         if not 0 <= val_shards < shards:
             raise UsageError(f"--val-shards {val_shards} must leave training shards: use 0 to {shards - 1} "
                              f"({num_samples} samples make {shards} shards of {shard_size})")
+        if directory.exists() and not directory.is_dir():
+            raise UsageError(f"{directory} is a file: choose a new directory")
         if directory.exists() and any(directory.iterdir()):
             raise UsageError(f"{directory} is not empty: choose a new directory")
     except UsageError as err:

@@ -97,6 +97,7 @@ def _eval(ctx: typer.Context, split: str = "val", json_path=None, **kwargs):
     provider's synthetic eval data, over --eval-iters global batches (default 10), in any layout that fits."""
     from mimo.core.run import launch, preflight
     from mimo.core.run.evaluate import evaluate_checkpoint
+    from mimo.core.run.output_paths import check_output_file
     from mimo.core.run.lifeline import install as die_with_parent
 
     from .checkpoint_config import config_from_checkpoint
@@ -104,6 +105,8 @@ def _eval(ctx: typer.Context, split: str = "val", json_path=None, **kwargs):
     die_with_parent()
     launch.die_with_launcher()
     try:
+        if json_path is not None:
+            check_output_file("--json", json_path)
         config, report = config_from_checkpoint(kwargs, ctx, "eval")  # the checkpoint's provider and settings
         with preflight.for_eval(config, split) as plan:
             if report is not None and not launch.is_launched_worker():

@@ -42,15 +42,34 @@ def unreadable_dataset(path, flag: str = "--data") -> str | None:
         return (f"{flag} {path}: a JSON file, not an energon dataset; LLaVA-style records (conversations or messages, "
                 f"with their images) become one with `mimo data convert llava {path} IMAGE_DIR OUT`, then "
                 f"{flag} OUT")
+    if path.is_dir() and not (path / ".nv-meta").is_dir():
+        return (f"{flag} {path}: a folder without .nv-meta, not an energon dataset: prepare its shards with "
+                f"`energon prepare {path}` (docs/data.md), or make a sample one with `mimo data sample DIR`")
     try:
         for dataset_yaml in _dataset_yamls(path, 0):
             problem = _check_yaml(dataset_yaml)
             if problem:
                 where = dataset_yaml.relative_to(path) if dataset_yaml.is_relative_to(path) else dataset_yaml
                 return f"{flag} {path}: {where} {problem}"
+    except _UnreadableYaml as err:
+        return f"{flag} {path}: {err}: fix it (a dataset's .nv-meta files: prepare it again with `energon prepare`)"
     except (OSError, yaml.YAMLError) as err:
         return f"{flag} {path}: not an energon dataset or metadataset ({type(err).__name__}: {err})"
     return None
+
+
+class _UnreadableYaml(yaml.YAMLError):
+    """A dataset.yaml or metadataset that is not YAML, in one line (the parser's message spans several)."""
+
+
+def _read_yaml(file: Path):
+    try:
+        return yaml.safe_load(file.read_text())
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        why = getattr(err, "problem", None) or type(err).__name__
+        raise _UnreadableYaml(f"{file} is not readable YAML ({why}{where})") from None
 
 
 def foreign_notes(path, flag: str = "--data") -> list[str]:
@@ -60,7 +79,7 @@ def foreign_notes(path, flag: str = "--data") -> list[str]:
     notes = []
     try:
         for dataset_yaml in _dataset_yamls(path, 0) if path.exists() else ():
-            config = yaml.safe_load(dataset_yaml.read_text()) or {}
+            config = _read_yaml(dataset_yaml) or {}
             declared = config.get("sample_type", config) if isinstance(config, dict) else None
             if isinstance(declared, dict) and (note := foreign_note(str(declared.get("__module__")),
                                                                      str(declared.get("__class__")))):
@@ -87,7 +106,7 @@ def _dataset_yamls(path: Path, depth: int):
         return
     if depth > _MAX_DEPTH or path.suffix not in (".yaml", ".yml"):
         return
-    for sub in _paths_in(yaml.safe_load(path.read_text())):
+    for sub in _paths_in(_read_yaml(path)):
         yield from _dataset_yamls((path.parent / sub).resolve(), depth + 1)
 
 
@@ -104,7 +123,7 @@ def _paths_in(node):
 
 
 def _check_yaml(dataset_yaml: Path) -> str | None:
-    config = yaml.safe_load(dataset_yaml.read_text()) or {}
+    config = _read_yaml(dataset_yaml) or {}
     if not isinstance(config, dict):
         return None
     declared = config if "__module__" in config else config.get("sample_type")
@@ -127,5 +146,6 @@ def _check_yaml(dataset_yaml: Path) -> str | None:
             spec = importlib.util.spec_from_file_location(f"_mimo_check_{file.stem}", file)
             spec.loader.exec_module(importlib.util.module_from_spec(spec))
         except Exception as err:  # noqa: BLE001
-            return f"names the sample loader {loader}, which cannot be loaded here ({type(err).__name__}: {err})"
+            why = str(err).splitlines()[0] if str(err) else ""
+            return f"names the sample loader {loader}, which cannot be loaded here ({type(err).__name__}: {why})"
     return None

@@ -162,6 +162,11 @@ def _type_name(expected) -> str:
         return " or ".join(_type_name(option) for option in typing.get_args(expected))
     if expected is type(None):
         return "null"
+    if origin in (list, tuple):  # `--set key=[a, b]` (YAML's flow list); the bare class name said nothing of that
+        items = typing.get_args(expected)
+        plural = {int: "integers", float: "numbers", bool: "true/false values", str: "strings"}.get(
+            items[0] if items else None, "values")
+        return f"a list of {plural}, written [a, b, ...]"
     return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(
         expected, getattr(expected, "__name__", str(expected))
     )

@@ -24,6 +24,8 @@ def read(path: Path, option: str, holds: str) -> dict:
     """The file's top-level mapping ({} for an empty file), YAML unless the name ends in .toml. `option` names the
     file on the command line (e.g. "--config"), `holds` what its mapping maps (e.g. "setting names to values")."""
     path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"{option} {path} is a directory: give the YAML or TOML file in it")
     if not path.is_file():
         raise UsageError(f"{option} {path}: no such file")
     try:

@@ -35,6 +35,8 @@ class ModuleShape:
     # Parameter counts (total, and active per token for MoE); None when the provider does not report them.
     num_parameters: int | None = None
     num_active_parameters: int | None = None
+    # The language model's vocabulary, which megatron-core splits evenly over TP (None: not checked).
+    vocab_size: int | None = None
 
 
 @dataclass(frozen=True)

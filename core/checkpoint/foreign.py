@@ -29,6 +29,9 @@ def foreign_directory(path: Path) -> Path | None:
         return None  # a mimo checkpoint missing files: the Checkpointer names what is missing
     if iteration is not None and (directory / COMMON).is_file() and "run" in _common(directory):
         return None
+    if (directory / COMMON).is_file() and "run" in _common(directory):  # no provider reads mimo's own as foreign
+        raise UsageError(f"--pretrained {path} is one checkpoint's folder of a mimo run; give the --save directory "
+                         f"that holds it (--pretrained {path.parent} loads the iteration its {TRACKER} names)")
     return directory
 
 

@@ -8,8 +8,13 @@ from pathlib import Path
 
 from mimo.errors import UsageError
 
-from .layout import TRACKER, read_tracker
+from .layout import COMMON, TRACKER, read_tracker
 from ..config import RunConfig
+
+
+# The checkpoint options of a command that only reads weights (mimo eval, mimo generate): a --config run file's
+# save_interval and keep_last would otherwise be refused for want of the save directory dropped with them.
+NO_SAVING = {"save": None, "save_interval": None, "keep_last": None}
 
 
 def check_resume(config: RunConfig, speak: bool = True) -> int | None:
@@ -32,6 +37,9 @@ def check_resume(config: RunConfig, speak: bool = True) -> int | None:
             print(f"--load {load} holds no checkpoint yet ({TRACKER} is missing): starting fresh at iteration 0; "
                   f"this run saves there", flush=True)
         return None
+    if (load / COMMON).is_file():  # one iter_NNNNNNN folder: --load resumes the save directory's latest
+        raise UsageError(f"--load {load} is one checkpoint's folder; --load takes the --save directory that holds it "
+                         f"(--load {load.parent} resumes the iteration its {TRACKER} names)")
     where = "no such directory" if not load.exists() else f"no checkpoint there ({TRACKER} is missing)"
     raise UsageError(f"--load {load}: {where}; to start fresh, drop --load or give it the --save directory")
 

@@ -58,6 +58,14 @@ class OptimizerOptions(Options):
         "optimizer: needs --precision bf16, --use-distributed-optimizer and transformer-engine on a GPU")
 
     def check(self) -> None:
+        # torch's Adam and megatron-core's scheduler refuse these with a traceback (a negative clip: not at all)
+        for name, value in (("--lr", self.lr), ("--min-lr", self.min_lr), ("--weight-decay", self.weight_decay),
+                            ("--adam-eps", self.adam_eps), ("--clip-grad", self.clip_grad)):
+            if value < 0:
+                raise UsageError(f"{name} must be 0 or more, got {value}")
+        for name, value in (("--adam-beta1", self.adam_beta1), ("--adam-beta2", self.adam_beta2)):
+            if not 0 <= value < 1:
+                raise UsageError(f"{name} must lie in [0, 1), got {value}")
         if self.min_lr > self.lr:
             raise UsageError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
 
@@ -81,6 +89,13 @@ class SchedulerOptions(Options):
             raise UsageError("give at most one of --lr-decay-iters and --lr-decay-samples")
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None and self.lr_wsd_decay_samples is None:
             raise UsageError("--lr-decay-style WSD needs --lr-wsd-decay-iters or --lr-wsd-decay-samples")
+        for name, value in (("--lr-warmup-iters", self.lr_warmup_iters),
+                            ("--lr-warmup-samples", self.lr_warmup_samples)):
+            if value < 0:
+                raise UsageError(f"{name} must be 0 or more, got {value}")
+        at_least_one(("--lr-decay-iters", self.lr_decay_iters), ("--lr-decay-samples", self.lr_decay_samples),
+                     ("--lr-wsd-decay-iters", self.lr_wsd_decay_iters),
+                     ("--lr-wsd-decay-samples", self.lr_wsd_decay_samples))
 
 
 @dataclass
@@ -170,7 +185,7 @@ class LoggingOptions(Options):
                "busiest kernels (the profiled iterations' host side runs slower)")
 
     def check(self) -> None:
-        at_least_one(("--log-interval", self.log_interval))
+        at_least_one(("--log-interval", self.log_interval), ("--flop-check-iteration", self.flop_check_iteration))
         if self.max_nan_iters < 1:
             raise UsageError(f"--max-nan-iters must be at least 1, got {self.max_nan_iters}")
         if self.memory_snapshot_dir and self.memory_snapshot_iteration < 1:
@@ -195,8 +210,15 @@ class LaunchOptions(Options):
 
     def check(self) -> None:
         at_least_one(("--nproc-per-node", self.nproc_per_node), ("--nnodes", self.nnodes))
+        if self.distributed_timeout_minutes <= 0:  # torch's rendezvous would time out at once, with a traceback
+            raise UsageError(f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
         if self.nnodes > 1 and not self.rdzv_endpoint:
             raise UsageError("--nnodes > 1 needs --rdzv-endpoint host:port, the same on every node")
+        if self.rdzv_endpoint:
+            host, _, port = self.rdzv_endpoint.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise UsageError(f"--rdzv-endpoint {self.rdzv_endpoint} must be host:port (e.g. node0:29500), the "
+                                 f"same on every node")
 
 
 @dataclass
@@ -230,8 +252,9 @@ class CheckpointOptions(Options):
             raise UsageError("give --pretrained (a whole model) or its parts (--pretrained-llm, --pretrained-vision), "
                              "not both")
         at_least_one(("--save-interval", self.save_interval), ("--keep-last", self.keep_last))
-        if self.save_interval and not self.save:
-            raise UsageError("--save-interval needs --save DIR")
+        for option, value in (("--save-interval", self.save_interval), ("--keep-last", self.keep_last)):
+            if value and not self.save:  # --keep-last was ignored silently
+                raise UsageError(f"{option} needs --save DIR")
         if self.finetune and not self.load:
             raise UsageError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
 

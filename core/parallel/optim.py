@@ -170,21 +170,42 @@ def _frozen_everywhere(model, names: list[str]) -> list[str]:
     return [n for n, c in zip(names, counts.tolist()) if c == 0]
 
 
+def schedule_samples(options: SchedulerOptions, global_batch_size: int, train_samples: int) -> dict[str, int]:
+    """The schedule's phases in samples (megatron-core's steps): warmup, decay (default: the whole run), WSD's
+    final decay (0: none)."""
+    def samples(iters, count, default=0):
+        return count if count else (iters * global_batch_size if iters else default)
+
+    return {"warmup": samples(options.lr_warmup_iters, options.lr_warmup_samples),
+            "decay": max(samples(options.lr_decay_iters, options.lr_decay_samples, train_samples), 1),
+            "wsd_decay": samples(options.lr_wsd_decay_iters, options.lr_wsd_decay_samples)}
+
+
+def check_schedule(options: SchedulerOptions, global_batch_size: int, train_samples: int) -> None:
+    """megatron-core's scheduler asserts warmup < decay: say so in one line, in the warmup option's units."""
+    phases = schedule_samples(options, global_batch_size, train_samples)
+    if phases["warmup"] < phases["decay"]:
+        return
+    warmup, per = (("--lr-warmup-samples", 1) if options.lr_warmup_samples
+                   else ("--lr-warmup-iters", global_batch_size))
+    decay = ("--lr-decay-iters" if options.lr_decay_iters else "--lr-decay-samples" if options.lr_decay_samples
+             else "the whole run")
+    raise UsageError(f"{warmup} {phases['warmup'] // per} is not shorter than the learning-rate decay ({decay}: "
+                     f"{phases['decay'] / per:g} in the same units): shorten the warmup or lengthen the decay")
+
+
 def build_scheduler(options: SchedulerOptions, *, optimizer, optimizer_options: OptimizerOptions,
                     global_batch_size: int, train_samples: int):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    def samples(iters, count, default=0):
-        return count if count else (iters * global_batch_size if iters else default)
-
-    decay = samples(options.lr_decay_iters, options.lr_decay_samples, train_samples)
+    phases = schedule_samples(options, global_batch_size, train_samples)
     return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=optimizer_options.lr,
         min_lr=optimizer_options.min_lr,
-        lr_warmup_steps=samples(options.lr_warmup_iters, options.lr_warmup_samples),
-        lr_decay_steps=max(decay, 1),
+        lr_warmup_steps=phases["warmup"],
+        lr_decay_steps=phases["decay"],
         lr_decay_style=options.lr_decay_style,
         start_wd=optimizer_options.weight_decay,
         end_wd=optimizer_options.weight_decay,
@@ -192,6 +213,6 @@ def build_scheduler(options: SchedulerOptions, *, optimizer, optimizer_options: 
         wd_incr_style="constant",
         use_checkpoint_opt_param_scheduler=False,
         override_opt_param_scheduler=False,
-        wsd_decay_steps=samples(options.lr_wsd_decay_iters, options.lr_wsd_decay_samples) or None,
+        wsd_decay_steps=phases["wsd_decay"] or None,
         lr_wsd_decay_style=options.lr_wsd_decay_style,
     )

@@ -111,13 +111,19 @@ def _check_module(name: str, par: ModuleParallelism, shape: ModuleShape, sequenc
     for count, what in ((shape.num_attention_heads, "attention heads"), (shape.num_query_groups, "query groups")):
         if count and count % par.tp:
             raise UsageError(f"{tp_opt} {par.tp} does not divide the {who}'s {count} {what}: use one of {_divisors(count)}")
+    if shape.vocab_size and shape.vocab_size % par.tp:
+        multiple = -(-shape.vocab_size // par.tp) * par.tp
+        raise UsageError(f"{tp_opt} {par.tp} does not divide the {who}'s vocabulary of {shape.vocab_size} "
+                         f"(megatron-core splits the embedding evenly over TP): pad it to {multiple}, or use "
+                         f"{tp_opt} among {_divisors(shape.vocab_size)}")
     if par.pp > 1 and shape.num_layers % par.pp:
         raise UsageError(f"--llm-pp {par.pp} does not divide the LLM's {shape.num_layers} layers: use one of {_divisors(shape.num_layers)}")
     if is_llm and shape.num_experts and par.tp > 1 and not sequence_parallel:
         raise UsageError(f"--llm-tp {par.tp} with a mixture-of-experts LLM needs --sequence-parallel "
                          f"(megatron-core's MoE layers under TP), or keep --llm-tp 1 and split the experts with --llm-ep")
-    if par.ep > 1 and not shape.num_experts:
-        raise UsageError(f"--llm-ep {par.ep} needs a mixture-of-experts LLM; this provider's LLM has no experts")
+    for option, size in (("--llm-ep", par.ep), ("--llm-expt-tp", par.expt_tp)):
+        if size > 1 and not shape.num_experts:  # --llm-expt-tp was ignored silently
+            raise UsageError(f"{option} {size} needs a mixture-of-experts LLM; this provider's LLM has no experts")
     if shape.num_experts and shape.num_experts % par.ep:
         raise UsageError(f"--llm-ep {par.ep} does not divide the LLM's {shape.num_experts} experts: use one of {_divisors(shape.num_experts)}")
     if par.num_ranks % (par.expt_tp * par.ep * par.pp):

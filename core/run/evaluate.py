@@ -20,7 +20,7 @@ from mimo.errors import UsageError
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.hf_load import hf_loader
 from ..checkpoint.layout import read_tracker, run_info
-from ..checkpoint.resume import require_checkpoint
+from ..checkpoint.resume import NO_SAVING, require_checkpoint
 from ..config import RunConfig
 from ..evaluation.evaluator import EvalResult, Evaluator, eval_context, eval_data_path, report
 from .world import join
@@ -43,9 +43,9 @@ def eval_config(config: RunConfig, split: str) -> RunConfig:
     if c.load:
         require_checkpoint(c.load)
     # the checkpoint's weights as --pretrained; a LoRA checkpoint's adapters load over their base (--pretrained)
-    weights = (dataclasses.replace(c, save=None, load_optim=False, load_rng=False, load_scheduler=False)
+    weights = (dataclasses.replace(c, **NO_SAVING, load_optim=False, load_rng=False, load_scheduler=False)
                if config.adapters.enabled and c.load else
-               dataclasses.replace(c, load=None, pretrained=c.load or c.pretrained, save=None))
+               dataclasses.replace(c, load=None, pretrained=c.load or c.pretrained, **NO_SAVING))
     return dataclasses.replace(
         config,
         checkpoint=weights,

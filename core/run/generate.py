@@ -25,12 +25,13 @@ from mimo.errors import UsageError
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.hf_load import hf_loader
 from ..checkpoint.layout import run_info
-from ..checkpoint.resume import require_checkpoint
+from ..checkpoint.resume import NO_SAVING, require_checkpoint
 from ..config import RunConfig
 from ..generation.answers import answer_all, prompt_format_of
 from ..generation.decoder import Decoder, check_plan
 from ..generation.sampling import Sampler, SamplingOptions
 from ..generation.text_metrics import mean
+from .output_paths import check_output_file
 from .plan import Plan, prepare
 from .preflight import check_pretrained
 from .world import join
@@ -66,7 +67,10 @@ class GenerateRequest:
             raise UsageError(f"--limit must be at least 1, got {self.limit}")
         for image in self.images:
             if not Path(image).is_file():
-                raise UsageError(f"--image {image}: no such file")
+                raise UsageError(f"--image {image}: " + ("a directory, not an image file" if Path(image).is_dir()
+                                                         else "no such file"))
+        if self.output is not None:
+            check_output_file("--output", self.output)
         self.sampling.validate()
 
     def prompts(self, data: Path | None) -> tuple[list, int]:
@@ -88,9 +92,10 @@ def generate_config(config: RunConfig) -> RunConfig:
     if c.load:
         require_checkpoint(c.load)
     return dataclasses.replace(
-        config, checkpoint=(dataclasses.replace(c, save=None, load_optim=False, load_rng=False, load_scheduler=False)
+        config, checkpoint=(dataclasses.replace(c, **NO_SAVING, load_optim=False, load_rng=False,
+                                                load_scheduler=False)
                             if lora else dataclasses.replace(c, load=None, pretrained=c.load or c.pretrained,
-                                                             save=None)),
+                                                             **NO_SAVING)),
         training=dataclasses.replace(config.training, micro_batch_size=1, global_batch_size=None,
                                      num_microbatches=None, train_iters=1, train_samples=None))
 

@@ -96,6 +96,18 @@ def speaks_for_run(launch_options) -> bool:
     return external[0] == 0
 
 
+def check_rendezvous_host(endpoint: str | None) -> None:
+    """A host name this machine cannot resolve would keep the rendezvous retrying until its timeout."""
+    if not endpoint:
+        return
+    host, _, port = endpoint.rpartition(":")
+    try:
+        socket.getaddrinfo(host.strip("[]"), int(port))
+    except (socket.gaierror, UnicodeError) as err:
+        raise UsageError(f"--rdzv-endpoint {endpoint}: host '{host}' is not known here ({err}): give the first "
+                         f"node's name or address") from None
+
+
 def resolve_device(requested: str) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no GPU is visible to this process; use --device cpu or auto")

@@ -32,6 +32,23 @@ def check_output_paths(config: RunConfig) -> None:
         raise
 
 
+def check_output_file(option: str, path: Path) -> None:
+    """That a command can write its result file `path` when it ends (not after its work, with a traceback): its
+    folders are created; the file is not (a refused check removes the folders again)."""
+    path = Path(path)
+    new = not path.exists()
+    created = _missing(path.parent)
+    try:
+        _appendable_file(option, path)
+    except UsageError:
+        for made in reversed(created):
+            _remove_if_empty(made)
+        raise
+    finally:
+        if new:
+            _remove_if_empty(path)
+
+
 def _missing(path: Path) -> list[Path]:
     """`path` and the folders above it that do not exist yet, outermost first."""
     path = path.absolute()

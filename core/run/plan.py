@@ -17,7 +17,7 @@ from ..checkpoint import hf
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from ..forward import encoder_pass
 from ..memory import fit
-from ..parallel import context_parallel, topology
+from ..parallel import context_parallel, optim, topology
 from ..parallel.provider_refusal import provider_refusal
 from . import launch
 
@@ -82,6 +82,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
                            pack_sequences=config.data.data is not None and config.data.pack_sequences,
                            cuda_graphs=config.performance.cuda_graphs,
                            splits_packed=context_parallel.splits_packed_rows(config.training.device))
+    _refuse_gpu_only_layouts(config, parallelism[LANGUAGE])
     unknown = sorted(set(config.performance.recompute_modes()) - set(shapes) - {"*"})
     if unknown:
         raise UsageError(f"--recompute names module '{unknown[0]}', which provider '{config.provider}' does not "
@@ -95,6 +96,8 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     train_iters = t.train_iters or (t.train_samples // global_batch if t.train_samples else DEFAULT_TRAIN_ITERS)
     if train_iters < 1:
         raise UsageError(f"--train-samples {t.train_samples} is less than one global batch ({global_batch})")
+    optim.check_schedule(config.scheduler, global_batch, train_iters * global_batch)
+    _check_chosen_iterations(config.logging, train_iters)
     step = encoder_pass.step_encoders(config.performance.encoder_pass, hooks=hooks, parallelism=parallelism,
                                       device=t.device)
     lora = None
@@ -108,6 +111,30 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
         raise UsageError(f"provider '{plan.config.provider}': {refused}")
     encoder_pass.fit_auto(plan, fit.fits)  # auto: the step's encoder activations must fit the GPU
     return plan
+
+
+def _refuse_gpu_only_layouts(config: RunConfig, llm: ModuleParallelism) -> None:
+    """What a --device cpu run's workers would refuse (or fail at) after start-up, said by the plan (docs/cpu.md).
+    Only for an explicit --device cpu: a plan made on a CPU host with --device auto may be for GPUs."""
+    if config.training.device != "cpu":
+        return
+    if config.performance.sequence_parallel:
+        raise UsageError("--sequence-parallel needs transformer-engine's norms, which need a GPU: drop it on the CPU "
+                         "(an LLM with experts then keeps --llm-tp 1 and splits them with --llm-ep)")
+    if llm.expt_tp > 1:  # megatron-core's expert-TP gather asks CUDA for its device in backward
+        raise UsageError(f"--llm-expt-tp {llm.expt_tp} does not run on the CPU: split the experts with --llm-ep "
+                         f"instead")
+
+
+def _check_chosen_iterations(logging, train_iters: int) -> None:
+    """An iteration the run never reaches would silently profile or count nothing."""
+    chosen = [("--flop-check-iteration", logging.flop_check_iteration)]
+    if logging.profile_dir:
+        chosen.append(("--profile-step-end", logging.profile_step_end))
+    for option, iteration in chosen:
+        if iteration is not None and iteration > train_iters:
+            raise UsageError(f"{option} {iteration} is past the run's last iteration ({train_iters}): choose one "
+                             f"the run reaches, or train longer")
 
 
 def hf_base_settings(config: RunConfig, provider: Provider, hooks) -> dict:

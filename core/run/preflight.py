@@ -40,6 +40,7 @@ from .plan import Plan, prepare
 def for_run(config: RunConfig) -> Iterator[Plan]:
     """The checked plan of `mimo run`; raises UsageError at the first problem."""
     plan = prepare(config)  # every check that needs no process group, before any worker starts
+    launch.check_rendezvous_host(config.launch.rdzv_endpoint)
     check_predictions(plan)  # --eval-samples: a dataset with answers, a provider and a layout that generate
     if not os.environ.get(launch.LAUNCHED_BY_MIMO):  # mimo's launcher checked this plan for its workers
         fit.check(plan)  # the largest rank's memory estimate against --gpu-memory / the GPU's

@@ -3,6 +3,7 @@ and one chunk of text, not the file, so a LLaVA file of millions of records conv
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 
@@ -22,7 +23,12 @@ class _Reader:
         self.buf, self.pos, self.consumed, self.eof = "", 0, 0, False  # consumed: characters dropped from the front
 
     def fill(self) -> None:
-        more = self.handle.read(self.chunk)
+        try:
+            more = self.handle.read(self.chunk)
+        except UnicodeDecodeError as err:
+            line, byte = _first_bad_byte(self.handle.name)
+            raise JSONSyntaxError(f"not UTF-8 text at line {line} (byte {byte}: {err.reason}); JSON is UTF-8: "
+                                  f"re-encode the file, e.g. with iconv -t utf-8") from None
         self.eof = not more
         self.buf, self.consumed, self.pos = self.buf[self.pos:] + more, self.consumed + self.pos, 0
 
@@ -36,6 +42,20 @@ class _Reader:
 
     def at(self) -> str:
         return self.buf[self.pos] if self.pos < len(self.buf) else ""
+
+
+def _first_bad_byte(path) -> tuple[int, int]:
+    """(line, byte offset) of the first byte that is not UTF-8, read again in binary (an error's path only)."""
+    decoder, offset, lines = codecs.getincrementaldecoder("utf-8")(), 0, 1
+    with open(path, "rb") as handle:
+        while block := handle.read(CHUNK):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as err:
+                start = max(err.start - len(err.object) + len(block), 0)  # the decoder prepends a partial character
+                return lines + block[:start].count(b"\n"), offset + start
+            offset, lines = offset + len(block), lines + block.count(b"\n")
+    return lines, offset
 
 
 def records(path: Path, chunk: int = CHUNK):

@@ -68,6 +68,9 @@ def sample_of(record, image_dir: Path) -> tuple[dict, dict[str, bytes]]:
 
     if not isinstance(record, dict):
         raise ValueError(f"a record must be an object, got {type(record).__name__}")
+    if "conversations" not in record and "messages" not in record:  # the chat's own check sees only these keys
+        raise ValueError(f"the record has neither 'conversations' (from/value) nor 'messages' (role/content); its "
+                         f"keys: {sorted(record)}")
     names = _image_names(record)
     chat = {k: record[k] for k in ("conversations", "messages", "system") if k in record}
     place_images(turns_from_chat_json(chat), len(names))  # the cooker's own checks, text unchanged

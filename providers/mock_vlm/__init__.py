@@ -25,7 +25,7 @@ def model_shape(settings: MockVLMSettings):
         IMAGES: ModuleShape(settings.vision_layers, settings.vision_hidden_size, settings.vision_heads,
                             num_parameters=counts[IMAGES]),
         LANGUAGE: ModuleShape(settings.num_layers, settings.hidden_size, settings.num_attention_heads,
-                                num_parameters=counts[LANGUAGE]),
+                                vocab_size=settings.vocab_size, num_parameters=counts[LANGUAGE]),
     }
 
 

@@ -63,6 +63,7 @@ def model_shape(settings: NemotronVLMSettings):
         LANGUAGE: ModuleShape(s.num_layers, s.hidden_size, s.num_attention_heads,
                                 num_query_groups=s.num_query_groups,
                                 num_experts=s.num_experts if "E" in s.hybrid_pattern else 0,
+                                vocab_size=s.vocab_size,
                                 num_parameters=counts[LANGUAGE].total,
                                 num_active_parameters=counts[LANGUAGE].active),
     }

@@ -11,6 +11,7 @@ import pytest
 
 from helpers import run_mimo
 from mimo.data.convert.json_stream import JSONSyntaxError, records
+from mimo.data.convert.llava import sample_of
 
 NUM_RECORDS = 240
 BAD = {7: "missing", 13: "undecodable", 21: "placeholders", 44: "role"}  # index % 50 -> what is wrong
@@ -34,6 +35,16 @@ def test_the_json_stream_reads_what_json_loads_reads(tmp_path, chunk):
     broken.write_text('[{"a": 1}, {"a": 2}')
     with pytest.raises(JSONSyntaxError, match="the array is not closed"):
         list(records(broken, chunk=chunk))
+    broken.write_bytes('{"a": "ü"}\n{"a": "\xff"}\n'.encode("utf-8").replace(b"\xc3\xbf", b"\xff"))  # latin-1 ÿ
+    with pytest.raises(JSONSyntaxError, match=r"^not UTF-8 text at line 2 \(byte 19: invalid start byte\); JSON is "
+                                              r"UTF-8: re-encode the file"):
+        list(records(broken, chunk=chunk))
+
+
+def test_a_record_without_a_chat_names_its_own_keys(tmp_path):
+    with pytest.raises(ValueError, match=r"neither 'conversations' \(from/value\) nor 'messages' \(role/content\); "
+                                         r"its keys: \['id', 'image'\]"):
+        sample_of({"id": "1", "image": "a.jpg"}, tmp_path)
 
 
 def photo(rng, path):

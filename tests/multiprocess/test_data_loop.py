@@ -314,6 +314,9 @@ def test_data_sample_command(tmp_path):
     assert result.exit_code == 2 and "is not empty" in result.output
     result = runner.invoke(data_app, ["sample", str(tmp_path / "x"), "--num-samples", "3", "--corrupt", "4"])
     assert result.exit_code == 2 and "--corrupt 4" in result.output
+    (tmp_path / "a_file").write_text("x")  # was a NotADirectoryError traceback
+    result = runner.invoke(data_app, ["sample", str(tmp_path / "a_file")])
+    assert result.exit_code == 2 and "a_file is a file: choose a new directory" in result.output
 
 
 def train(tmp_path, name, *args, ok=True):

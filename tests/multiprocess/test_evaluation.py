@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import read_metrics, run_mimo, world_of_one
+from mimo.errors import UsageError
 
 BASE = ("--provider", "mock-vlm", "--device", "cpu", "--log-interval", "1")
 ENV = {"TORCH_COMPILE_DISABLE": "1"}
@@ -163,3 +164,24 @@ def test_bad_evaluation_options_are_one_line(args, message):
     result = run_mimo(*args[:1], *BASE, *args[1:], env=ENV)
     assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
     assert "Traceback" not in result.stderr
+
+
+def test_without_weights_or_a_provider_eval_and_generate_ask_for_the_weights():
+    from mimo.cli.checkpoint_config import config_from_checkpoint
+
+    for command in ("eval", "generate"):  # they asked for --provider, which would then ask for --load
+        with pytest.raises(UsageError, match=f"^mimo {command} needs --load CKPT \\(a mimo checkpoint\\) or "
+                                             f"--pretrained PATH"):
+            config_from_checkpoint({"provider": None}, None, command)
+
+
+def test_a_run_files_saving_options_do_not_stop_eval_or_generate():
+    # `mimo eval --config ITER/run.yaml --load DIR`: the file's save_interval outlived the save directory dropped
+    # for reading weights only, and was refused as "--save-interval needs --save DIR"
+    from mimo.core.config import CheckpointOptions, RunConfig
+    from mimo.core.run.evaluate import eval_config
+    from mimo.core.run.generate import generate_config
+
+    saving = CheckpointOptions(save="runs/a", save_interval=1, keep_last=1, pretrained="runs/a")
+    eval_config(RunConfig(provider="mock-vlm", checkpoint=saving), "val").validate()
+    generate_config(RunConfig(provider="mock-vlm", checkpoint=saving)).validate()  # (the imports take the time)

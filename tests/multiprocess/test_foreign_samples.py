@@ -81,6 +81,25 @@ def test_an_unknown_foreign_class_stays_one_line(bridge, tmp_path):
     assert foreign_notes(other) == []
 
 
+def test_a_folder_without_nv_meta_or_with_broken_yaml_is_one_line(tmp_path):
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with pytest.raises(UsageError, match=f"^--data {plain}: a folder without .nv-meta, not an energon dataset: "
+                                         f"prepare its shards with `energon prepare {plain}`"):
+        check_dataset(plain)
+    (plain / ".nv-meta").mkdir()
+    (plain / ".nv-meta" / "dataset.yaml").write_text("{{{: bad\n")
+    with pytest.raises(UsageError) as yaml_error:
+        check_dataset(plain)
+    assert str(yaml_error.value) == (f"--data {plain}: {plain}/.nv-meta/dataset.yaml is not readable YAML (expected "
+                                     f"the node content, but found ':' at line 1, column 4): fix it (a dataset's "
+                                     f".nv-meta files: prepare it again with `energon prepare`)")
+    (plain / ".nv-meta" / "dataset.yaml").write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(UsageError, match=r"dataset.yaml is not readable YAML \(UnicodeDecodeError\)"):
+        check_dataset(plain)
+    assert foreign_notes(plain) == []
+
+
 def test_a_llava_json_file_as_data_names_the_converter(tmp_path):
     llava = tmp_path / "llava.json"
     llava.write_text(json.dumps([{"id": "1", "image": "a.jpg", "conversations": []}]))

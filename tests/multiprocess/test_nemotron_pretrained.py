@@ -78,6 +78,22 @@ def test_a_folder_with_no_checkpoint_is_one_line(tmp_path):
         f"Hugging Face config.json with safetensors, nor a dist checkpoint's .metadata)"]
 
 
+def test_one_iteration_folder_of_a_mimo_run_names_its_save_directory(tmp_path):
+    import torch
+
+    from mimo.core.checkpoint.foreign import foreign_directory
+    from mimo.errors import UsageError
+
+    one = tmp_path / "run" / "iter_0000002"
+    one.mkdir(parents=True)
+    (one / ".metadata").write_bytes(b"")
+    torch.save({"run": {"provider": "mock-vlm"}}, one / "common.pt")
+    # it read as another framework's dist checkpoint, which the provider then did not recognise
+    with pytest.raises(UsageError, match=rf"^--pretrained {one} is one checkpoint's folder of a mimo run; give the "
+                                         rf"--save directory that holds it \(--pretrained {one.parent} loads"):
+        foreign_directory(one)
+
+
 def _main(root: Path) -> None:
     """One random model of nemotron-moe-vlm-tiny (moved away from the initialization a run would make), saved as a
     mimo checkpoint (root/mimo) and as a Nemotron-format checkpoint (root/nemotron)."""

@@ -65,7 +65,7 @@ def test_options_reach_each_modules_transformer_config():
      "error: --llm-tp 2 with a mixture-of-experts LLM needs --sequence-parallel"),
     (["--set", "backend=te"], "error: provider 'mock-vlm': backend 'te' needs transformer-engine"),
     (["--set", "backend=local", "--nproc-per-node", "2", "--llm-tp", "2", "--encoder-tp", "2", "--sequence-parallel"],
-     "error: provider 'mock-vlm': --sequence-parallel needs backend te"),
+     "error: --sequence-parallel needs transformer-engine's norms, which need a GPU: drop it on the CPU"),
 ])
 def test_runs_that_cannot_work_here_stop_with_one_line(args, message):
     if importlib_has("transformer_engine") and "backend=te" in args:
@@ -75,6 +75,23 @@ def test_runs_that_cannot_work_here_stop_with_one_line(args, message):
     assert result.returncode != 0
     assert message in result.stderr + result.stdout
     assert "Traceback" not in result.stderr + result.stdout
+
+
+def test_what_a_cpu_run_cannot_do_is_refused_by_the_plan():
+    # mimo plan accepted these, and mimo run's workers stopped after start-up (expert TP: with a traceback)
+    from mimo.core.config import LaunchOptions, LayoutOptions
+    from mimo.core.run.plan import prepare
+
+    cpu = TrainingOptions(device="cpu")
+    for options, message in (({"performance": PerformanceOptions(sequence_parallel=True)},
+                               "--sequence-parallel needs transformer-engine's norms, which need a GPU"),
+                              ({"layout": LayoutOptions(llm_expt_tp=2)},
+                               "--llm-expt-tp 2 does not run on the CPU: split the experts with --llm-ep instead")):
+        config = RunConfig(provider="nemotron-moe-vlm-tiny", training=cpu, launch=LaunchOptions(nproc_per_node=2),
+                           **options)
+        with pytest.raises(UsageError) as refused:
+            prepare(config, world_size=2)
+        assert str(refused.value).startswith(message)
 
 
 def importlib_has(name: str) -> bool:

@@ -10,9 +10,10 @@ from mimo.core.run.plan import prepare
 from mimo.errors import UsageError
 
 
-def plan(world, micro_batch_size=4, **layout):
+def plan(world, micro_batch_size=4, settings=(), **layout):
     config = RunConfig(provider="mock-vlm", launch=LaunchOptions(nproc_per_node=world),
-                       training=TrainingOptions(micro_batch_size=micro_batch_size), layout=LayoutOptions(**layout))
+                       provider_settings=list(settings), training=TrainingOptions(micro_batch_size=micro_batch_size),
+                       layout=LayoutOptions(**layout))
     return prepare(config, world_size=world)
 
 
@@ -25,6 +26,7 @@ def plan(world, micro_batch_size=4, **layout):
     (6, {"encoder_ranks": 3, "encoder_tp": 3}, 4, "--encoder-tp 3 does not divide the encoder 'images''s 4 attention heads"),
     # EP must divide the experts; mock-vlm has none
     (3, {"encoder_ranks": 1, "llm_ep": 2}, 4, "--llm-ep 2 needs a mixture-of-experts LLM"),
+    (2, {"llm_expt_tp": 2}, 4, "--llm-expt-tp 2 needs a mixture-of-experts LLM; this provider's LLM has no experts"),
     # encoder DP 2 and LLM DP 3 do not divide one another; fan-in needs the micro-batch to split evenly
     (5, {"encoder_ranks": 2}, 4, "encoder DP 2 and LLM DP 3 must divide one another for the bridge: try --encoder-ranks 1"),
     (4, {"encoder_ranks": 2, "llm_tp": 2}, 3, "--micro-batch-size 3 cannot be split over the 2 encoder ranks"),
@@ -35,6 +37,14 @@ def test_invalid_layouts_are_refused(world, layout, mbs, message):
     with pytest.raises(UsageError) as err:
         plan(world, mbs, **layout)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_tp_must_divide_the_vocabulary():
+    # megatron-core's embedding asserts it on every rank once the model is built; mimo plan accepted it
+    with pytest.raises(UsageError, match=r"^--llm-tp 2 does not divide the LLM's vocabulary of 261 \(megatron-core "
+                                         r"splits the embedding evenly over TP\): pad it to 262, or use --llm-tp "):
+        plan(3, settings=["vocab_size=261"], encoder_ranks=1, llm_tp=2)
+    plan(3, settings=["vocab_size=262"], encoder_ranks=1, llm_tp=2)
 
 
 @pytest.mark.parametrize("world, layout, dps", [

@@ -27,6 +27,12 @@ def test_load_without_a_checkpoint_is_an_error_unless_it_is_the_save_directory(t
     with pytest.raises(UsageError, match="is a file, not a checkpoint directory"):
         check_resume(config(tmp_path / "file"))
     assert check_resume(config(empty, save=tmp_path / "." / "empty"), speak=False) is None
+    one = tmp_path / "run" / "iter_0000002"
+    one.mkdir(parents=True)
+    (one / "common.pt").write_bytes(b"")
+    with pytest.raises(UsageError, match=rf"^--load {one} is one checkpoint's folder; --load takes the --save "
+                                         rf"directory that holds it \(--load {one.parent} resumes"):
+        check_resume(config(one))
     assert capsys.readouterr().out == ""
     assert check_resume(config(empty, save=empty)) is None
     assert "holds no checkpoint yet" in capsys.readouterr().out

@@ -8,7 +8,8 @@ import pytest
 from helpers import run_mimo
 from mimo.core.config import (COMPONENTS, CheckpointOptions, LaunchOptions, LoggingOptions, OptimizerOptions,
                               PerformanceOptions, RunConfig, SchedulerOptions, TrainingOptions)
-from mimo.core.run.output_paths import check_output_paths
+from mimo.core.parallel.optim import check_schedule
+from mimo.core.run.output_paths import check_output_file, check_output_paths
 from mimo.errors import UsageError
 
 CPU = ("run", "--provider", "mock-vlm", "--device", "cpu", "--train-iters", "2", "--log-interval", "1")
@@ -112,8 +113,18 @@ def test_a_checkpoint_of_another_shape_is_refused_naming_the_setting(tmp_path):
     (TrainingOptions(micro_batch_size=0), "--micro-batch-size must be at least 1, got 0"),
     (OptimizerOptions(lr=float("nan")), "--lr must be a finite number, got nan"),
     (OptimizerOptions(lr=1e-5, min_lr=1e-4), "--min-lr 0.0001 is above --lr 1e-05"),
+    (OptimizerOptions(lr=-1.0), "--lr must be 0 or more, got -1.0"),
+    (OptimizerOptions(adam_beta1=1.5), "--adam-beta1 must lie in [0, 1), got 1.5"),
+    (OptimizerOptions(weight_decay=-0.1), "--weight-decay must be 0 or more, got -0.1"),
+    (OptimizerOptions(clip_grad=-1.0), "--clip-grad must be 0 or more, got -1.0"),
+    (SchedulerOptions(lr_decay_iters=0), "--lr-decay-iters must be at least 1, got 0"),
+    (SchedulerOptions(lr_warmup_iters=-1), "--lr-warmup-iters must be 0 or more, got -1"),
+    (LaunchOptions(distributed_timeout_minutes=0.0), "--distributed-timeout-minutes must be positive, got 0.0"),
+    (LoggingOptions(flop_check_iteration=0), "--flop-check-iteration must be at least 1, got 0"),
     (LaunchOptions(nnodes=2), "--nnodes > 1 needs --rdzv-endpoint host:port"),
+    (LaunchOptions(nnodes=2, rdzv_endpoint="node0"), "--rdzv-endpoint node0 must be host:port (e.g. node0:29500)"),
     (CheckpointOptions(save_interval=5), "--save-interval needs --save DIR"),
+    (CheckpointOptions(keep_last=2), "--keep-last needs --save DIR"),
     (SchedulerOptions(lr_decay_style="WSD"), "--lr-decay-style WSD needs --lr-wsd-decay-iters"),
     (LoggingOptions(profile_with_stack=True), "--profile-with-stack records stacks in a profile"),
 ])
@@ -138,3 +149,48 @@ def test_what_crosses_components_is_the_run_configs_to_check():
         RunConfig(provider="mock-vlm", performance=overlap).validate()
     RunConfig(provider="mock-vlm", performance=overlap, training=TrainingOptions(precision="bf16"),
               optimizer=OptimizerOptions(use_distributed_optimizer=True)).validate()
+
+
+def test_a_warmup_as_long_as_the_decay_is_refused_before_the_scheduler_asserts_it():
+    # plan.prepare calls this with the run's global batch (4 here) and length in samples
+    for scheduler, message in ((SchedulerOptions(lr_warmup_iters=5), "--lr-warmup-iters 5 is not shorter than the "
+                                "learning-rate decay (the whole run: 2 in the same units)"),
+                               (SchedulerOptions(lr_warmup_samples=8, lr_decay_iters=1),
+                                "--lr-warmup-samples 8 is not shorter than the learning-rate decay (--lr-decay-iters: "
+                                "4 in the same units)")):
+        with pytest.raises(UsageError, match=re.escape(message)):
+            check_schedule(scheduler, global_batch_size=4, train_samples=8)
+    check_schedule(SchedulerOptions(lr_warmup_iters=1), global_batch_size=4, train_samples=8)
+
+
+def test_a_commands_result_file_is_checked_before_its_work(tmp_path, a_file):
+    # mimo eval --json, mimo generate --output: written at the end, where a bad path was a traceback
+    with pytest.raises(UsageError, match=f"^--json {a_file}/e.json: {a_file} is a file, not a directory$"):
+        check_output_file("--json", a_file / "e.json")
+    with pytest.raises(UsageError, match=f"^--output {tmp_path} is a directory, not a file$"):
+        check_output_file("--output", tmp_path)
+    check_output_file("--json", tmp_path / "new" / "e.json")
+    assert (tmp_path / "new").is_dir() and not (tmp_path / "new" / "e.json").exists()
+
+
+def test_an_iteration_the_run_never_reaches_is_refused():
+    from mimo.core.run.plan import _check_chosen_iterations
+
+    # they profiled or counted nothing, silently
+    with pytest.raises(UsageError, match=r"^--profile-step-end 6 is past the run's last iteration \(2\)"):
+        _check_chosen_iterations(LoggingOptions(profile_dir="p"), train_iters=2)
+    with pytest.raises(UsageError, match=r"^--flop-check-iteration 3 is past the run's last iteration \(2\)"):
+        _check_chosen_iterations(LoggingOptions(flop_check_iteration=3), train_iters=2)
+    _check_chosen_iterations(LoggingOptions(), train_iters=2)  # the default window without --profile-dir
+    _check_chosen_iterations(LoggingOptions(profile_dir="p", profile_step_start=1, profile_step_end=2), train_iters=2)
+
+
+def test_a_rendezvous_host_that_does_not_resolve_is_refused_before_the_launch():
+    from mimo.core.run.launch import check_rendezvous_host
+
+    # torch's rendezvous retried it until its timeout: the run hung
+    with pytest.raises(UsageError, match=r"^--rdzv-endpoint nowhere.invalid:29500: host 'nowhere.invalid' is not "
+                                         r"known here \("):
+        check_rendezvous_host("nowhere.invalid:29500")
+    check_rendezvous_host("localhost:29500")
+    check_rendezvous_host(None)

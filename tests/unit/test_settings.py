@@ -19,6 +19,7 @@ class Shape:
     mode: Literal["a", "b"] = "a"
     heads: int | None = None
     flag: bool = False
+    mean: tuple[float, ...] = (0.5, 0.5)
 
     def __post_init__(self):
         if self.layers < 1:
@@ -50,6 +51,10 @@ def test_set_null_for_optional():
     assert build_settings(PROVIDER, ["heads=null"]).heads is None
 
 
+def test_set_a_list():
+    assert build_settings(PROVIDER, ["mean=[1, 0.25]"]).mean == [1, 0.25]
+
+
 @pytest.mark.parametrize("assignment, message", [
     ("layer=3", "unknown setting 'layer' for provider 'shape' (--set); did you mean 'layers'?"),
     ("layers=abc", "setting 'layers' of provider 'shape' must be an integer, got 'abc'"),
@@ -58,6 +63,7 @@ def test_set_null_for_optional():
     ("flag=maybe", "must be true or false"),
     ("layers", "--set expects key=value, got 'layers'"),
     ("layers=0", "invalid settings for provider 'shape': layers must be at least 1"),
+    ("mean=1,2", "setting 'mean' of provider 'shape' must be a list of numbers, written [a, b, ...], got '1,2'"),
 ])
 def test_bad_values_are_one_clear_line(assignment, message):
     with pytest.raises(UsageError) as err:

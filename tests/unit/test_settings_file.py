@@ -47,3 +47,5 @@ def test_the_run_file_and_the_settings_file_readers_word_errors_alike(tmp_path):
         run_file.read(missing)
     with pytest.raises(UsageError, match=f"^--provider-config {missing}: no such file$"):
         build_settings(PROVIDER, [], missing)
+    with pytest.raises(UsageError, match=f"^--config {tmp_path} is a directory: give the YAML or TOML file in it$"):
+        run_file.read(tmp_path)
