@@ -15,7 +15,6 @@ import typer
 from mimo.core import run_file
 from mimo.core.config import COMPONENTS, RunConfig
 from mimo.errors import UsageError
-from mimo.plugins.settings import read_settings_file
 
 
 def loop_parameters() -> list[inspect.Parameter]:
@@ -76,6 +75,8 @@ def _provider_named_by(provider_config: Path | None) -> str | None:
     """The provider a --provider-config file names (`provider: NAME`, as `mimo ckpt import-hf` writes it)."""
     if provider_config is None:
         return None
+    from mimo.plugins.settings import read_settings_file  # here: the CLI loads without torch (test_architecture)
+
     named = read_settings_file(provider_config).get("provider")
     return named if isinstance(named, str) else None
 
