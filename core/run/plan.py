@@ -113,11 +113,25 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     return plan
 
 
+def gpu_only_options(config: RunConfig) -> list[str]:
+    """The options given that need a GPU, as typed."""
+    perf = config.performance
+    given = [f"--{name}" for name, on in (("fp8", perf.fp8 != "none"), ("cuda-graphs", perf.cuda_graphs), (
+        "optimizer-precision", config.optimizer.optimizer_precision != "fp32")) if on]
+    if config.training.init_device == "cuda":
+        given.append("--init-device cuda")
+    if config.logging.memory_snapshot_dir is not None:  # the GPU allocator's history
+        given.append("--memory-snapshot-dir")
+    return given
+
+
 def _refuse_gpu_only_layouts(config: RunConfig, llm: ModuleParallelism) -> None:
     """What a --device cpu run's workers would refuse (or fail at) after start-up, said by the plan (docs/cpu.md).
     Only for an explicit --device cpu: a plan made on a CPU host with --device auto may be for GPUs."""
     if config.training.device != "cpu":
         return
+    if gpu_only := gpu_only_options(config):
+        raise UsageError(f"{gpu_only[0]} needs a GPU; this run is on the CPU")
     if config.performance.sequence_parallel:
         raise UsageError("--sequence-parallel needs transformer-engine's norms, which need a GPU: drop it on the CPU "
                          "(an LLM with experts then keeps --llm-tp 1 and splits them with --llm-ep)")

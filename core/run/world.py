@@ -20,7 +20,7 @@ from ..parallel import context_parallel, topology
 from ..parallel.model import build_model, seed_tracker
 from . import compilation, launch
 from .cuda_graphs import train_on_capture_stream
-from .plan import Plan
+from .plan import Plan, gpu_only_options
 
 
 @dataclass
@@ -79,12 +79,7 @@ def join(plan: Plan, *, seed: int | None = None) -> World:
     compilation.configure(config.compile, device)  # before the model: torch.compile off, the caches' places
     if dist.get_world_size() != plan.world_size:
         raise UsageError(f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} joined")
-    gpu_only = [f"--{name}" for name, on in (("fp8", perf.fp8 != "none"), ("cuda-graphs", perf.cuda_graphs), (
-        "optimizer-precision", config.optimizer.optimizer_precision != "fp32")) if on]
-    if config.training.init_device == "cuda":
-        gpu_only.append("--init-device cuda")
-    if config.logging.memory_snapshot_dir is not None:  # the GPU allocator's history
-        gpu_only.append("--memory-snapshot-dir")
+    gpu_only = gpu_only_options(config)  # the plan refused them already where --device cpu was given
     if device.type != "cuda" and gpu_only:
         raise UsageError(f"{gpu_only[0]} needs a GPU; this run is on the CPU")
     if perf.cuda_graphs:
