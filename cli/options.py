@@ -40,10 +40,12 @@ def provider_parameters() -> list[inspect.Parameter]:
 
     return [
         param("provider", typing.Optional[str], None,
-              help="the model family to train (see: mimo providers list); required unless --config names it"),
+              help="the model family to train (see: mimo providers list); required unless --config or "
+                   "--provider-config names it"),
         param("set", typing.Optional[list[str]], None, help="a provider setting, key=value; repeatable"),
         param("provider_config", typing.Optional[Path], None,
-              help="a YAML or TOML file of provider settings (--set wins over it)"),
+              help="a YAML or TOML file of provider settings (--set wins over it); it may name its provider "
+                   "(provider: NAME)"),
         param("config", typing.Optional[Path], None,
               help="a YAML or TOML file holding a whole run: provider, settings and loop options in sections "
                    "(docs/configuration.md); options on the command line win over it"),

@@ -27,9 +27,10 @@ def foreign_directory(path: Path) -> Path | None:
             raise UsageError(f"--pretrained {path}: no checkpoint there (neither a {TRACKER}, a Hugging Face "
                              f"config.json with safetensors, nor a dist checkpoint's {DIST_METADATA})")
         return None  # a mimo checkpoint missing files: the Checkpointer names what is missing
-    if iteration is not None and (directory / COMMON).is_file() and "run" in _common(directory):
-        return None
-    if (directory / COMMON).is_file() and "run" in _common(directory):  # no provider reads mimo's own as foreign
+    if (directory / COMMON).is_file() and "run" in _common(directory):  # mimo's own (common.pt read once)
+        if iteration is not None:
+            return None
+        # one iter_NNNNNNN folder: no provider reads mimo's own checkpoint as foreign
         raise UsageError(f"--pretrained {path} is one checkpoint's folder of a mimo run; give the --save directory "
                          f"that holds it (--pretrained {path.parent} loads the iteration its {TRACKER} names)")
     return directory

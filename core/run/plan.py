@@ -82,7 +82,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
                            pack_sequences=config.data.data is not None and config.data.pack_sequences,
                            cuda_graphs=config.performance.cuda_graphs,
                            splits_packed=context_parallel.splits_packed_rows(config.training.device))
-    _refuse_gpu_only_layouts(config, parallelism[LANGUAGE])
+    _refuse_gpu_only_on_cpu(config, parallelism[LANGUAGE])
     unknown = sorted(set(config.performance.recompute_modes()) - set(shapes) - {"*"})
     if unknown:
         raise UsageError(f"--recompute names module '{unknown[0]}', which provider '{config.provider}' does not "
@@ -125,7 +125,7 @@ def gpu_only_options(config: RunConfig) -> list[str]:
     return given
 
 
-def _refuse_gpu_only_layouts(config: RunConfig, llm: ModuleParallelism) -> None:
+def _refuse_gpu_only_on_cpu(config: RunConfig, llm: ModuleParallelism) -> None:
     """What a --device cpu run's workers would refuse (or fail at) after start-up, said by the plan (docs/cpu.md).
     Only for an explicit --device cpu: a plan made on a CPU host with --device auto may be for GPUs."""
     if config.training.device != "cpu":

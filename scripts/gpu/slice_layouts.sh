@@ -12,6 +12,14 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/common.sh"
+work=/tmp/slice_layouts  # the modes' logs and records, packed into $OUT/slice_layouts.tgz after each step
+start_call() {  # call 2's set-up: the wheels, one kernel cache for every run of the call, the versions on record
+  use_wheels te
+  export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
+  mkdir -p "$work"; versions "$work/versions.txt"
+}
+pack() { mkdir -p "${OUT:-runs}"; tar czf "${OUT:-runs}/.r.$BASHPID.tgz" -C "$work" . && \
+         mv -f "${OUT:-runs}/.r.$BASHPID.tgz" "${OUT:-runs}/slice_layouts.tgz"; }
 case "${1:-}" in
   prepare) prepare ;;
   install) install_te ;;
@@ -24,11 +32,7 @@ case "${1:-}" in
       --layouts ${LAYOUTS:-colocated-dp2 colocated-ep2 split-1+1} "${settings[@]}"
     ;;
   adapters-and-packed-cp|experts-and-fp8)
-    use_wheels te
-    export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
-    work=/tmp/slice_layouts; mkdir -p "$work"; versions "$work/versions.txt"
-    pack() { mkdir -p "${OUT:-runs}"; tar czf "${OUT:-runs}/.r.$BASHPID.tgz" -C "$work" . && \
-             mv -f "${OUT:-runs}/.r.$BASHPID.tgz" "${OUT:-runs}/slice_layouts.tgz"; }
+    start_call
     one() {  # GPUS OUT_SUBDIR TIMEOUT LAYOUT...: bench/slice_layouts.py, 10 iterations, the first 4 left out
       CUDA_VISIBLE_DEVICES=$1 python3 bench/slice_layouts.py --out "$work/$2" --iterations 10 --warmup 4 \
         --timeout "$3" --layouts "${@:4}" > "$work/$2.txt" 2>&1
@@ -56,11 +60,7 @@ case "${1:-}" in
     # images a sample) on one GPU each, the weights drawn on the GPU (GPU 0) and on the CPU (GPU 1), the allocator
     # recorded to iteration 2 and what was live at each peak listed (scripts/memory_at_peak.py). Time: DP 2 and
     # EP 2 profiled (iterations 6-7; the summaries come back, the traces are left out: too large)
-    use_wheels te
-    export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
-    work=/tmp/slice_layouts; mkdir -p "$work"; versions "$work/versions.txt"
-    pack() { mkdir -p "${OUT:-runs}"; tar czf "${OUT:-runs}/.r.$BASHPID.tgz" -C "$work" . && \
-             mv -f "${OUT:-runs}/.r.$BASHPID.tgz" "${OUT:-runs}/slice_layouts.tgz"; }
+    start_call
     slice=(run --device cuda --provider nemotron-moe-vlm-52l --set 'hybrid_pattern=MEMEM*EMEM' --set backend=te
            --precision bf16 --micro-batch-size 1 --num-microbatches 8 --cuda-graphs --log-interval 1 --seed 5)
     memory() {  # GPU NAME OPTIONS...
@@ -109,11 +109,7 @@ case "${1:-}" in
     # micro-batch, the chunk sort) against mimo's device counts on the slice, in turn on the same data, the baseline
     # again last (scripts/gpu/dispatch_paths.py): expert parallelism's price beside its all-to-all. Then issue 50's
     # grouped-experts LoRA check with its FP8 part (bf16), and whether NCCL EP (the flex dispatcher) is there.
-    use_wheels te
-    export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
-    work=/tmp/slice_layouts; mkdir -p "$work"; versions "$work/versions.txt"
-    pack() { mkdir -p "${OUT:-runs}"; tar czf "${OUT:-runs}/.r.$BASHPID.tgz" -C "$work" . && \
-             mv -f "${OUT:-runs}/.r.$BASHPID.tgz" "${OUT:-runs}/slice_layouts.tgz"; }
+    start_call
     python3 -c "import torch; print('nccl', torch.cuda.nccl.version())
 import megatron.core.transformer.moe.fused_a2a as a; print('NCCL EP for megatron-core:', a.nccl_ep_dispatch is not None)" \
       > "$work/ncclep.txt" 2>&1; tail -2 "$work/ncclep.txt"
@@ -141,11 +137,7 @@ import megatron.core.transformer.moe.fused_a2a as a; print('NCCL EP for megatron
     # layouts_gpu.json (bench/slice_layouts.py, 10 iterations); then DP 2 and EP 2 profiled (iterations 6-7: GPU
     # time by kind, idle time by host operation, the host's waits) with NCCL's transport between the GPUs, and EP 2
     # without the shared expert's side stream; summaries come back, the traces are left out (too large)
-    use_wheels te
-    export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
-    work=/tmp/slice_layouts; mkdir -p "$work"; versions "$work/versions.txt"; nvidia-smi topo -m > "$work/topo.txt"
-    pack() { mkdir -p "${OUT:-runs}"; tar czf "${OUT:-runs}/.r.$BASHPID.tgz" -C "$work" . && \
-             mv -f "${OUT:-runs}/.r.$BASHPID.tgz" "${OUT:-runs}/slice_layouts.tgz"; }
+    start_call; nvidia-smi topo -m > "$work/topo.txt"
     slice=(run --device cuda --provider nemotron-moe-vlm-52l --set 'hybrid_pattern=MEMEM*EMEM' --set backend=te
            --precision bf16 --micro-batch-size 1 --num-microbatches 8 --cuda-graphs --log-interval 1 --seed 5)
     profile() {  # NAME OPTIONS...
