@@ -23,6 +23,7 @@ def inspect_checkpoint(directory: Path,
     """Iteration, the options and settings it was saved with, modules, parameter counts, layout and sizes.
     DIR is a save directory (its tracker names the checkpoint) or one iter_NNNNNNN directory."""
     from mimo.core.checkpoint.layout import TRACKER, iteration_dir, read_common, read_tracker
+    from mimo.core.checkpoint.save_dir import names
     from mimo.errors import UsageError
 
     from .common import fail
@@ -45,6 +46,7 @@ def inspect_checkpoint(directory: Path,
         "world_size": common["run"]["world_size"], "parameters": common["run"]["parameters"],
         "size_bytes": sum(p.stat().st_size for p in files), "files": len(files),
         "settings": common["run"]["settings"], "options": common["run"]["options"],
+        "series": common.get("series"), "save_directory": _save_directory(target.parent, common.get("series")),
     }
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))
@@ -64,6 +66,25 @@ def inspect_checkpoint(directory: Path,
                   f"{' (distributed, ' + contents['optimizer_sharding'] + ')' if contents.get('distributed_optimizer') else ''}"
                   f"; RNG state: {'yes' if contents['rng'] else 'no'}")
     console.print("provider settings: " + ", ".join(f"{k}={v}" for k, v in summary["settings"].items()))
+    held = summary["save_directory"]
+    if held["other_runs"] or held["unfinished"]:
+        console.print(f"also in {target.parent}: " + "; ".join(
+            part for part in (f"{len(held['this_run'])} checkpoints of this run" if held["this_run"] else "",
+                              f"{names(held['other_runs'])} of other runs (complete, kept)" if held["other_runs"]
+                              else "",
+                              f"{names(held['unfinished'])} unfinished (removed by the next run saving here)"
+                              if held["unfinished"] else "") if part), soft_wrap=True)
+
+
+def _save_directory(root: Path, series) -> dict:
+    """The complete checkpoints beside the inspected one, this run's and other runs' (`--start-anew` keeps them),
+    and folders of saves cut short."""
+    from mimo.core.checkpoint.save_dir import survey
+
+    found = survey(root)
+    return {"this_run": sorted(it for it, s in found.complete.items() if s == series),
+            "other_runs": sorted(it for it, s in found.complete.items() if s != series),
+            "unfinished": sorted(int(p.name[5:]) for p in found.unfinished)}
 
 
 @ckpt_app.command("import-hf", cls=PlainFlagsCommand)

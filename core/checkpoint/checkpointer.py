@@ -1,7 +1,8 @@
 """Save and load one run's state through megatron-core's dist_checkpointing (torch_dist), collectively.
 
-Every rank writes its shards; only then, after a barrier, rank 0 writes common.pt and replaces the tracker
-(layout.py). Model, optimizer, per-module RNG and per-lane data state are sharded objects, so a checkpoint loads
+Every rank writes its shards; only then, after a barrier, rank 0 writes checksums.json, run.yaml and last common.pt
+(a checkpoint's completion record, save_dir.py), then replaces the tracker (layout.py). A save never writes into the
+folder of a complete checkpoint: one of another run (`--start-anew`) is kept and the save skipped with one line. Model, optimizer, per-module RNG and per-lane data state are sharded objects, so a checkpoint loads
 into another layout (another DP size; colocated <-> heterogeneous) wherever the state allows it.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import time
+import uuid
 from pathlib import Path
 
 import torch
@@ -19,9 +21,9 @@ from mimo.errors import UsageError
 from . import adapter_state, checksums
 from .foreign import foreign_directory
 from .layout import (
-    COMMON, RUN_FILE, TRACKER, VERSION, atomic_write, fault_point, iteration_dir, prune,
-    read_common, read_tracker, report_io,
+    COMMON, RUN_FILE, TRACKER, VERSION, atomic_write, fault_point, iteration_dir, read_common, read_tracker, report_io,
 )
+from .save_dir import prune
 from .match import check_kept_options, check_model_fits
 from .state import (
     allocate_optimizer_state, merge_common, own_common, rng_state, set_rng_state, unshare_adam_steps,
@@ -57,6 +59,8 @@ class Checkpointer:
         self.lora = bool(options_saved.get("adapters", {}).get("lora_rank"))
         self.seed = options_saved.get("training", {}).get("seed")
         self.adapter_base: dict | None = None  # that base, once known (a resume keeps the one it loaded)
+        self.series: str | None = None  # the run this one continues (save_dir.py); set by load() or the first save
+        self.series_known = False
         if options.async_save:
             from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
@@ -64,16 +68,25 @@ class Checkpointer:
 
     # ---- saving ----
 
-    def save(self, iteration: int, consumed_samples: int) -> None:
+    def save(self, iteration: int, consumed_samples: int) -> bool:
+        """Save `iteration`; False (and one line) when its folder holds a complete checkpoint already, which a save
+        never replaces (another run's, kept with --start-anew: the start-up check refuses scheduled saves onto one,
+        so only a stop's save can meet it)."""
         from megatron.core import dist_checkpointing
 
         blocked_since = time.perf_counter()
         if self.async_queue is not None:
             self.async_queue.maybe_finalize_async_calls(blocking=True)  # one save in flight at a time
         self._save_started = time.perf_counter()
+        self._begin_series()
         directory = iteration_dir(self.options.save, iteration)
+        if _agreed(directory.is_dir() and (directory / COMMON).is_file()):  # every rank takes the same branch
+            if dist.get_rank() == 0:
+                print(f"not saved: {directory} holds a complete checkpoint of another run, which is never replaced",
+                      flush=True)
+            return False
         if dist.get_rank() == 0:
-            if directory.exists():  # a save killed before its tracker update; never the tracked one
+            if directory.exists():  # a save cut short before its common.pt: never a complete checkpoint
                 shutil.rmtree(directory)
             directory.mkdir(parents=True)
         dist.barrier()
@@ -91,6 +104,18 @@ class Checkpointer:
             self.async_queue.schedule_async_request(request)  # copies the state to host memory, hands it over
             # What training waited for: a previous save still being written, then this one's hand-off.
             self._save_blocked = time.perf_counter() - blocked_since
+        return True
+
+    def _begin_series(self, series: str | None = None, continued: bool = False) -> None:
+        """The series this run's checkpoints belong to: the loaded checkpoint's (`continued`), else a new one, the
+        same on every rank (rank 0's). Collective the first time."""
+        if self.series_known:
+            return
+        if not continued:
+            chosen = [uuid.uuid4().hex[:16]]
+            dist.broadcast_object_list(chosen, src=0)
+            series = chosen[0]
+        self.series, self.series_known = series, True
 
     def wait(self, blocking: bool = True) -> None:
         """Finish background saves (blocking), or only those already written (not blocking)."""
@@ -106,16 +131,17 @@ class Checkpointer:
         if dist.get_rank() == 0:
             root = Path(self.options.save)
             checksums.write(iteration_dir(root, iteration), sums, atomic_write)
-            # What megatron-core's own (legacy) readers load from common.pt: every non-sharded entry.
-            common = extract_sharded_base(extract_nonpersistent(state)[1])[1]
-            atomic_write(iteration_dir(root, iteration) / COMMON, lambda f: torch.save(common, f))
             if self.run_info.get("run_file"):  # the run as `mimo run --config` reads it
                 text = self.run_info["run_file"].encode()
                 atomic_write(iteration_dir(root, iteration) / RUN_FILE, lambda f: f.write(text))
+            # Last, the completion record: what megatron-core's own (legacy) readers load from common.pt, every
+            # non-sharded entry.
+            common = extract_sharded_base(extract_nonpersistent(state)[1])[1]
+            atomic_write(iteration_dir(root, iteration) / COMMON, lambda f: torch.save(common, f))
             fault_point("before-tracker", iteration)
             atomic_write(root / TRACKER, lambda f: f.write(f"{iteration}\n".encode()))
             if self.options.keep_last:
-                prune(root, self.options.keep_last, keep=iteration)
+                prune(root, self.options.keep_last, self.series, saved=iteration)
             if self.report_saves:
                 report_io("saved", iteration_dir(root, iteration), time.perf_counter() - self._save_started,
                           blocked=self._save_blocked if self.async_queue is not None else None)
@@ -131,6 +157,7 @@ class Checkpointer:
                                    lr_wsd_decay_style=self.scheduler.lr_wsd_decay_style)
         return {
             "checkpoint_version": VERSION,
+            "series": self.series,  # the run this checkpoint continues (save_dir.py)
             "iteration": iteration,
             "consumed_samples": consumed_samples,
             "opt_param_scheduler": scheduler_state,
@@ -190,6 +217,7 @@ class Checkpointer:
         """Restore what the options say; return (iteration, consumed samples, this lane's saved data state)."""
         started = time.perf_counter()
         result = self._load()
+        self._begin_series()  # a fresh start or --finetune: a new series (a resume took the checkpoint's)
         if result[0] and dist.get_rank() == 0:
             report_io("loaded", iteration_dir(self.options.load, result[0]), time.perf_counter() - started)
         return result
@@ -215,6 +243,7 @@ class Checkpointer:
         if opts.finetune:
             self._load_weights_only(opts.load, what="--finetune", common=common)
             return 0, 0, None
+        self._begin_series(common.get("series"), continued=True)  # None: a checkpoint of an older mimo
 
         load_optim = common["contents"]["optimizer"] and opts.load_optim
         if not common["contents"]["optimizer"] and opts.load_optim and dist.get_rank() == 0:
@@ -404,3 +433,10 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+
+
+def _agreed(flag: bool) -> bool:
+    """Whether any rank found `flag` (one small all-reduce), so that every rank takes the same branch."""
+    value = torch.tensor([int(flag)], dtype=torch.int64, device=_collective_device())
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())

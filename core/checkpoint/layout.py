@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import shutil
 import signal
 from pathlib import Path
 
@@ -95,14 +94,6 @@ def atomic_write(path: Path, write) -> None:
         os.close(dir_fd)
 
 
-def prune(root: Path, keep_last: int, keep: int) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints; never `keep` (the tracker's)."""
-    complete = sorted(int(p.name[5:]) for p in root.glob("iter_*") if (p / COMMON).is_file())
-    for iteration in complete[:-keep_last]:
-        if iteration != keep:
-            shutil.rmtree(iteration_dir(root, iteration), ignore_errors=True)
-
-
 def run_info(plan, settings, lane_data_state: bool) -> dict:
     """What a checkpoint records about the run that saved it (shown by `mimo ckpt inspect`)."""
     def plain(value):
@@ -125,32 +116,3 @@ def run_info(plan, settings, lane_data_state: bool) -> dict:
         "lane_data_state": lane_data_state,
         "run_file": run_file.dump(plan.config, settings),  # written beside common.pt as RUN_FILE
     }
-
-
-def remove_unfinished(root: Path) -> str | None:
-    """Remove what interrupted saves left in the save directory `root`: every `iter_NNNNNNN` directory the tracker
-    does not commit (not the tracker's, and either without common.pt or newer than the tracker's; without a
-    tracker, every one) and stray temporary files. The tracker stays the one source of truth. Returns the line
-    that says so, or None when there was nothing to remove. Only the holder of the save lock calls this."""
-    root = Path(root)
-    if not root.is_dir():
-        return None
-    tracked = read_tracker(root)
-    removed = []
-    for path in sorted(root.glob("iter_*")):
-        if not (path.is_dir() and len(path.name) == 12 and path.name[5:].isdigit()):
-            continue
-        iteration = int(path.name[5:])
-        if iteration == tracked:
-            continue
-        if tracked is None or iteration > tracked or not (path / COMMON).is_file():
-            shutil.rmtree(path, ignore_errors=True)
-            removed.append(path.name)
-    for stray in root.glob("*.tmp"):
-        stray.unlink(missing_ok=True)
-    if not removed:
-        return None
-    names = ", ".join(removed[:5]) + (f" and {len(removed) - 5} more" if len(removed) > 5 else "")
-    tracker = f"the tracker names iteration {tracked}" if tracked is not None else f"{TRACKER} names none"
-    count = f"{len(removed)} unfinished checkpoint{'s' if len(removed) > 1 else ''}"
-    return f"removed {count} in {root} ({names}: saves interrupted before they completed; {tracker})"

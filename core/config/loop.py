@@ -245,7 +245,11 @@ class CheckpointOptions(Options):
     ckpt_assume_constant_structure: bool = option(
         False, "reuse the first save's plan for later saves (faster; the state's structure must not change)")
     async_save: bool = option(False, "write checkpoints in the background while training goes on")
-    keep_last: int | None = option(None, "keep only the newest N checkpoints (never the one the tracker names)")
+    keep_last: int | None = option(
+        None, "keep only the newest N checkpoints of this run (never the one the tracker names, never another run's)")
+    start_anew: bool = option(
+        False, "start a new run in a --save folder that holds checkpoints this run does not --load: they stay where "
+               "they are (never loaded, replaced or pruned) and this run's saves go beside them")
 
     def check(self) -> None:
         if self.pretrained and (self.pretrained_llm or self.pretrained_vision):
@@ -255,6 +259,8 @@ class CheckpointOptions(Options):
         for option, value in (("--save-interval", self.save_interval), ("--keep-last", self.keep_last)):
             if value and not self.save:  # --keep-last was ignored silently
                 raise UsageError(f"{option} needs --save DIR")
+        if self.start_anew and not self.save:
+            raise UsageError("--start-anew needs --save DIR (the folder whose checkpoints it keeps)")
         if self.finetune and not self.load:
             raise UsageError("--finetune needs --load DIR (the checkpoint whose weights to start from)")
 

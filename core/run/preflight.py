@@ -24,9 +24,9 @@ from mimo.data.check import check_dataset, foreign_notes
 from ..checkpoint import hf
 from ..checkpoint.foreign import foreign_directory
 from ..checkpoint.hf_export import export_note
-from ..checkpoint.layout import remove_unfinished
 from ..checkpoint.resume import check_resume
-from ..checkpoint.save_lock import lock_save_directory
+from ..checkpoint.save_dir import remove_unfinished
+from ..checkpoint.save_lock import check_not_in_use, lock_save_directory
 from ..config import RunConfig
 from ..evaluation.predictions import check_predictions
 from ..memory import fit
@@ -48,13 +48,15 @@ def for_run(config: RunConfig) -> Iterator[Plan]:
     _check_datasets(config, speak=speaks)
     # What only reads comes before what writes: a refused run leaves no --save folder (nor its lock) behind.
     check_pretrained(plan)
-    check_resume(config, speak=speaks)  # --load: a checkpoint, the empty --save directory, or an error
+    if speaks and config.checkpoint.save is not None:
+        check_not_in_use(config.checkpoint.save)  # a live run's folder: said first, whatever it holds
+    # --load: a checkpoint, the empty --save directory, or an error; --save: no other run's checkpoint replaced
+    check_resume(config, speak=speaks, train_iters=plan.train_iters)
     check_output_paths(config)  # likewise every path the run writes: created and test-written now
     if speaks and config.checkpoint.save is not None:
         lock_save_directory(config.checkpoint.save)  # held until this process exits
-        removed = remove_unfinished(config.checkpoint.save)  # what killed saves left: never loaded, never kept
-        if removed:
-            print(removed, flush=True)
+        for line in remove_unfinished(config.checkpoint.save):  # what killed saves left; complete ones stay
+            print(line, flush=True)
     if speaks and config.checkpoint.save is not None and (note := export_note(plan.hooks, plan.settings)):
         print(note, flush=True)  # before training, not after it: these settings decide
     yield plan

@@ -87,10 +87,12 @@ def stop_run(session, stop: Stop, first_iteration: int) -> None:
             if stop.saves <= first_iteration:
                 saved = f"; nothing saved (nothing trained since iteration {first_iteration})"
             else:
+                done = True
                 if not is_scheduled_save(s, stop.saves):  # else the loop saved it (this iteration or the one before)
                     consumed = s.consumed - (s.iteration - stop.saves) * s.plan.global_batch_size
-                    s.checkpointer.save(stop.saves, consumed)
-                saved = f"; saved iteration {stop.saves} in {c.save} (resume with --load {c.save})"
+                    done = s.checkpointer.save(stop.saves, consumed)
+                saved = (f"; saved iteration {stop.saves} in {c.save} (resume with --load {c.save})" if done else
+                         f"; iteration {stop.saves} not saved (its folder in {c.save} holds another run's checkpoint)")
             s.checkpointer.wait(blocking=True)
     s.logger.close()
     s.skips.close()

@@ -64,8 +64,14 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path, 
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2\n"
     resumed, result = train(tmp_path, "resumed", "--train-iters", "6", "--save", str(save), "--load", str(save),
                             "--save-interval", "2")
-    assert [r["iteration"] for r in resumed] == [3, 4, 5, 6]
+    if stage == "before-tracker":  # iteration 4 was complete (its common.pt written): the tracker moves up to it
+        assert "the tracker named iteration 2, but iter_0000004 is complete" in result.stdout
+        assert [r["iteration"] for r in resumed] == [5, 6]
+    else:  # cut short: its folder is removed, saying so, and iteration 2 resumes
+        assert f"removed 1 unfinished checkpoint in {save} (iter_0000004: " in result.stdout
+        assert [r["iteration"] for r in resumed] == [3, 4, 5, 6]
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "6\n"
+    assert all((p / "common.pt").is_file() for p in save.glob("iter_*"))  # no half-written iteration left
 
 
 def test_resume_at_another_data_parallel_size_with_a_fully_reshardable_optimizer(tmp_path):

@@ -2,6 +2,8 @@
 
 import math
 
+import torch
+
 import pytest
 
 from helpers import read_metrics, run_mimo
@@ -41,21 +43,38 @@ def test_load_without_a_checkpoint_is_an_error_unless_it_is_the_save_directory(t
     assert check_resume(config(None)) is None
 
 
-def test_a_save_directory_with_checkpoints_not_loaded_is_named(tmp_path, capsys):
+def test_a_save_directory_with_checkpoints_not_loaded_is_refused(tmp_path, capsys):
     save = tmp_path / "save"
     save.mkdir()
     assert check_resume(config(None, save=save)) is None
     assert capsys.readouterr().out == ""  # nothing there yet: nothing to say
+    (save / "iter_0000150").mkdir()
+    torch.save({"series": "a"}, save / "iter_0000150" / "common.pt")
     (save / "latest_checkpointed_iteration.txt").write_text("150\n")
-    cfg = config(None, save=save)
-    cfg.checkpoint.keep_last = 3
-    assert check_resume(cfg) is None
-    assert capsys.readouterr().out.splitlines() == [
-        f"warning: --save {save} already holds checkpoints (up to iteration 150) that this run does not load: its "
-        f"saves replace them, and --keep-last deletes the older ones; to resume them, add --load {save}"]
-    assert check_resume(config(None, save=save), speak=False) is None
+    with pytest.raises(UsageError, match=rf"^--save {save} already holds checkpoints \(iter_0000150\) that this run "
+                                         rf"does not load: add --load {save} to resume them \(at iteration 150\), or "
+                                         rf"--start-anew to start a new run there that keeps them where they are$"):
+        check_resume(config(None, save=save))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "latest_checkpointed_iteration.txt").write_text("3\n")
+    with pytest.raises(UsageError, match="already holds checkpoints"):  # resuming another folder into it
+        check_resume(config(tmp_path / "other", save=save))
     assert check_resume(config(save, save=tmp_path / "." / "save")) == 150  # resuming them: nothing to say
     assert capsys.readouterr().out == ""
+    anew = config(None, save=save)
+    anew.checkpoint.start_anew = True
+    assert check_resume(anew, train_iters=100) is None
+    assert "also holds 1 complete checkpoint of another run (iter_0000150): kept where they are" in \
+        capsys.readouterr().out
+    with pytest.raises(UsageError, match=rf"this run would save iteration 150 where {save} holds another run's "
+                                         rf"complete checkpoint \(iter_0000150\), which a run never replaces"):
+        check_resume(anew, train_iters=150)  # its one save, at the end
+    anew.checkpoint.save_interval = 50
+    with pytest.raises(UsageError, match="would save iteration 150 where"):
+        check_resume(anew, train_iters=200)
+    anew.checkpoint.load = save
+    with pytest.raises(UsageError, match="--start-anew starts without the checkpoints in --save"):
+        check_resume(anew)
 
 
 @pytest.mark.parametrize("field", ["lr", "adam_eps", "clip_grad"])
