@@ -146,7 +146,7 @@ def _plan(ctx: typer.Context, as_json: bool = False, suggest: bool = False, gpus
                 raise UsageError("--suggest and --gpus N go together (N >= 1): list the layouts of N GPUs that fit")
             print_suggestions(run_config(kwargs, ctx), gpus, as_json)
             return
-        plan = prepare(run_config(kwargs, ctx))
+        plan = prepare(run_config(kwargs, ctx), planning=True)
         estimates = fit.estimate_plan(plan)
         limit = fit.gpu_limit_gib(plan.config, planning=True)
         summary = describe(plan, estimates, limit)

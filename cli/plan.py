@@ -15,6 +15,7 @@ WIDE = 120  # the width when stdout is no terminal and COLUMNS is unset (a log f
 
 def describe(plan, estimates=None, limit=None) -> dict:
     """The plan as `mimo plan --json` prints it; `estimates` and `limit` (core/memory/fit.py) add the memory."""
+    from mimo.core.memory import pack_budget
     from mimo.core.memory.fit import summary
     from mimo.core.parallel.topology import LANGUAGE
     from mimo.core.step_time.workload import forward_flops
@@ -42,6 +43,7 @@ def describe(plan, estimates=None, limit=None) -> dict:
         "llm_data_parallel_lanes": plan.num_lanes, "encoder_data_parallel": encoder_dp[0] if encoder_dp else None,
         "train_iters": plan.train_iters, "valid": True, "memory": summary(estimates, limit),
         "hf_export": _hf_export(plan), "forward_flops_per_sample": forward_flops(plan),
+        "pack_image_tokens": plan.pack_image_tokens, "packs": pack_budget.describe(plan),
     }
 
 
@@ -84,6 +86,8 @@ def print_plan(summary: dict, as_json: bool) -> None:
                       f"{not_exportable(refused)}")
     if summary.get("forward_flops_per_sample"):
         console.print(_flop_split(summary["forward_flops_per_sample"]))
+    if summary.get("packs"):
+        console.print(summary["packs"])
     console.print(f"global batch {summary['global_batch_size']} = {summary['num_microbatches']} micro-batches x "
                   f"{summary['micro_batch_size']} samples x {summary['llm_data_parallel_lanes']} LLM lanes"
                   f"{_encoder_pass(summary)}; "
@@ -170,7 +174,7 @@ def print_suggestions(config, gpus: int, as_json: bool) -> None:
     from mimo.errors import UsageError
 
     # the search lays the modules out itself: the run's own layout options need not suit N GPUs
-    plan = prepare(dataclasses.replace(config, layout=LayoutOptions()), world_size=gpus)
+    plan = prepare(dataclasses.replace(config, layout=LayoutOptions()), world_size=gpus, planning=True)
     limit, source = fit.gpu_limit_gib(plan.config, planning=True) or (fit.DEFAULT_GIB, "default")
     advised = advise(plan, gpus, limit)
     if not advised.layouts:

@@ -76,6 +76,7 @@ class ConversationTaskEncoder(MultimodalTaskEncoder):
                 raise UnsupportedSample("the conversation has no tokens to train on (no answer)")
             self._skip(len(whole.tokens), f"cut to seq_length it keeps fewer than {self.min_text_tokens} of its "
                                           f"{sum(whole.trained[1:])} answer tokens")
+        self._check_image_budget(sum(counts[:kept]), len(whole.tokens))
         processed = [self.image_mode.process(im) for im in images[:kept]]
         assert [p.num_tokens for p in processed] == counts[:kept]
         tokens = torch.tensor(rendered.tokens, dtype=torch.long)

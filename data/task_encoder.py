@@ -91,13 +91,16 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             `get_train_dataset`); the batch then carries `packing_kwargs` (THD) for the language model.
         segment_multiple: packed samples' padded lengths are a multiple of this (`DataContext.segment_multiple`:
             the LLM's context-parallel split); `seq_length` must be one too.
+        image_token_budget: with packing, the image placeholders one row may carry (None: no bound but the row's);
+            the loop sets it from the memory plan (`DataContext.pack_image_tokens`), and a sample whose own images
+            take more is skipped as too long.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, seq_length: int, image_mode: ImageMode | None = None,
                  encoder_name: str = "vit", modality: str = "images",
                  min_text_tokens: int = 1,
                  pad_to_longest: bool = False, pad_multiple: int = 1, pack_sequences: bool = False,
-                 segment_multiple: int = 1):
+                 segment_multiple: int = 1, image_token_budget: int | None = None):
         super().__init__()
         if seq_length < 2:
             raise ValueError(f"seq_length must be >= 2, got {seq_length}")
@@ -118,6 +121,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         self.pad_multiple = max(1, pad_multiple)
         self.pack_sequences = pack_sequences
         self.segment_multiple = segment_multiple
+        self.image_token_budget = image_token_budget
 
     # -- per sample ---------------------------------------------------------------------------------------------
 
@@ -147,6 +151,14 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         raise TooLong(f"needs {needed} tokens, {message} within seq_length {self.seq_length}: raise seq_length",
                       needed)
 
+    def _check_image_budget(self, image_tokens: int, needed: int) -> None:
+        """A packed row carries at most `image_token_budget` image tokens: a sample whose own images take more is
+        skipped as too long (the memory plan sized the encoders for the budget)."""
+        if self.pack_sequences and self.image_token_budget is not None and image_tokens > self.image_token_budget:
+            raise TooLong(f"its images take {image_tokens} image tokens, more than a packed row's "
+                          f"{self.image_token_budget} (--pack-image-tokens): raise it if the memory plan allows, or "
+                          f"lower the provider's largest image size", needed)
+
     def encode_tokens(self, text: str, image_tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor,
                                                                                torch.Tensor]:
         """(tokens, labels, loss_mask) for images taking `image_tokens` placeholders each and `text`.
@@ -175,6 +187,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         whole = sum(counts) + len(self.tokenizer.encode(text)) + 1  # + eos
         if sum(counts) + self.min_text_tokens > self.seq_length:
             self._skip(whole, f"its {sum(counts)} image tokens leave fewer than {self.min_text_tokens} for text")
+        self._check_image_budget(sum(counts), whole)
         processed = [self.image_mode.process(im) for im in images]
         assert [p.num_tokens for p in processed] == counts
         tokens, labels, loss_mask = self.encode_tokens(text, counts)
@@ -227,18 +240,21 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         return -(-length // self.segment_multiple) * self.segment_multiple
 
     def _first_fit(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
-        bins: list[tuple[int, list[EncodedSample]]] = []
+        """Rows bounded by two budgets: `seq_length` tokens and `image_token_budget` image tokens (the encoders'
+        share of the row, which the memory plan counts)."""
+        budget = self.image_token_budget if self.image_token_budget is not None else math.inf
+        bins: list[tuple[int, int, list[EncodedSample]]] = []
         for s in sorted(samples, key=lambda s: -len(s.tokens)):
             # padded places: seq_length is a multiple of them, so the last sample's padding fits the row's tail
-            n = self._padded(len(s.tokens))
-            for i, (used, group) in enumerate(bins):
-                if used + n <= self.seq_length:
-                    bins[i] = (used + n, group + [s])
+            n, images = self._padded(len(s.tokens)), sum(im.num_tokens for im in s.images)
+            for i, (used, used_images, group) in enumerate(bins):
+                if used + n <= self.seq_length and used_images + images <= budget:
+                    bins[i] = (used + n, used_images + images, group + [s])
                     break
             else:
-                bins.append((n, [s]))
+                bins.append((n, images, [s]))
         # a fixed order (resumes re-make it) from the samples' keys
-        return sorted((group for _, group in bins),
+        return sorted((group for _, _, group in bins),
                       key=lambda group: zlib.crc32(",".join(str(s.__key__) for s in group).encode()))
 
     @stateless

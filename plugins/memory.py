@@ -96,6 +96,11 @@ class ModuleMemory:
     first: LayerMemory = field(default_factory=lambda: LayerMemory("input", Weights(), nothing_kept))
     last: LayerMemory = field(default_factory=lambda: LayerMemory("output", Weights(), nothing_kept))
     mean_tokens_per_sample: float | None = None  # None: the same as tokens_per_sample
+    # an encoder's tokens per image placeholder of the LLM's row, at most (e.g. patches per placeholder after pixel
+    # shuffle, plus class tokens over the smallest image's placeholders): with sequence packing a row carries up to
+    # --pack-image-tokens placeholders, and the encoder that many times this many tokens. None: the estimate
+    # assumes one sample's media per row (tokens_per_sample), which packing can exceed
+    tokens_per_image_token: float | None = None
 
     @property
     def weights(self) -> Weights:

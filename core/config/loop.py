@@ -109,7 +109,12 @@ class DataOptions(Options):
     pack_sequences: bool = option(
         True, "pack several --data samples into each sequence (THD: positions restart and attention stays within a "
               "sample); a micro-batch then holds micro-batch-size packed sequences")
-    packing_buffer_size: int = option(64, "--data samples read ahead per data lane to choose packs from")
+    packing_buffer_size: int | None = option(
+        None, "--data samples read ahead per data lane to choose packs from (default: enough for four rows of "
+              "seq_length at 128 tokens a sample, at least 64: more samples to choose from fill the rows fuller)")
+    pack_image_tokens: int | None = option(
+        None, "at most this many image tokens (placeholders) in one packed row: bounds the encoders' work and memory "
+              "per row, which the memory plan counts (default: the most that fits the GPU, at most seq_length)")
     max_skip_fraction: float = option(
         0.1, "stop the run (exit 2, saving first with --save) when more than this share of the --data samples read "
              "were skipped (unreadable, unsupported or too long), checked once 100 have been read; 1: never")
@@ -123,8 +128,10 @@ class DataOptions(Options):
             raise UsageError(f"--max-skip-fraction must lie between 0 and 1, got {self.max_skip_fraction}")
         if not 0 <= self.truncation_warning <= 1:
             raise UsageError(f"--truncation-warning must lie between 0 and 1, got {self.truncation_warning}")
-        if self.packing_buffer_size < 1:
-            raise UsageError(f"--packing-buffer-size must be 1 or more, got {self.packing_buffer_size}")
+        for name, value in (("--packing-buffer-size", self.packing_buffer_size),
+                            ("--pack-image-tokens", self.pack_image_tokens)):
+            if value is not None and value < 1:
+                raise UsageError(f"{name} must be 1 or more, got {value}")
         if self.num_workers < 0:
             raise UsageError(f"--num-workers must be 0 or more, got {self.num_workers}")
         if self.data is not None and not self.data.exists():

@@ -106,8 +106,9 @@ class MemoryOptions(Options):
         None, "GiB of memory per GPU the run may use: a layout whose estimate does not fit is refused before "
               "start (default: the visible GPU's, else 80)")
     image_patches: str = option(
-        "max", "image tokens per sample the memory estimate assumes for the encoders: max (every image at its "
-               "largest, the default: never too low), mean (the provider's average image), or a number")
+        "max", "image tokens per sample the memory estimate assumes for the encoders of unpacked rows: max (every "
+               "image of a sample at its largest, the default), mean (the provider's average image), or a number; "
+               "packed --data rows are counted at --pack-image-tokens instead")
 
     def encoder_tokens(self) -> str | float:
         """--image-patches as "max", "mean" or a positive number of tokens per sample."""

@@ -82,6 +82,7 @@ class Options:
     recompute: dict  # module -> none | selective | full
     frozen: frozenset = frozenset()  # modules with nothing to train (no gradients, no optimizer state)
     encoder_tokens: str | float = "max"  # --image-patches: max, mean or tokens per sample for the encoders
+    packed_image_tokens: int | None = None  # packed --data rows: the image placeholders a row carries at most
     step_encoders: bool = False  # --encoder-pass step: the encoders hold every micro-batch's activations at once
     # --lora-rank: every base weight frozen; (rank, --lora-experts, ((module, hidden, experts, body, projection), ...))
     adapters: tuple = ()
@@ -110,6 +111,7 @@ def options_of(plan) -> Options:
                    recompute={name: config.performance.recompute_for(name) for name in plan.parallelism},
                    frozen=frozenset(name for name in plan.parallelism if _frozen(name, frozen)),
                    encoder_tokens=config.memory.encoder_tokens(), step_encoders=plan.step_encoders,
+                   packed_image_tokens=plan.pack_image_tokens,
                    adapters=adapters, optimizer_precision=config.optimizer.optimizer_precision,
                    still_encoders=still, still_experts=frozenset(
                        name for name in plan.parallelism if _frozen(name, frozen)
@@ -213,7 +215,7 @@ def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int,
     lora_state = state_bytes
     optimizer += lora_state * lora / (par.dp * par.cp if options.distributed_optimizer else 1)
     mode = options.recompute.get(name, "none")
-    per_sample = tokens_per_sample(name, memory, options.encoder_tokens)
+    per_sample = tokens_per_sample(name, memory, options.encoder_tokens, options.packed_image_tokens)
     tokens = options.micro_batch_size * per_sample if rows is None else rows * per_sample
     tokens /= par.cp  # the LLM's merged sequence is split over its CP ranks (encoders are CP 1)
     sp = options.sequence_parallel and par.tp > 1 and name == LANGUAGE
@@ -272,9 +274,13 @@ def _adapters(name: str, memory: ModuleMemory, adapters: tuple) -> float:
     return 0.0
 
 
-def tokens_per_sample(name: str, memory: ModuleMemory, encoder_tokens: str | float) -> float:
-    """The tokens per sample the estimate assumes for module `name`: the LLM's always its sequence; an encoder's
-    by --image-patches (max: the provider's largest; mean: its average; a number: that)."""
+def tokens_per_sample(name: str, memory: ModuleMemory, encoder_tokens: str | float,
+                      packed_image_tokens: int | None = None) -> float:
+    """The tokens per sample (a row) the estimate assumes for module `name`: the LLM's always its sequence; an
+    encoder's, in packed rows, its tokens for the row's image budget (--pack-image-tokens), else by --image-patches
+    (max: the provider's largest; mean: its average; a number: that)."""
+    if name != LANGUAGE and packed_image_tokens and memory.tokens_per_image_token and memory.tokens_per_sample:
+        return packed_image_tokens * memory.tokens_per_image_token
     if name == LANGUAGE or encoder_tokens == "max" or not memory.tokens_per_sample:
         return memory.tokens_per_sample
     if encoder_tokens == "mean":

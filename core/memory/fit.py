@@ -163,6 +163,22 @@ def advice(plan, term: str, module: str) -> str:
     return "try " + ", ".join(helps) + ", or more GPUs"
 
 
+def out_of_memory(plan, iteration: int, device) -> str:
+    """The one line a run that ran out of GPU memory ends with: where, how much, and what lowers it."""
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory / GIB if device.type == "cuda" else None
+    peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
+    where = f" (peak {peak:.1f} of {total:.0f} GiB)" if peak is not None and total else ""
+    encoders = [name for name in plan.parallelism if name != topology.LANGUAGE]
+    helps = advice(plan, "activations", encoders[0] if encoders and plan.pack_image_tokens else topology.LANGUAGE)
+    if plan.pack_image_tokens:
+        helps = (f"lower --pack-image-tokens (packed rows carry up to {plan.pack_image_tokens} image tokens), "
+                 f"{helps[len('try '):]}")
+    return (f"out of GPU memory in iteration {iteration}{where}, which the memory plan did not foresee: "
+            f"{helps}; `mimo plan` with the same options shows the estimate")
+
+
 def summary(estimates: list[RankEstimate] | None, limit: tuple[float, str] | None) -> dict | None:
     """The estimate for `mimo plan --json`: GiB per term for each kind of rank."""
     if estimates is None:

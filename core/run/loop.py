@@ -10,10 +10,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from mimo.errors import UsageError
+from mimo.errors import TrainingStopped, UsageError
 from mimo.plugins import Registry
 
 from ..config import RunConfig
+from ..memory.fit import out_of_memory
 from ..telemetry.summary import summary_lines
 from . import signals
 from .garbage import GarbageCollection
@@ -36,10 +37,13 @@ def advance(session: Session, iterations: int, first_iteration: int | None = Non
         if s.compiles:
             s.compiles.before(iteration)
         started = time.perf_counter()
-        if iteration == flop_check:
-            result = _counted_step(s.step, s.data, s.logger, s.device)
-        else:
-            result = s.step(s.data)
+        try:
+            if iteration == flop_check:
+                result = _counted_step(s.step, s.data, s.logger, s.device)
+            else:
+                result = s.step(s.data)
+        except torch.OutOfMemoryError:  # one line, not a traceback from inside the model
+            raise TrainingStopped(out_of_memory(plan, iteration, s.device)) from None
         if s.compiles:
             s.compiles.after(iteration, time.perf_counter() - started)
         s.profiler.after(iteration)

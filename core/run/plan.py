@@ -3,6 +3,7 @@ built, the layout validated. Workers only execute a Plan; every rank derives the
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -16,7 +17,7 @@ from ..adapters import targets as adapter_targets
 from ..checkpoint import hf
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from ..forward import encoder_pass
-from ..memory import fit
+from ..memory import fit, pack_budget
 from ..parallel import context_parallel, optim, topology
 from ..parallel.provider_refusal import provider_refusal
 from . import launch
@@ -39,6 +40,7 @@ class Plan:
     step_encoders: bool = False  # --encoder-pass: the encoders run once per step (encoder_pass.py)
     encoders_recomputed: bool = False  # --encoder-pass auto made the encoders' --recompute full for that
     adapter_targets: dict | None = None  # --lora-rank: {module: layer names} (core/adapters/targets.py)
+    pack_image_tokens: int | None = None  # packed --data: image placeholders a row may carry (memory/pack_budget.py)
 
     @property
     def num_lanes(self) -> int:
@@ -61,8 +63,10 @@ class Plan:
                             overlap_grad_reduce=perf.overlap_grad_reduce)
 
 
-def prepare(config: RunConfig, registry: Registry | None = None, world_size: int | None = None) -> Plan:
-    """Check the options, the provider and its settings, and the layout; raise UsageError on the first problem."""
+def prepare(config: RunConfig, registry: Registry | None = None, world_size: int | None = None,
+            planning: bool = False) -> Plan:
+    """Check the options, the provider and its settings, and the layout; raise UsageError on the first problem.
+    `planning`: for `mimo plan`, whose memory choices are made for GPUs even on a host without one (fit.py)."""
     config.validate()
     registry = registry or Registry()
     provider, _ = registry.get(config.provider)
@@ -109,7 +113,12 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
                 global_batch // per_microbatch, train_iters, step, adapter_targets=lora)
     if refused := provider_refusal(plan):  # what every worker's build would refuse, before any process starts
         raise UsageError(f"provider '{plan.config.provider}': {refused}")
-    encoder_pass.fit_auto(plan, fit.fits)  # auto: the step's encoder activations must fit the GPU
+    fits = functools.partial(fit.fits, planning=planning)
+    pack_budget.resolve(plan, fits)  # packed rows' images: the most that fits
+    encoder_pass_before = (plan.step_encoders, plan.encoders_recomputed)
+    encoder_pass.fit_auto(plan, fits)  # auto: the step's encoder activations must fit the GPU
+    if (plan.step_encoders, plan.encoders_recomputed) != encoder_pass_before:
+        pack_budget.resolve(plan, fits)  # the encoders keep less now: the budget may grow
     return plan
 
 

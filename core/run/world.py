@@ -56,7 +56,7 @@ class World:
                            num_lanes=plan.num_lanes, seed=t.seed, first_position=first, num_positions=count,
                            start_sample=start_sample, data_path=str(data.data) if data.data else None,
                            num_workers=data.num_workers, pack_sequences=data.pack_sequences,
-                           packing_buffer_size=data.packing_buffer_size,
+                           packing_buffer_size=data.packing_buffer_size, pack_image_tokens=plan.pack_image_tokens,
                            segment_multiple=context_parallel.shard_multiple(plan.parallelism[LANGUAGE],
                                                                             plan.config.performance.sequence_parallel))
 

@@ -61,7 +61,8 @@ def module_memory(settings) -> dict[str, ModuleMemory]:
     return {
         IMAGES: ModuleMemory(layers=(vit_layer,) * s.vision_layers,
                              tokens_per_sample=s.images_per_sample * patches if s.image_probability > 0 else 0,
-                             first=patch_embedder, last=projection),
+                             first=patch_embedder, last=projection,
+                             tokens_per_image_token=patches / s.image_tokens),  # one tile a placeholder per patch
         LANGUAGE: ModuleMemory(layers=(gpt_layer,) * s.num_layers, tokens_per_sample=s.seq_length,
                                  first=ml.embedding(s.vocab_size, h),
                                  last=ml.output(s.vocab_size, h, final_norm_bias=True, fused_loss=(

@@ -77,6 +77,14 @@ def mean_vision_tokens(s: NemotronVLMSettings) -> float:
         return s.image_probability * vision_tokens(s)
     patches = (s.max_patches - s.min_patches) / math.log(s.max_patches / s.min_patches)
     return s.image_probability * s.encoder_sequences * (patches + s.class_tokens)
+def tokens_per_image_token(s: NemotronVLMSettings) -> float:
+    """RADIO's tokens per image placeholder of the LLM's row, at most: the patches pixel shuffle merges into one
+    placeholder, plus an image's class tokens over the placeholders of the smallest image (packed rows of many
+    small images carry the most class tokens)."""
+    smallest = s.patches_per_image or (s.min_patches if s.dynamic_resolution else (s.image_size // s.patch_size) ** 2)
+    return s.shuffle_factor + s.class_tokens / max(smallest // s.shuffle_factor, 1)
+
+
 def module_memory(s: NemotronVLMSettings) -> dict[str, ModuleMemory]:
     k, vh = kernels(s), s.vision_hidden_size
     if not k.te and s.dynamic_resolution:  # packed images: mimo's SDPA module writes a new output buffer
@@ -87,7 +95,8 @@ def module_memory(s: NemotronVLMSettings) -> dict[str, ModuleMemory]:
         IMAGES: ModuleMemory(layers=(vit,) * s.vision_layers,
                              tokens_per_sample=vision_tokens(s) if s.image_probability > 0 else 0,
                              first=_patch_embedder(s), last=_projection(s),
-                             mean_tokens_per_sample=mean_vision_tokens(s) if s.image_probability > 0 else 0),
+                             mean_tokens_per_sample=mean_vision_tokens(s) if s.image_probability > 0 else 0,
+                             tokens_per_image_token=tokens_per_image_token(s)),
         LANGUAGE: ModuleMemory(layers=tuple(llm_layers(s)), tokens_per_sample=s.seq_length,
                                  first=ml.embedding(s.vocab_size, s.hidden_size),
                                  last=ml.output(s.vocab_size, s.hidden_size,
