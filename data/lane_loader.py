@@ -36,6 +36,7 @@ iteration and the loop stops at its boundary, saving the state `mark_boundary()`
 from __future__ import annotations
 
 import dataclasses
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,7 @@ from .counts import DataCounts
 from .energon_prints import route_energon_prints
 from .lane_stream import MAX_SKIPS_IN_A_ROW, DataError, LaneStream
 from .lanes import merge_lane_batches
+from .read_ahead import Made, MadeAhead
 from .skips import SkipRecord
 from .task_encoder import EncodedSample
 
@@ -83,13 +85,12 @@ class LaneLoader:
     # DataSource's members kept as plain attributes (the class must define them to count as one)
     resumable = True  # state_dict continues the exact stream
     hold_data_errors = False  # the training loop's: keep a DataError, hand out empty micro-batches
-    data_error: str | None = None  # the DataError kept
 
     def __init__(self, path: str | Path, task_encoder, *, micro_batch_size: int, num_lanes: int,
                  lanes: range | None = None, lane_part: tuple[int, int] = (0, 1), num_workers: int = 0,
                  seed: int = 0, start_sample: int = 0, shuffle_buffer_size: int | None = 100,
                  max_samples_per_sequence: int | None = 100, packing_buffer_size: int | None = None,
-                 **dataset_kwargs):
+                 read_ahead: int = 0, pin_memory: bool = False, **dataset_kwargs):
         path = Path(path)
         if not path.exists():
             raise UsageError(f"--data {path}: no such dataset directory or metadataset file")
@@ -117,17 +118,25 @@ class LaneLoader:
         self._started = self._closed = False
         self._loose = 0
         self.hold_data_errors = False
-        self.data_error = None
-        self._boundary_state: dict | None = None
-        self.micro_batches = 0  # micro-batches yielded per lane, over the whole run
-        self.last_rows: list[tuple[int, int, int, str]] = []  # (lane, global worker, index, key) per row
+        self._error: str | None = None  # a DataError met while making micro-batches (read ahead or not)
+        self._made = 0  # micro-batches made per lane, over the whole run
+        # read_ahead.py: micro-batches made in a thread, pinned; what the loop reads is as of the one it consumed
+        # Not without worker processes: energon then iterates in this process, one dataset at a time (its active
+        # worker config is global), and an evaluation's loader would meet the thread's.
+        self.read_ahead, self.pin_memory = (read_ahead if num_workers else 0), pin_memory
+        self._lock = threading.Lock()  # held while a micro-batch is made: energon's state is read between two
+        self._ahead: MadeAhead | None = None
+        self._consumed: Made | None = None  # the last micro-batch handed out, with the view after it
+        self._boundary: Made | None = None  # mark_boundary's: what a save after a data error writes
+        self._records: list[SkipRecord] = []  # skips of the micro-batches handed out, not yet taken
 
     @classmethod
     def from_context(cls, ctx, task_encoder, **kwargs) -> LaneLoader:
         """The loader for the rank a `DataContext` describes (`ctx.data_path` must be set)."""
         return cls(ctx.data_path, task_encoder, micro_batch_size=ctx.micro_batch_size, num_lanes=ctx.num_lanes,
                    lanes=ctx.lanes, lane_part=ctx.lane_part, num_workers=ctx.num_workers, seed=ctx.seed,
-                   start_sample=ctx.start_sample, **kwargs)
+                   start_sample=ctx.start_sample, read_ahead=getattr(ctx, "read_ahead", 0),
+                   pin_memory=getattr(ctx, "pin_memory", False), **kwargs)
 
     # -- iteration ----------------------------------------------------------------------------------------------
 
@@ -137,14 +146,28 @@ class LaneLoader:
     def __next__(self) -> dict:
         if self._closed:
             raise RuntimeError("the lane loader is closed")
+        if not self._started:
+            self._start()
+        if self.read_ahead > 0:
+            if self._ahead is None:
+                self._ahead = MadeAhead(self._make, self.read_ahead, self._lock, self.pin_memory)
+            made = self._ahead.next()
+        else:
+            made = self._make()
+        self._consumed = made
+        self._records += made.records  # named when consumed, not when made ahead
+        for stream, view in zip(self._streams, (self._boundary or made).views):
+            stream.trim(view)  # what a state may still need: from the boundary kept, else from this one
+        return made.batch
+
+    def _make(self) -> Made:
+        """The next micro-batch of this rank's lanes, with the loader's view right after it."""
         part, parts = self.lane_part
         share = self.micro_batch_size // parts
         batches, rows = [], []
         try:
-            if self.data_error is not None:
-                raise DataError(self.data_error)
-            if not self._started:
-                self._start()
+            if self._error is not None:
+                raise DataError(self._error)
             for lane in self.lanes:
                 taken = [self._stream_of[lane].take(lane) for _ in range(self.micro_batch_size)]
                 mine = taken[part * share:(part + 1) * share]
@@ -155,14 +178,39 @@ class LaneLoader:
                 raise
             # every rank of the lane meets it at the same micro-batch (they read the same stream): an empty
             # micro-batch (padding, no loss, no images) lets all finish the iteration together
-            self.data_error = str(err)
+            self._error = str(err)
             empty = EncodedSample(__key__="", __restore_key__=(), tokens=torch.zeros(0, dtype=torch.long),
                                   labels=torch.zeros(0, dtype=torch.long), loss_mask=torch.zeros(0),
                                   position_ids=torch.zeros(0, dtype=torch.long), images=[], seqlens=[])
             batches, rows = [self._batch([empty] * share) for _ in self.lanes], []
-        self.micro_batches += 1
-        self.last_rows = rows
-        return batches[0] if len(batches) == 1 else merge_lane_batches(batches)
+        self._made += 1
+        batch = batches[0] if len(batches) == 1 else merge_lane_batches(batches)
+        return Made(batch, [s.view() for s in self._streams], self._made, self._error, rows, self._counted())
+
+    def _counted(self) -> list[SkipRecord]:
+        """The skip records the streams counted since the last call (popleft: the other thread may append)."""
+        records = []
+        for stream in self._streams:
+            while stream.counted:
+                records.append(stream.counted.popleft())
+        return records
+
+    @property
+    def data_error(self) -> str | None:
+        """The data error held, as of the micro-batches handed out (one read ahead is not the loop's yet)."""
+        return self._consumed.data_error if self._consumed is not None else None
+
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches handed out per lane, over the whole run."""
+        if self._consumed is not None:
+            return self._consumed.micro_batches
+        return self._state["micro_batches"] if self._state is not None else 0
+
+    @property
+    def last_rows(self) -> list[tuple[int, int, int, str]]:
+        """(lane, global worker, index, key) of each row of the last micro-batch handed out."""
+        return self._consumed.rows if self._consumed is not None else []
 
     def _batch(self, samples: list) -> Any:
         batch = self.task_encoder.batch(samples)
@@ -177,19 +225,21 @@ class LaneLoader:
         for stream in self._streams:
             stream.start({lane: lanes[lane] for lane in stream.lanes} if lanes else None)
         if lanes:
-            self.micro_batches = self._state["micro_batches"]
+            self._made = self._state["micro_batches"]
         elif self.start_sample:
             # No saved state (e.g. a rank the checkpoint holds none for): re-read up to the same position.
             per_lane = self.start_sample // self.num_lanes
             for _ in range(per_lane):
                 for lane in self.lanes:  # lane by lane in turn: the other lanes' queues stay short
                     self._stream_of[lane].take(lane)
-            self.micro_batches = per_lane // self.micro_batch_size
+            self._made = per_lane // self.micro_batch_size
             self.take_skip_records()  # the run before reported those
 
     def close(self) -> None:
         """Stop the worker processes now rather than when the loader is collected; the loader is done then."""
         self._closed = True
+        if self._ahead is not None:
+            self._ahead.close()  # first: its thread reads the streams
         for stream in self._streams:
             stream.close()
 
@@ -200,7 +250,8 @@ class LaneLoader:
             total = sum((DataCounts(**self._state["lanes"][lane]["counts"]) for lane in self.lanes), DataCounts())
         else:
             self._loose += sum(s.loose_skips() for s in self._streams)
-            total = sum((s.counts[lane] for s in self._streams for lane in s.lanes), DataCounts())
+            views = self._consumed.views if self._consumed is not None else [s.view() for s in self._streams]
+            total = sum((count for view in views for count in view.counts.values()), DataCounts())
         total.unreadable += self._loose
         total.data_error = int(self.data_error is not None)
         return total
@@ -227,35 +278,36 @@ class LaneLoader:
 
     def mark_boundary(self) -> None:
         """Keep the state as of now (an iteration boundary): what a save after a data error writes."""
-        if self.data_error is None:
-            self._boundary_state = self.state_dict()
+        if self.data_error is None and self._consumed is not None:
+            self._boundary = self._consumed
 
     def take_skip_records(self) -> list[SkipRecord]:
         """What each drop counted since the last call was (dataset, shard, key, error), in the order counted; at
         most the last 1000 per stream between calls."""
         self._loose += sum(s.loose_skips() for s in self._streams)
-        records = []
-        for stream in self._streams:
-            records += stream.counted
-            stream.counted.clear()
+        records, self._records = self._records, []
+        if self._ahead is None:  # else the thread takes the rest with the micro-batches it makes
+            records += self._counted()
         return records
 
     # -- checkpoint state -----------------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """Everything needed to continue the exact stream, per lane (plain types and pickled bytes)."""
-        if self.data_error is not None and self._boundary_state is not None:
-            return self._boundary_state  # the stream as of the last complete iteration
         if self._closed:
             raise RuntimeError("the lane loader is closed: its state is gone")
         if not self._started and self._state is not None:
             return self._state  # restored, not read since: the same state
+        # as of the micro-batch consumed last, or after a data error the last complete iteration's
+        made = self._boundary if self.data_error is not None and self._boundary is not None else self._consumed
         lanes = {}
-        for stream in self._streams:
-            energon = stream._energon_states()
-            lanes.update({lane: stream.lane_state(lane, energon) for lane in stream.lanes})
+        with self._lock:  # between two micro-batches made ahead: energon's state is that of what was pulled
+            for i, stream in enumerate(self._streams):
+                energon = stream._energon_states()
+                view = made.views[i] if made is not None else None
+                lanes.update({lane: stream.lane_state(lane, energon, view) for lane in stream.lanes})
         return {"version": STATE_VERSION, "num_lanes": self.num_lanes, "num_workers": self.num_workers,
-                "micro_batches": self.micro_batches, "lanes": lanes}
+                "micro_batches": made.micro_batches if made is not None else self._made, "lanes": lanes}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state` (taken by `state_dict` on any rank that read these lanes). Before the first batch."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+from dataclasses import dataclass
 import re
 import warnings
 from collections import deque
@@ -23,10 +24,21 @@ from .damaged_shards import shard_stop_line
 from .deferred_errors import defer_load_errors
 from .skips import REASONS, SkippedSampleCounter, SkipRecord
 
-__all__ = ["DataError", "LaneStream", "MAX_SKIPS_IN_A_ROW"]
+__all__ = ["DataError", "LaneStream", "MAX_SKIPS_IN_A_ROW", "StreamView"]
 
 _KEPT_RECORDS = 1000  # skip records a loader keeps for the loop to report; older ones are only counted
 MAX_SKIPS_IN_A_ROW = 100  # skipped samples in a row before the data is given up on (it would read forever)
+
+
+@dataclass
+class StreamView:
+    """A stream's counters as of one micro-batch: the last index taken from each worker, the lanes' turns, counts
+    and skips in a row (small copies; the samples not consumed stay in the stream's history)."""
+
+    taken: list[int]
+    turn: dict[int, int]
+    counts: dict[int, DataCounts]
+    in_a_row: dict[int, int]
 
 
 class DataError(UsageError):
@@ -73,8 +85,12 @@ class LaneStream:
                              f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})") from None
         self._check_sizes(path, num_lanes, num_workers)
         self.loader = self.iterator = None
-        self.queues = [deque() for _ in range(self.per_lane * k)]  # (index, sample) pulled, not yet consumed
+        self.queues = [deque() for _ in range(self.per_lane * k)]  # (index, sample) pulled, not yet taken
+        # (index, sample) pulled and not yet consumed by the loop: the queues and what was taken ahead of it
+        # (read_ahead.py); a saved state's queues are these, past the consumed view's `taken`
+        self.history = [deque() for _ in self.queues]
         self.pulled = [-1] * len(self.queues)  # index of the last sample pulled from each worker
+        self.taken = [-1] * len(self.queues)  # index of the last sample taken from each worker
         self.restored: list[Any] = [None] * len(self.queues)  # a worker's restored energon state, until it yields
         self.turn = {lane: 0 for lane in lanes}  # the lane's worker whose sample comes next
         self.counts = {lane: DataCounts() for lane in lanes}
@@ -137,6 +153,7 @@ class LaneStream:
         _, global_worker, index = _restore_key(sample)[:3]
         worker = global_worker - self.rank * self.num_workers if self.num_workers else 0
         self.queues[worker].append((index, sample))
+        self.history[worker].append((index, sample))
         self.pulled[worker] = index
         self.restored[worker] = None  # it has yielded since: energon's own state for it is right again
 
@@ -149,6 +166,7 @@ class LaneStream:
             while not self.queues[worker]:
                 self._pull()
             index, sample = self.queues[worker].popleft()
+            self.taken[worker] = index
             self.turn[lane] = (self.turn[lane] + 1) % self.per_lane
             if self._count(lane, sample):
                 return sample, (self.lanes.start * self.per_lane + worker, index)
@@ -207,22 +225,37 @@ class LaneStream:
         # to skip past it; the state it was restored from is the right one.
         return [r if r is not None else s for r, s in zip(self.restored, state.worker_states)]
 
-    def lane_state(self, lane: int, energon: list[Any]) -> dict:
+    def view(self) -> StreamView:
+        """What the loop's state is made of as of now, without the samples (those stay in `history`)."""
+        return StreamView(list(self.taken), dict(self.turn),
+                          {lane: dataclasses.replace(c) for lane, c in self.counts.items()}, dict(self.in_a_row))
+
+    def trim(self, view: StreamView) -> None:
+        """Forget the samples consumed as of `view` (popleft alone: safe beside the thread that appends)."""
+        for history, taken in zip(self.history, view.taken):
+            while history and history[0][0] <= taken:
+                history.popleft()
+
+    def lane_state(self, lane: int, energon: list[Any], view: StreamView | None = None) -> dict:
+        """The lane's state as of `view` (default: now): energon's state of what was pulled, and the samples
+        pulled but not consumed as of `view`, which a restore queues first. Not while samples are being pulled."""
+        view = view or self.view()
         workers = range((lane - self.lanes.start) * self.per_lane, (lane - self.lanes.start + 1) * self.per_lane)
         return {
             "energon": pickle.dumps([energon[w] for w in workers] if self.num_workers else energon),
-            "turn": self.turn[lane],
-            "queued": pickle.dumps([list(self.queues[w]) for w in workers]),
+            "turn": view.turn[lane],
+            "queued": pickle.dumps([[item for item in self.history[w] if item[0] > view.taken[w]] for w in workers]),
             "pulled": [self.pulled[w] for w in workers],
-            "counts": dataclasses.asdict(self.counts[lane]),
-            "in_a_row": self.in_a_row[lane],
+            "counts": dataclasses.asdict(view.counts[lane]),
+            "in_a_row": view.in_a_row[lane],
         }
 
     def _restore_lane(self, lane: int, state: dict) -> list[Any]:
         workers = range((lane - self.lanes.start) * self.per_lane, (lane - self.lanes.start + 1) * self.per_lane)
         for w, queued, pulled in zip(workers, pickle.loads(state["queued"]), state["pulled"]):
-            self.queues[w] = deque(queued)
+            self.queues[w], self.history[w] = deque(queued), deque(queued)
             self.pulled[w] = pulled
+            self.taken[w] = queued[0][0] - 1 if queued else pulled
         self.turn[lane] = state["turn"]
         self.counts[lane] = DataCounts(**state["counts"])
         self.in_a_row[lane] = state.get("in_a_row", 0)

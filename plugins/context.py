@@ -173,6 +173,10 @@ class DataContext:
     packing_buffer_size: int | None = None
     # image placeholders one packed row may carry (energon_loader gives it to the task encoder; None: no bound)
     pack_image_tokens: int | None = None
+    # micro-batches energon_loader's loader makes ahead in a thread (training's --prefetch-microbatches; 0: none),
+    # pinned for asynchronous copies to the GPU (`pin_memory`, on GPUs)
+    read_ahead: int = 0
+    pin_memory: bool = False
     # packed segments' padded lengths a multiple of this: the LLM's context-parallel split (2 x CP, x TP under
     # sequence parallelism; 1 without CP); pass it to a packing task encoder (`segment_multiple`)
     segment_multiple: int = 1

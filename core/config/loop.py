@@ -104,8 +104,8 @@ class DataOptions(Options):
                                      "synthetic data)")
     num_workers: int = option(2, "data loader worker processes per data lane")
     prefetch_microbatches: int = option(
-        2, "micro-batches a background thread prepares ahead (providers' own data; --data loaders have workers); "
-           "with --encoder-pass step at least a step's; 0: none")
+        2, "micro-batches a background thread prepares ahead, pinned on GPUs (a provider's own data, and --data's "
+           "batching and packing after its loader workers); with --encoder-pass step at least a step's; 0: none")
     pack_sequences: bool = option(
         True, "pack several --data samples into each sequence (THD: positions restart and attention stays within a "
               "sample); a micro-batch then holds micro-batch-size packed sequences")

@@ -3,6 +3,8 @@ opened, the training step, the logs, the profiler and the evaluations, ready for
 
 from __future__ import annotations
 
+import dataclasses
+
 import os
 import time
 from dataclasses import dataclass
@@ -120,7 +122,11 @@ def start(plan: Plan) -> Session:
         start_iteration, consumed, data_state = checkpointer.load()
         phases.done("loading")
     # Index-addressed data continues from the samples already seen; a loader with its own state restores it.
-    data_ctx = world.data_context(consumed)
+    ahead = config.data.prefetch_microbatches
+    if ahead and plan.step_encoders:  # the step takes all its micro-batches at once: make the next step's meanwhile
+        ahead = max(ahead, plan.num_microbatches)
+    # --data: the lane loader's own thread reads ahead (as of what was consumed, for its state), pinned on GPUs
+    data_ctx = dataclasses.replace(world.data_context(consumed), read_ahead=ahead, pin_memory=device.type == "cuda")
     source = as_data_source(plan.hooks.data_provider(settings=plan.settings, ctx=data_ctx), config.provider)
     source.hold_data_errors = True  # a data error mid-run: the loop stops at the boundary, saving first
     if checkpointer:
@@ -165,10 +171,7 @@ def start(plan: Plan) -> Session:
             print(phases.line(), flush=True)
     profiler = StepProfiler(config.logging, rank=dist.get_rank(), device=device, report=logging_rank)
     model.train()
-    ahead = config.data.prefetch_microbatches
-    if ahead and plan.step_encoders:  # the step takes all its micro-batches at once: make the next step's meanwhile
-        ahead = max(ahead, plan.num_microbatches)
-    reader = read_ahead(source, ahead, device)
+    reader = read_ahead(source, ahead, device)  # a provider's own data (a resumable source reads ahead itself)
     skips = SkipReporter(source, enabled=is_token_source(topo),  # the rank whose count enters the total
                          rank=dist.get_rank() if plan.world_size > 1 else None)
     evaluations = None

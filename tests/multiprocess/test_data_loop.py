@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 import shutil
 
 import pytest
@@ -130,6 +131,32 @@ def test_merging_lane_micro_batches_follows_the_schema():
 
 # --------------------------------------------------------------------------------------------------------------
 # resumable: a restored loader continues the exact stream
+
+
+@pytest.mark.parametrize("num_workers", [1, 2])
+def test_a_loader_reading_ahead_saves_and_counts_as_of_what_was_consumed(dataset, num_workers):
+    def loader(ahead=0):
+        return LaneLoader(dataset.path, encoder(), micro_batch_size=2, num_lanes=1, num_workers=num_workers, seed=6,
+                          read_ahead=ahead)
+
+    plain, ahead = loader(), loader(3)
+    assert [k for _, k in read(plain, 3)] == [k for _, k in read(ahead, 3)]
+    deadline = time.time() + 30
+    while ahead._ahead._queue.qsize() < 3 and time.time() < deadline:  # its thread has made three more
+        time.sleep(0.05)
+    assert ahead._ahead._queue.qsize() == 3
+    assert ahead.data_counts() == plain.data_counts() and ahead.micro_batches == plain.micro_batches == 3
+    state = pickle.loads(pickle.dumps(ahead.state_dict()))
+    assert state["micro_batches"] == 3 and state["lanes"][0]["counts"] == plain.state_dict()["lanes"][0]["counts"]
+    expected = read(ahead, 4)
+    assert [k for _, k in expected] == [k for _, k in read(plain, 4)]
+    ahead.close()
+    plain.close()
+    again = loader()
+    again.load_state_dict(state)
+    for (batch, k), (want, want_keys) in zip(read(again, 4), expected):
+        assert k == want_keys and torch.equal(batch["input_ids"], want["input_ids"])
+    again.close()
 
 
 @pytest.mark.parametrize("num_workers", [0, 1])
