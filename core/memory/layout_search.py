@@ -42,11 +42,18 @@ class Suggestion:
     options: memory.Options | None = None  # what the estimate that fits was made with
     reason: str = ""  # why this layout's less usual choice (CP), one line
 
-    def flags(self) -> str:
+    @property
+    def global_batch(self) -> int:
+        """Samples per iteration: with no --global-batch-size it follows the layout's LLM data-parallel lanes."""
+        return self.options.micro_batch_size * self.num_microbatches * self.parallelism[topology.LANGUAGE].dp
+
+    def options_list(self) -> list[str]:
+        """The `mimo run` options this layout sets, each whole (an option and its value)."""
         lo, parts = self.layout, []
         if lo.encoder_ranks:
-            parts += [f"--encoder-ranks {lo.encoder_ranks}"] + ([f"--encoder-tp {lo.encoder_tp}"]
-                                                                if lo.encoder_tp > 1 else [])
+            parts.append(f"--encoder-ranks {lo.encoder_ranks}")
+        if lo.encoder_tp > 1:  # colocated too: the encoders share the LLM's TP only where it is given
+            parts.append(f"--encoder-tp {lo.encoder_tp}")
         parts += [f"--llm-{k} {getattr(lo, 'llm_' + k)}" for k in ("tp", "cp", "pp", "ep")
                   if getattr(lo, "llm_" + k) > 1]
         if self.sequence_parallel:
@@ -54,8 +61,11 @@ class Suggestion:
         if self.distributed_optimizer:
             parts.append("--use-distributed-optimizer")
         if self.recompute != "none":
-            parts.append(f"--recompute language={self.recompute}")
-        return " ".join(parts) or "(colocated, data parallel only)"
+            parts.append(f"--recompute {topology.LANGUAGE}={self.recompute}")
+        return parts
+
+    def flags(self) -> str:
+        return " ".join(self.options_list()) or "(colocated, data parallel only)"
 
 
 def _divisors(n: int) -> list[int]:
