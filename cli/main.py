@@ -15,7 +15,7 @@ from mimo.errors import TrainingStopped, UsageError
 from . import console
 from .common import fail, start_workers
 from .help import PlainFlagsGroup, WholeNamesCommand
-from .options import CONTEXT, loop_parameters, provider_parameters, run_config, with_options
+from .options import CONTEXT, given_on_command_line, loop_parameters, provider_parameters, run_config, with_options
 from . import generate
 from .ckpt import ckpt_app
 from .data import data_app
@@ -107,6 +107,9 @@ def _eval(ctx: typer.Context, split: str = "val", json_path=None, **kwargs):
     try:
         if json_path is not None:
             check_output_file("--json", json_path)
+        if kwargs.get("eval_iters") == 0 and "eval_iters" in given_on_command_line(ctx):  # 0 is "not given" below
+            raise UsageError("mimo eval --eval-iters 0: an evaluation reads at least one global batch; give K >= 1, "
+                             "or leave it out for the run's (else 10)")
         config, report = config_from_checkpoint(kwargs, ctx, "eval")  # the checkpoint's provider and settings
         with preflight.for_eval(config, split) as plan:
             if report is not None and not launch.is_launched_worker():

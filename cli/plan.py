@@ -10,6 +10,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from mimo.wording import counted
+
 WIDE = 120  # the width when stdout is no terminal and COLUMNS is unset (a log file, a pipe)
 
 
@@ -69,9 +71,9 @@ def print_plan(summary: dict, as_json: bool) -> None:
                      str(m["pp"]), str(m["ep"]), str(m["layers"]), total,
                      f"{m['parameters_per_rank']:,}" if m["parameters_per_rank"] else "?"])
     console = terminal_console()
+    title = f"{summary['provider']}: {summary['layout']} layout on {counted(summary['world_size'], 'rank')}"
     console.print(fitted(["module", "ranks", "TP", "CP", "DP", "PP", "EP", "layers", "parameters", "per rank (≈)"],
-                         rows, console.width,
-                         f"{summary['provider']}: {summary['layout']} layout on {summary['world_size']} ranks"))
+                         rows, console.width, title))
     if summary.get("memory"):
         console.print(memory_table(summary["memory"], console.width))
     elif "memory" in summary:
@@ -84,10 +86,12 @@ def print_plan(summary: dict, as_json: bool) -> None:
                       f"{not_exportable(refused)}")
     if summary.get("forward_flops_per_sample"):
         console.print(_flop_split(summary["forward_flops_per_sample"]))
-    console.print(f"global batch {summary['global_batch_size']} = {summary['num_microbatches']} micro-batches x "
-                  f"{summary['micro_batch_size']} samples x {summary['llm_data_parallel_lanes']} LLM lanes"
+    console.print(f"global batch {summary['global_batch_size']} = "
+                  f"{counted(summary['num_microbatches'], 'micro-batch')} x "
+                  f"{counted(summary['micro_batch_size'], 'sample')} x "
+                  f"{counted(summary['llm_data_parallel_lanes'], 'LLM lane')}"
                   f"{_encoder_pass(summary)}; "
-                  f"{summary['train_iters']} iterations. " + ("Layout valid." if summary["valid"] else
+                  f"{counted(summary['train_iters'], 'iteration')}. " + ("Layout valid." if summary["valid"] else
                                                               "Layout does not fit."))
 
 

@@ -11,6 +11,8 @@ import shlex
 
 import typer
 
+from mimo.wording import counted
+
 # `mimo plan`'s own options, and those each layout sets: the command of a layout leaves out what the user typed
 PLAN_ONLY = {"as_json", "suggest", "gpus"}
 SET_BY_LAYOUT = {"sequence_parallel", "use_distributed_optimizer", "recompute", "nproc_per_node"}
@@ -128,9 +130,9 @@ def print_suggestions(config, gpus: int, as_json: bool, typed: list[tuple[str, l
     limit, source = memory_limit(plan.config)
     advised = advise(plan, gpus, limit)
     if not advised.layouts:
-        raise UsageError(f"no layout of {gpus} GPUs fits {_gib(limit)} GiB ({source}) with these options, even "
-                         f"with the distributed optimizer and full recomputation: use more GPUs or a smaller "
-                         f"--micro-batch-size")
+        raise UsageError(f"no layout of {counted(gpus, 'GPU')} fits {_gib(limit)} GiB ({source}) with these "
+                         f"options, even with the distributed optimizer and full recomputation: use more GPUs or a "
+                         f"smaller --micro-batch-size")
     rows = []
     for a in advised.layouts:
         s, est = a.suggestion, a.estimate
@@ -161,7 +163,7 @@ def print_suggestions(config, gpus: int, as_json: bool, typed: list[tuple[str, l
         console.print(text, highlight=False, markup=False)
 
     order = "most tokens/s/GPU first" if timed else "least communication first"
-    say(f"{config.provider}: layouts of {gpus} GPUs that fit {_gib(limit)} GiB ({source}), {order}")
+    say(f"{config.provider}: layouts of {counted(gpus, 'GPU')} that fit {_gib(limit)} GiB ({source}), {order}")
     for text in table_lines(rows, timed, console.width):
         say(text)
     if len({row["global_batch_samples"] for row in rows}) > 1:

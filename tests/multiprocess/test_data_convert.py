@@ -114,7 +114,7 @@ def test_convert_llava_then_train_and_evaluate(tmp_path):
     lines = result.stdout.strip().splitlines()
     assert len(lines) == len(bad) + 1 and all(line.startswith("skipped record ") for line in lines[:-1])
     assert lines[0].startswith("skipped record 7 (id 'rec.7/x', character ") and "missing7.jpg" in lines[0]
-    assert "cannot be decoded" in lines[1] and "placeholders but the sample has 1 images" in lines[2]
+    assert "cannot be decoded" in lines[1] and "placeholders but the sample has 1 image" in lines[2]
     assert "unknown role 'narrator'" in lines[3]
     summary = lines[-1]
     assert summary.startswith(f"converted {NUM_RECORDS - len(bad)} of {NUM_RECORDS} records into {out}: ")
