@@ -115,6 +115,7 @@ def table_lines(rows: list[dict], timed: bool, width: int) -> list[str]:
 def print_suggestions(config, gpus: int, as_json: bool, typed: list[tuple[str, list[str]]] = ()) -> None:
     """`mimo plan --suggest --gpus N`: the layouts that fit, most tokens/s/GPU first, as a table or JSON."""
     from mimo.core.config import LayoutOptions
+    from mimo.core.memory import fit
     from mimo.core.run.plan import prepare
     from mimo.core.step_time.advisor import advise, memory_limit, milliseconds
     from mimo.errors import UsageError
@@ -125,8 +126,12 @@ def print_suggestions(config, gpus: int, as_json: bool, typed: list[tuple[str, l
         raise UsageError(f"--gpus {gpus} is not the same number of GPUs on each of --nnodes {config.launch.nnodes} "
                          f"nodes: give a multiple of {config.launch.nnodes}")
     user_modes = config.performance.recompute_modes()  # before the plan's --encoder-pass auto changes them
-    # the search lays the modules out itself: the run's own layout options need not suit N GPUs
-    plan = prepare(dataclasses.replace(config, layout=LayoutOptions()), world_size=gpus)
+    # the search lays the modules out itself: the run's own layout options need not suit N GPUs; on a host without
+    # a GPU, --device auto plans for GPUs (the provider's GPU backend), as the memory limit does
+    training = config.training
+    if training.device == "auto" and fit.visible_gpu_gib() is None:
+        training = dataclasses.replace(training, device="cuda")
+    plan = prepare(dataclasses.replace(config, layout=LayoutOptions(), training=training), world_size=gpus)
     limit, source = memory_limit(plan.config)
     advised = advise(plan, gpus, limit)
     if not advised.layouts:

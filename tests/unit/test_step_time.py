@@ -255,6 +255,8 @@ def test_cp_is_not_proposed_where_the_provider_refuses_it():
                              training=TrainingOptions(device="cpu", micro_batch_size=1)), world_size=2)
     found = layout_search.fitting(plan, 2, 80)
     assert found and all(s.layout.llm_cp == 1 for s in found)
+    # nor sequence parallelism (the MoE LLM's TP), which the CPU plan and the local backend refuse alike
+    assert not any(s.sequence_parallel or s.layout.llm_tp > 1 for s in found)
 
 
 def test_mimo_plan_names_each_modules_share_of_the_forward_flops():

@@ -140,3 +140,18 @@ def test_the_default_limit_is_the_gpu_the_times_are_estimated_for(monkeypatch):
     refused = mimo("plan", "--provider", "nemotron-moe-vlm-54l", "--suggest", "--gpus", "2", "--device", "cuda")
     assert refused.exit_code == 2
     assert f"fits 140.4 GiB ({cal.reference_gpu}, the GPU the times are estimated for)" in refused.output
+
+
+def test_without_a_gpu_device_auto_plans_for_gpus_and_device_cpu_for_the_cpu():
+    """A login node (no GPU, --device auto) plans for the GPUs the run will have: the provider's GPU backend, as
+    the memory limit; an explicit --device cpu keeps to what the CPU runs (no sequence parallelism)."""
+    def layouts(*args):
+        result = mimo("plan", "--provider", "nemotron-moe-vlm-tiny", "--micro-batch-size", "1", "--suggest",
+                      "--gpus", "2", "--json", *args)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)["layouts"]
+
+    auto = layouts()
+    assert any(row["sequence_parallel"] for row in auto)
+    assert all("--device" not in row["command"] for row in auto)  # only what was typed
+    assert not any(row["sequence_parallel"] for row in layouts("--device", "cpu"))
