@@ -1,5 +1,5 @@
-"""`mimo plan --suggest --gpus N`: the layouts that fit memory (core/memory/layout_search.py), fastest first by
-estimated tokens/s/GPU (model.py), each with one line saying what its iteration is made of.
+"""`mimo plan --suggest --gpus N`: the layouts that fit memory (core/memory/layout_search.py), most estimated
+tokens/s/GPU first (model.py), each with one line saying what its iteration is made of.
 
 A provider without `model_flops` cannot be timed: its layouts keep layout_search's order (least communication,
 then most headroom) and the advice says so in one line.
@@ -49,7 +49,7 @@ def memory_limit(config) -> tuple[float, str]:
 
 
 def advise(plan, world: int, limit_gib: float, top: int = 10) -> Advised:
-    """The `top` layouts of `world` GPUs that fit `limit_gib`, fastest estimate first."""
+    """The `top` layouts of `world` GPUs that fit `limit_gib`, most estimated tokens/s/GPU first."""
     found = layout_search.fitting(plan, world, limit_gib)
     described = plan.hooks.module_memory(settings=plan.settings)
     language = described[LANGUAGE]
