@@ -17,7 +17,7 @@ from mimo.core.checkpoint.saved_run import honour, refuse_changed_settings, repo
 from mimo.core.config import RunConfig
 from mimo.errors import UsageError
 
-from .options import _given_on_command_line, run_config
+from .options import given_on_command_line, refuse_packing_without_data, run_config
 
 
 def config_from_checkpoint(kwargs: dict, ctx, command: str) -> tuple[RunConfig, Callable | None]:
@@ -36,14 +36,16 @@ def config_from_checkpoint(kwargs: dict, ctx, command: str) -> tuple[RunConfig, 
     saved = saved_run(kwargs.get("load") or kwargs.get("pretrained"), kwargs.get("provider"))
     if saved is not None and not kwargs.get("provider"):
         kwargs = {**kwargs, "provider": saved.provider}
-    config = run_config(kwargs, ctx)
+    config = run_config(kwargs, ctx, from_checkpoint=True)
     if saved is None:
+        refuse_packing_without_data(config, ctx)
         return config, None
-    given = _given_on_command_line(ctx)
+    given = given_on_command_line(ctx)
     if config.config_file is not None:
         file_values = run_file.read(config.config_file)
         given |= {name for section in run_file.sections() for name in file_values.get(section, {})}
     honoured = honour(config, saved, given, command)
+    refuse_packing_without_data(honoured, ctx)  # --data may be the checkpoint's run's
     return honoured, lambda plan: report_lines(plan, saved, config, honoured, command)
 
 

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mimo.errors import UsageError
+from mimo.wording import counted
 
 from .help import PlainFlagsCommand, PlainFlagsGroup
 
@@ -52,9 +53,10 @@ def inspect_checkpoint(directory: Path,
         typer.echo(json.dumps(summary, indent=2, default=str))
         return
     console = Console()
-    console.print(f"[bold]{target}[/bold]: iteration {summary['iteration']}, {summary['consumed_samples']} samples "
-                  f"consumed, provider {summary['provider']}, {summary['files']} files, "
-                  f"{summary['size_bytes'] / 2**20:.1f} MiB, saved on {summary['world_size']} ranks")
+    console.print(f"[bold]{target}[/bold]: iteration {summary['iteration']}, "
+                  f"{counted(summary['consumed_samples'], 'sample')} consumed, provider {summary['provider']}, "
+                  f"{counted(summary['files'], 'file')}, {summary['size_bytes'] / 2**20:.1f} MiB, saved on "
+                  f"{counted(summary['world_size'], 'rank')}")
     table = Table("module", "ranks", "TP", "DP", "PP", "EP", "parameters")
     for name, par in summary["layout"].items():
         count = summary["parameters"].get(name)

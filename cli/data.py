@@ -33,6 +33,7 @@ def sample(directory: Path,
 
     from mimo.data import write_sample_dataset
     from mimo.errors import UsageError
+    from mimo.wording import counted
 
     from .common import fail
     from .console import prints_to_debug_log
@@ -59,7 +60,8 @@ def sample(directory: Path,
     with prints_to_debug_log("energon prepare"):
         info = write_sample_dataset(directory, num_samples=num_samples, seed=seed, shard_size=shard_size,
                                     corrupt_indices=corrupt_indices, val_shards=val_shards)
-    typer.echo(f"wrote {info.num_samples} samples in {len(info.shards)} shards to {info.path}"
+    typer.echo(f"wrote {counted(info.num_samples, 'sample')} in {counted(len(info.shards), 'shard')} to "
+               f"{info.path}"
                + (f" ({len(info.corrupt_keys)} corrupt: {', '.join(info.corrupt_keys)})" if corrupt else "")
                + (f"; val split: {', '.join(info.splits['val'])}" if val_shards else ""))
 
@@ -82,6 +84,8 @@ def convert_llava(json_path: Path = typer.Argument(..., metavar="JSON", help="th
                   val_fraction: float = typer.Option(0.0, "--val-fraction", help="share of the records (by a hash of "
                                                      "their id) for the val split: held-out samples for "
                                                      "--eval-iters and mimo eval"),
+                  test_fraction: float = typer.Option(0.0, "--test-fraction", help="share of the records (by the "
+                                                      "same hash) for the test split: mimo eval --split test"),
                   shard_size: int = typer.Option(1000, "--shard-size", help="records per tar shard")):
     """LLaVA-style records ({"image": name or list, "conversations": [{"from", "value"}, ...]} or "messages") and
     their images into an energon dataset that `mimo run --data OUT` reads (webdataset shards, prepared, as a crude
@@ -100,7 +104,7 @@ def convert_llava(json_path: Path = typer.Argument(..., metavar="JSON", help="th
             raise UsageError(f"--shard-size {shard_size} must be 1 or more")
         with prints_to_debug_log("energon prepare"):
             result = convert(json_path, image_dir, out, val_fraction=val_fraction, shard_size=shard_size,
-                             say=lambda line: print(line, file=console, flush=True))
+                             say=lambda line: print(line, file=console, flush=True), test_fraction=test_fraction)
     except UsageError as err:
         raise fail(str(err)) from None
     typer.echo(result.summary())

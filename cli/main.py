@@ -15,7 +15,7 @@ from mimo.errors import TrainingStopped, UsageError
 from . import console
 from .common import fail, start_workers
 from .help import PlainFlagsGroup, WholeNamesCommand
-from .options import CONTEXT, loop_parameters, provider_parameters, run_config, with_options
+from .options import CONTEXT, given_on_command_line, loop_parameters, provider_parameters, run_config, with_options
 from . import generate
 from .ckpt import ckpt_app
 from .data import data_app
@@ -107,6 +107,9 @@ def _eval(ctx: typer.Context, split: str = "val", json_path=None, **kwargs):
     try:
         if json_path is not None:
             check_output_file("--json", json_path)
+        if kwargs.get("eval_iters") == 0 and "eval_iters" in given_on_command_line(ctx):  # 0 is "not given" below
+            raise UsageError("mimo eval --eval-iters 0: an evaluation reads at least one global batch; give K >= 1, "
+                             "or leave it out for the run's (else 10)")
         config, report = config_from_checkpoint(kwargs, ctx, "eval")  # the checkpoint's provider and settings
         with preflight.for_eval(config, split) as plan:
             if report is not None and not launch.is_launched_worker():
@@ -134,17 +137,19 @@ def _plan(ctx: typer.Context, as_json: bool = False, suggest: bool = False, gpus
           **kwargs):
     """Show which ranks run which module with which TP/DP/PP/EP, parameter counts, the memory estimate per GPU,
     and whether the layout is valid and fits (exit 2 if not), for the same options as `mimo run`, without
-    starting workers. With --suggest --gpus N: the layouts of N GPUs that fit, best first."""
+    starting workers. With --suggest --gpus N: the layouts of N GPUs that fit, most tokens/s/GPU first, and the
+    `mimo run` command of the first."""
     from mimo.core.memory import fit
     from mimo.core.run.plan import prepare
 
-    from .plan import describe, print_plan, print_suggestions
+    from .plan import describe, print_plan
+    from .suggest import print_suggestions, typed_options
 
     try:
         if suggest or gpus is not None:
             if not (suggest and gpus):
                 raise UsageError("--suggest and --gpus N go together (N >= 1): list the layouts of N GPUs that fit")
-            print_suggestions(run_config(kwargs, ctx), gpus, as_json)
+            print_suggestions(run_config(kwargs, ctx), gpus, as_json, typed_options(ctx))
             return
         plan = prepare(run_config(kwargs, ctx), planning=True)
         estimates = fit.estimate_plan(plan)
@@ -166,8 +171,10 @@ app.command("plan", cls=WholeNamesCommand)(with_options(_plan, [
     inspect.Parameter("as_json", inspect.Parameter.KEYWORD_ONLY, default=False,
                       annotation=Annotated[bool, typer.Option("--json", help="machine-readable output")]),
     inspect.Parameter("suggest", inspect.Parameter.KEYWORD_ONLY, default=False, annotation=Annotated[
-        bool, typer.Option("--suggest", help="list the valid layouts of --gpus N GPUs that fit --gpu-memory, "
-                                             "best first")]),
+        bool, typer.Option("--suggest", help="list the valid layouts of --gpus N GPUs that fit --gpu-memory "
+                                             "(default: the visible GPU, else the GPU the times are estimated "
+                                             "for), most tokens/s/GPU first, and the first one's mimo run "
+                                             "command")]),
     inspect.Parameter("gpus", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[
         typing.Optional[int], typer.Option("--gpus", help="with --suggest: the number of GPUs to lay out")]),
 ] + provider_parameters() + loop_parameters()))

@@ -64,7 +64,7 @@ PART_OPTIONS = ("pretrained_llm", "pretrained_vision")
 CONTEXT = inspect.Parameter("ctx", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=typer.Context)
 
 
-def _given_on_command_line(ctx) -> set[str]:
+def given_on_command_line(ctx) -> set[str]:
     """The parameters the user typed (not defaults), from typer's context of the running command."""
     if ctx is None:
         return set()
@@ -83,12 +83,26 @@ def _provider_named_by(provider_config: Path | None) -> str | None:
     return named if isinstance(named, str) else None
 
 
-def run_config(kwargs: dict, ctx=None) -> RunConfig:
+def refuse_packing_without_data(config: RunConfig, ctx) -> None:
+    """--pack-sequences (or --packing-buffer-size, --pack-image-tokens) typed where there is no --data: the provider's synthetic batches
+    are never packed, so the option would change nothing; one line instead of silence."""
+    if config.data.data is not None or ctx is None:
+        return
+    typed = given_on_command_line(ctx)
+    for name, flag in (("pack_sequences", "--pack-sequences"), ("packing_buffer_size", "--packing-buffer-size"),
+                       ("pack_image_tokens", "--pack-image-tokens")):
+        if name in typed and ctx.params.get(name) not in (False, None):
+            raise UsageError(f"{flag} packs --data's samples; without --data the provider's synthetic batches are "
+                             f"not packed: give --data DIR, or leave {flag} out")
+
+
+def run_config(kwargs: dict, ctx=None, from_checkpoint: bool = False) -> RunConfig:
     """The RunConfig of the command line (`ctx`: typer's context, which says what was typed), over --config's
-    file where one is given."""
+    file where one is given. `from_checkpoint`: the caller adds what a checkpoint says (--data among it) and
+    checks the data options itself."""
     values = {k: v.value if isinstance(v, enum.Enum) else v for k, v in kwargs.items()}
     file_values = run_file.read(values["config"]) if values.get("config") else None
-    typed = _given_on_command_line(ctx) if file_values else set()
+    typed = given_on_command_line(ctx) if file_values else set()
     parts = {}
     for section, cls in run_file.sections().items():
         chosen = {}
@@ -110,6 +124,9 @@ def run_config(kwargs: dict, ctx=None) -> RunConfig:
         raise UsageError(f"--config {values['config']} is a run of provider '{named}', --provider says '{provider}': "
                          f"its settings are '{named}''s; drop one of the two")
     file_settings = (file_values or {}).get(run_file.SETTINGS, {})
-    return RunConfig(provider=provider, provider_settings=list(values.get("set") or []),
-                     provider_config=values.get("provider_config"), provider_values=dict(file_settings),
-                     config_file=values.get("config"), **parts)
+    config = RunConfig(provider=provider, provider_settings=list(values.get("set") or []),
+                       provider_config=values.get("provider_config"), provider_values=dict(file_settings),
+                       config_file=values.get("config"), **parts)
+    if not from_checkpoint:
+        refuse_packing_without_data(config, ctx)
+    return config

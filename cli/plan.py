@@ -10,6 +10,8 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
+from mimo.wording import counted
+
 WIDE = 120  # the width when stdout is no terminal and COLUMNS is unset (a log file, a pipe)
 
 
@@ -70,10 +72,10 @@ def print_plan(summary: dict, as_json: bool) -> None:
         rows.append([m["module"], f"{m['ranks'][0]}-{m['ranks'][1]}", str(m["tp"]), str(m["cp"]), str(m["dp"]),
                      str(m["pp"]), str(m["ep"]), str(m["layers"]), total,
                      f"{m['parameters_per_rank']:,}" if m["parameters_per_rank"] else "?"])
-    console = _console()
+    console = terminal_console()
+    title = f"{summary['provider']}: {summary['layout']} layout on {counted(summary['world_size'], 'rank')}"
     console.print(fitted(["module", "ranks", "TP", "CP", "DP", "PP", "EP", "layers", "parameters", "per rank (≈)"],
-                         rows, console.width,
-                         f"{summary['provider']}: {summary['layout']} layout on {summary['world_size']} ranks"))
+                         rows, console.width, title))
     if summary.get("memory"):
         console.print(memory_table(summary["memory"], console.width))
     elif "memory" in summary:
@@ -88,10 +90,12 @@ def print_plan(summary: dict, as_json: bool) -> None:
         console.print(_flop_split(summary["forward_flops_per_sample"]))
     if summary.get("packs"):
         console.print(summary["packs"])
-    console.print(f"global batch {summary['global_batch_size']} = {summary['num_microbatches']} micro-batches x "
-                  f"{summary['micro_batch_size']} samples x {summary['llm_data_parallel_lanes']} LLM lanes"
+    console.print(f"global batch {summary['global_batch_size']} = "
+                  f"{counted(summary['num_microbatches'], 'micro-batch')} x "
+                  f"{counted(summary['micro_batch_size'], 'sample')} x "
+                  f"{counted(summary['llm_data_parallel_lanes'], 'LLM lane')}"
                   f"{_encoder_pass(summary)}; "
-                  f"{summary['train_iters']} iterations. " + ("Layout valid." if summary["valid"] else
+                  f"{counted(summary['train_iters'], 'iteration')}. " + ("Layout valid." if summary["valid"] else
                                                               "Layout does not fit."))
 
 
@@ -158,62 +162,6 @@ def fitted(headers: list[str], rows: list[list[str]], width: int, title: str, ca
     return Group(*lines)
 
 
-def _console() -> Console:
+def terminal_console() -> Console:
     """The terminal's width (COLUMNS where set), or WIDE where there is none."""
     return Console(width=shutil.get_terminal_size((WIDE, 24)).columns)
-
-
-def print_suggestions(config, gpus: int, as_json: bool) -> None:
-    """`mimo plan --suggest --gpus N`: the layouts that fit, fastest estimate first, as a table or JSON."""
-    import dataclasses
-
-    from mimo.core.config import LayoutOptions
-    from mimo.core.memory import fit
-    from mimo.core.run.plan import prepare
-    from mimo.core.step_time.advisor import advise
-    from mimo.errors import UsageError
-
-    # the search lays the modules out itself: the run's own layout options need not suit N GPUs
-    plan = prepare(dataclasses.replace(config, layout=LayoutOptions()), world_size=gpus, planning=True)
-    limit, source = fit.gpu_limit_gib(plan.config, planning=True) or (fit.DEFAULT_GIB, "default")
-    advised = advise(plan, gpus, limit)
-    if not advised.layouts:
-        raise UsageError(f"no layout of {gpus} GPUs fits {limit:.0f} GiB ({source}) with these options, even with "
-                         f"the distributed optimizer and full recomputation: use more GPUs or a smaller "
-                         f"--micro-batch-size")
-    rows = []
-    for a in advised.layouts:
-        s, est = a.suggestion, a.estimate
-        rows.append({"flags": s.flags(), "layout": dataclasses.asdict(s.layout),
-                     "sequence_parallel": s.sequence_parallel,
-                     "use_distributed_optimizer": s.distributed_optimizer, "recompute": s.recompute,
-                     "num_microbatches": s.num_microbatches, "largest_rank_gib": s.largest_gib,
-                     "headroom_gib": s.headroom_gib, "communication_cost": s.cost,
-                     "ms_per_iteration": est.seconds * 1e3 if est else None,
-                     "tokens_per_s_per_gpu": a.tokens_per_s_per_gpu,
-                     "slower_stage": (f"{est.slowest.name} {est.slowest.ranks[0]}-{est.slowest.ranks[1]}"
-                                      if est else None),
-                     "why": a.why or None})
-    if as_json:
-        typer.echo(json.dumps({"provider": config.provider, "gpus": gpus, "limit_gib": limit,
-                               "limit_source": source, "ordered_by": "tokens_per_s_per_gpu" if advised.verdict
-                               else "communication_cost", "use": advised.verdict or None, "note": advised.note,
-                               "layouts": rows}, indent=2))
-        return
-    console = _console()
-    timed = bool(advised.verdict)
-    headers = ["#", "mimo run options"] + (["ms/iter", "tokens/s/GPU"] if timed else []) + \
-        ["largest rank GiB", "headroom GiB"]
-    body = [[str(i), row["flags"]] + ([f"{row['ms_per_iteration']:.0f}", f"{row['tokens_per_s_per_gpu']:,.0f}"]
-                                       if timed else [])
-            + [f"{row['largest_rank_gib']:.1f}", f"{row['headroom_gib']:.1f}"] for i, row in enumerate(rows, 1)]
-    order = "fastest first" if timed else "least communication first"
-    console.print(fitted(headers, body, console.width,
-                         f"{config.provider}: layouts of {gpus} GPUs that fit {limit:.0f} GiB ({source}), {order}"))
-    for i, row in enumerate(rows, 1):
-        if row["why"]:
-            console.print(f"#{i} {row['why']}", highlight=False)
-    if advised.verdict:
-        console.print(advised.verdict, highlight=False)
-    if advised.note:
-        console.print(f"note: {advised.note}", highlight=False)

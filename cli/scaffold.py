@@ -17,6 +17,7 @@ from typing import Optional
 import typer
 
 from mimo.errors import UsageError
+from mimo.wording import counted
 
 TEMPLATES = Path(__file__).parent / "templates" / "provider"
 NAME_RULE = re.compile(r"[a-z][a-z0-9]*(-[a-z0-9]+)*")
@@ -112,7 +113,7 @@ def new_provider(
         written = scaffold(name, directory)
     except UsageError as err:
         raise fail(str(err)) from None
-    typer.echo(f"wrote provider '{name}' to {directory} ({len(written)} files). Next:\n"
+    typer.echo(f"wrote provider '{name}' to {directory} ({counted(len(written), 'file')}). Next:\n"
                f"  pip install -e {directory}\n"
                f"  pytest {directory}\n"
                f"  mimo run --provider {name} --train-iters 20 --device cpu")

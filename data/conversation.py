@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from mimo.wording import counted
+
 __all__ = ["IMAGE", "IMAGE_PLACEHOLDER", "ROLES", "Conversation", "ImageSlot", "Turn", "place_images",
            "split_placeholders", "turns_from_chat_json"]
 
@@ -68,7 +70,8 @@ class Conversation:
     def __post_init__(self):
         slots = sum(t.num_images for t in self.turns)
         if slots != len(self.images):
-            raise ValueError(f"the conversation has {slots} image slots but {len(self.images)} images")
+            raise ValueError(f"the conversation has {counted(slots, 'image slot')} but "
+                             f"{counted(len(self.images), 'image')}")
 
 
 def split_placeholders(text: str) -> list:
@@ -90,8 +93,8 @@ def place_images(turns: Sequence[Turn], num_images: int) -> list[Turn]:
     if slots == num_images:
         return turns
     if slots:
-        raise ValueError(f"the text has {slots} {IMAGE_PLACEHOLDER} placeholders but the sample has {num_images} "
-                         f"images")
+        raise ValueError(f"the text has {counted(slots, IMAGE_PLACEHOLDER + ' placeholder')} but the sample has "
+                         f"{counted(num_images, 'image')}")
     if not turns:
         return [Turn("user", (IMAGE,) * num_images)]
     first = next((i for i, t in enumerate(turns) if t.role == "user"), 0)

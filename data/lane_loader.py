@@ -44,6 +44,7 @@ import torch
 from megatron.energon import TaskEncoder
 
 from mimo.errors import UsageError
+from mimo.wording import counted
 
 from .counts import DataCounts
 from .energon_prints import route_energon_prints
@@ -272,9 +273,9 @@ class LaneLoader:
         if not sizes or min(sizes) >= self.micro_batch_size:
             return None
         smallest = min(sizes)
-        return (f"note: --data {self._streams[0].path} has {smallest} {self._streams[0].what} per data lane, fewer "
-                f"than a micro-batch of {self.micro_batch_size}: every micro-batch repeats samples (each about "
-                f"{-(-self.micro_batch_size // max(smallest, 1))} times)")
+        return (f"note: --data {self._streams[0].path} has {counted(smallest, self._streams[0].what)} per data lane, "
+                f"fewer than a micro-batch of {self.micro_batch_size}: every micro-batch repeats samples (each about "
+                f"{counted(-(-self.micro_batch_size // max(smallest, 1)), 'time')})")
 
     def mark_boundary(self) -> None:
         """Keep the state as of now (an iteration boundary): what a save after a data error writes."""

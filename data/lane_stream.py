@@ -17,12 +17,14 @@ from megatron.energon.errors import FatalSampleError
 from megatron.energon.flavors.webdataset.empty_dataset_error import EmptyDatasetError
 
 from mimo.errors import UsageError
+from mimo.wording import counted, plural
 
 from .check import unreadable_dataset
 from .counts import DataCounts
 from .damaged_shards import shard_stop_line
 from .deferred_errors import defer_load_errors
 from .skips import REASONS, SkippedSampleCounter, SkipRecord
+from .splits import hold_out_hint
 
 __all__ = ["DataError", "LaneStream", "MAX_SKIPS_IN_A_ROW", "StreamView"]
 
@@ -70,15 +72,15 @@ class LaneStream:
                               seed_offset=seed, global_error_handler=self.loose)
         # an evaluation reads another split (split_part) the same way: seeded, repeating, so it never runs dry
         split = dataset_kwargs.get("split_part", "train")
-        self.what = f"{split} samples".replace("train samples", "training samples")
-        # how a dataset prepared for training alone (--split-ratio 1,0,0, as docs/data.md's examples) gets one
-        self.how = "" if split == "train" else (f"; energon prepare's --split-ratio gives a dataset a {split} share "
-                                               "(docs/evaluation.md)")
+        self.what = "training sample" if split == "train" else f"{split} sample"
+        # the eval split may be --eval-data's: named by its path; how a dataset made for training alone gets one
+        self.who = f"--data {path}" if split == "train" else f"the eval data {path}"
+        self.how = "" if split == "train" else f": {hold_out_hint(split)}"
         try:
             self.dataset = get_train_dataset(path, worker_config=config, batch_size=None, task_encoder=task_encoder,
                                              **dataset_kwargs)
         except EmptyDatasetError as err:
-            raise UsageError(f"--data {path}: the dataset has no {self.what} ({err}){self.how}") from None
+            raise UsageError(f"{self.who}: the dataset has no {plural(self.what)} ({err}){self.how}") from None
         except (FileNotFoundError, ValueError, KeyError, ImportError, AttributeError, TypeError) as err:
             # a sample class that cannot be imported (preflight names it first: data/check.py)
             raise UsageError(unreadable_dataset(path) or f"--data {path}: not an energon dataset or metadataset "
@@ -105,9 +107,9 @@ class LaneStream:
         if 0 not in sizes:
             return
         if num_lanes * self.per_lane == 1:
-            raise UsageError(f"--data {path}: the dataset has no {self.what}{self.how}")
-        raise UsageError(f"--data {path}: too few {self.what} for {num_lanes} LLM data-parallel lanes x "
-                         f"{self.per_lane} loader workers (some workers get none): lower --num-workers")
+            raise UsageError(f"{self.who}: the dataset has no {plural(self.what)}{self.how}")
+        raise UsageError(f"{self.who}: too few {plural(self.what)} for {counted(num_lanes, 'LLM data-parallel lane')} "
+                         f"x {counted(self.per_lane, 'loader worker')} (some workers get none): lower --num-workers")
 
     # -- reading ------------------------------------------------------------------------------------------------
 

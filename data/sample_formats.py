@@ -25,6 +25,7 @@ from megatron.energon import (
 )
 
 from mimo.errors import UsageError
+from mimo.wording import counted
 
 from . import foreign_samples
 from .chat_cooker import ChatSample
@@ -62,7 +63,7 @@ def multi_choice_vqa(sample: MultiChoiceVQASample) -> Conversation:
     choices = list(sample.choices or [])
     if not 0 <= sample.correct_choice_idx < len(choices):
         raise ValueError(f"MultiChoiceVQASample {_key(sample)}: correct_choice_idx {sample.correct_choice_idx} "
-                         f"is not one of its {len(choices)} choices")
+                         f"is not one of its {counted(len(choices), 'choice')}")
     letters = [chr(ord("A") + i) for i in range(len(choices))]
     options = "".join(f"\n{letter}. {choice}" for letter, choice in zip(letters, choices))
     prompt = _prompt(sample.image, sample.context + options)
@@ -75,7 +76,7 @@ def similarity_interleaved(sample: SimilarityInterleavedSample) -> Conversation:
     matched = list(sample.matched_text_indices) if sample.matched_text_indices is not None else [0] * len(images)
     if len(matched) != len(images) or any(not 0 <= m < max(len(texts), 1) for m in matched):
         raise ValueError(f"SimilarityInterleavedSample {_key(sample)}: matched_text_indices {matched} do not match "
-                         f"its {len(images)} images and {len(texts)} texts")
+                         f"its {counted(len(images), 'image')} and {counted(len(texts), 'text')}")
     parts: list = []
     order: list = []
     for t in range(max(len(texts), 1)):

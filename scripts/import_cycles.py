@@ -26,11 +26,12 @@ MAX_LINES = 450
 # Which of mimo's modules each room may import (its own room always): core knows no provider; a provider knows
 # only the public API (mimo, mimo.plugins with its kit and data pieces, mimo.errors) and its own package.
 PUBLIC_API = ("mimo", "mimo.errors", "mimo.plugins")
+BOTTOM = ("mimo.errors", "mimo.wording")  # modules that import none of mimo's: every room may use them
 ROOM_RULES = {
     "mimo.core": lambda target: not target.startswith("mimo.providers"),
     "mimo.providers": lambda target: target in PUBLIC_API or target.startswith("mimo.plugins."),
-    "mimo.data": lambda target: target == "mimo.errors",
-    "mimo.plugins": lambda target: target == "mimo.errors" or target.startswith("mimo.data"),
+    "mimo.data": lambda target: target in BOTTOM,
+    "mimo.plugins": lambda target: target in BOTTOM or target.startswith("mimo.data"),
 }
 
 

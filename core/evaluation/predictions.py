@@ -18,6 +18,7 @@ import torch
 
 from mimo.data.prompts import from_dataset
 from mimo.errors import UsageError
+from mimo.wording import counted
 
 from ..generation.answers import answer_all, prompt_format_of
 from ..generation.decoder import Decoder, check_plan
@@ -56,7 +57,7 @@ class Predictions:
 
     def summary(self, split: str, iteration: int) -> list[str]:
         lines = [f"predictions ({split}) at iteration {iteration} | exact match {self.exact_match:.3f} | token F1 "
-                 f"{self.token_f1:.3f} | {len(self.records)} answers"]
+                 f"{self.token_f1:.3f} | {counted(len(self.records), 'answer')}"]
         for r in self.records[:EXCERPTS]:
             lines.append(f"  Q: {_cut(r['prompt'])} | reference: {_cut(r['reference'])} | answer: {_cut(r['answer'])}")
         return lines

@@ -5,7 +5,8 @@ core/step_time/advisor.py keeps where the provider's FLOPs cannot time them.
 Every split is tried: colocated and each number of encoder ranks, the encoders' TP, the LLM's TP (with sequence
 parallelism for an MoE LLM), PP and EP, and the LLM's CP, colocated or on its own ranks (where
 core/parallel/context_parallel.py accepts it: the sequence a multiple of 2 x CP (x TP under SP), no
---pack-sequences, no --cuda-graphs). Each layout takes the first of these option sets that fits: as given, then
+--pack-sequences, no --cuda-graphs), and none the provider refuses (a backend without sequence or context
+parallelism: core/parallel/provider_refusal.py, as `mimo plan` asks of a layout given to it). Each layout takes the first of these option sets that fits: as given, then
 with the distributed optimizer, then recomputing the LLM selectively, then fully.
 """
 
@@ -42,11 +43,18 @@ class Suggestion:
     options: memory.Options | None = None  # what the estimate that fits was made with
     reason: str = ""  # why this layout's less usual choice (CP), one line
 
-    def flags(self) -> str:
+    @property
+    def global_batch(self) -> int:
+        """Samples per iteration: with no --global-batch-size it follows the layout's LLM data-parallel lanes."""
+        return self.options.micro_batch_size * self.num_microbatches * self.parallelism[topology.LANGUAGE].dp
+
+    def options_list(self) -> list[str]:
+        """The `mimo run` options this layout sets, each whole (an option and its value)."""
         lo, parts = self.layout, []
         if lo.encoder_ranks:
-            parts += [f"--encoder-ranks {lo.encoder_ranks}"] + ([f"--encoder-tp {lo.encoder_tp}"]
-                                                                if lo.encoder_tp > 1 else [])
+            parts.append(f"--encoder-ranks {lo.encoder_ranks}")
+        if lo.encoder_tp > 1:  # colocated too: the encoders share the LLM's TP only where it is given
+            parts.append(f"--encoder-tp {lo.encoder_tp}")
         parts += [f"--llm-{k} {getattr(lo, 'llm_' + k)}" for k in ("tp", "cp", "pp", "ep")
                   if getattr(lo, "llm_" + k) > 1]
         if self.sequence_parallel:
@@ -54,8 +62,11 @@ class Suggestion:
         if self.distributed_optimizer:
             parts.append("--use-distributed-optimizer")
         if self.recompute != "none":
-            parts.append(f"--recompute language={self.recompute}")
-        return " ".join(parts) or "(colocated, data parallel only)"
+            parts.append(f"--recompute {topology.LANGUAGE}={self.recompute}")
+        return parts
+
+    def flags(self) -> str:
+        return " ".join(self.options_list()) or "(colocated, data parallel only)"
 
 
 def _divisors(n: int) -> list[int]:
@@ -109,9 +120,11 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
     seq_length = getattr(plan.settings, "seq_length", None)
     packed = config.data.data is not None and config.data.pack_sequences  # as core/run/plan.py checks it
     splits_packed = context_parallel.splits_packed_rows(config.training.device)
-    accepted: dict = {}  # (LLM TP, CP) -> whether the provider builds its language model so split
+    accepted: dict = {}  # (LLM TP, CP, SP) -> whether the provider builds its modules so split
     for layout in candidates(world, plan.shapes, not ((packed and not splits_packed) or config.performance.cuda_graphs)):
         sp = config.performance.sequence_parallel or (is_moe and layout.llm_tp > 1)
+        if sp and config.training.device == "cpu":  # the plan refuses it there (transformer-engine's norms)
+            continue
         try:
             parallelism = topology.plan(layout, world, plan.shapes, t.micro_batch_size, sp)
             context_parallel.check(parallelism[topology.LANGUAGE], seq_length=seq_length, sequence_parallel=sp,
@@ -119,7 +132,7 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
                                    splits_packed=splits_packed)
         except UsageError:
             continue
-        if not _language_model_accepts(plan, parallelism, accepted):
+        if not _provider_accepts(plan, parallelism, sp, accepted):
             continue
         lanes = parallelism[topology.LANGUAGE].dp
         if t.global_batch_size:
@@ -152,15 +165,17 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
     return found
 
 
-def _language_model_accepts(plan, parallelism: dict, accepted: dict) -> bool:
-    """Under CP, whether the provider builds its language model so split, as `mimo plan` checks a layout given to
-    it; asked once per (LLM TP, CP)."""
+def _provider_accepts(plan, parallelism: dict, sequence_parallel: bool, accepted: dict) -> bool:
+    """Under CP or sequence parallelism, whether the provider builds its modules so split (a backend may have
+    neither), as `mimo plan` checks a layout given to it; asked once per (LLM TP, CP, SP)."""
     llm = parallelism[topology.LANGUAGE]
-    if llm.cp == 1:
+    if llm.cp == 1 and not (sequence_parallel and llm.tp > 1):
         return True
-    key = (llm.tp, llm.cp)
+    key = (llm.tp, llm.cp, sequence_parallel)
     if key not in accepted:
-        accepted[key] = provider_refusal(plan, parallelism) is None
+        performance = dataclasses.replace(plan.config.performance, sequence_parallel=sequence_parallel)
+        laid_out = dataclasses.replace(plan, config=dataclasses.replace(plan.config, performance=performance))
+        accepted[key] = provider_refusal(laid_out, parallelism) is None
     return accepted[key]
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE, ModuleParallelism, ModuleShape
+from mimo.wording import counted
 
 from ..config import LayoutOptions
 
@@ -30,9 +31,9 @@ def plan(layout: LayoutOptions, world_size: int, shapes: dict[str, ModuleShape],
         raise UsageError(f"--encoder-ranks {k} must leave ranks for the LLM in a world of {world_size}: "
                          f"use 0 (colocated) to {world_size - 1}")
     if k == 0 and world_size % layout.llm_tp:  # before the TP the encoders share: a TP that fits comes first
-        raise UsageError(f"--llm-tp {layout.llm_tp} does not fit {world_size} ranks: the modules share every rank, "
-                         f"so TP must divide the {world_size}; use --llm-tp among {_divisors(world_size)}, or a "
-                         f"multiple of {layout.llm_tp} ranks (--nproc-per-node)")
+        raise UsageError(f"--llm-tp {layout.llm_tp} does not fit {counted(world_size, 'rank')}: the modules share "
+                         f"every rank, so TP must divide the {world_size}; use --llm-tp among {_divisors(world_size)}, "
+                         f"or a multiple of {layout.llm_tp} ranks (--nproc-per-node)")
     if k == 0 and layout.encoder_tp != layout.llm_tp:
         raise UsageError(f"colocated modules share the LLM's TP: set --encoder-tp {layout.llm_tp}, or give the "
                          f"encoders ranks of their own with --encoder-ranks")
@@ -102,12 +103,12 @@ def _check_module(name: str, par: ModuleParallelism, shape: ModuleShape, sequenc
     tp_opt, who = ("--llm-tp", "LLM") if is_llm else ("--encoder-tp", f"encoder '{name}'")
     if par.num_ranks % (par.tp * par.pp):
         raise UsageError(
-            f"{who} has {par.num_ranks} ranks, not divisible by TP x PP = {par.tp} x {par.pp}: "
+            f"{who} has {counted(par.num_ranks, 'rank')}, not divisible by TP x PP = {par.tp} x {par.pp}: "
             f"choose {tp_opt}{' x --llm-pp' if is_llm else ''} among {_divisors(par.num_ranks)}"
         )
     if par.num_ranks % (par.tp * par.cp * par.pp):
-        raise UsageError(f"{who} has {par.num_ranks} ranks, not divisible by TP x CP x PP = {par.tp} x {par.cp} x "
-                         f"{par.pp}: choose --llm-cp among {_divisors(par.num_ranks // (par.tp * par.pp))}")
+        raise UsageError(f"{who} has {counted(par.num_ranks, 'rank')}, not divisible by TP x CP x PP = {par.tp} x "
+                         f"{par.cp} x {par.pp}: choose --llm-cp among {_divisors(par.num_ranks // (par.tp * par.pp))}")
     for count, what in ((shape.num_attention_heads, "attention heads"), (shape.num_query_groups, "query groups")):
         if count and count % par.tp:
             raise UsageError(f"{tp_opt} {par.tp} does not divide the {who}'s {count} {what}: use one of {_divisors(count)}")
@@ -117,7 +118,8 @@ def _check_module(name: str, par: ModuleParallelism, shape: ModuleShape, sequenc
                          f"(megatron-core splits the embedding evenly over TP): pad it to {multiple}, or use "
                          f"{tp_opt} among {_divisors(shape.vocab_size)}")
     if par.pp > 1 and shape.num_layers % par.pp:
-        raise UsageError(f"--llm-pp {par.pp} does not divide the LLM's {shape.num_layers} layers: use one of {_divisors(shape.num_layers)}")
+        raise UsageError(f"--llm-pp {par.pp} does not divide the LLM's {counted(shape.num_layers, 'layer')}: use one "
+                         f"of {_divisors(shape.num_layers)}")
     if is_llm and shape.num_experts and par.tp > 1 and not sequence_parallel:
         raise UsageError(f"--llm-tp {par.tp} with a mixture-of-experts LLM needs --sequence-parallel "
                          f"(megatron-core's MoE layers under TP), or keep --llm-tp 1 and split the experts with --llm-ep")
@@ -128,7 +130,8 @@ def _check_module(name: str, par: ModuleParallelism, shape: ModuleShape, sequenc
         raise UsageError(f"--llm-ep {par.ep} does not divide the LLM's {shape.num_experts} experts: use one of {_divisors(shape.num_experts)}")
     if par.num_ranks % (par.expt_tp * par.ep * par.pp):
         raise UsageError(
-            f"LLM has {par.num_ranks} ranks, not divisible by expert TP x EP x PP = {par.expt_tp} x {par.ep} x {par.pp}"
+            f"LLM has {counted(par.num_ranks, 'rank')}, not divisible by expert TP x EP x PP = {par.expt_tp} x "
+            f"{par.ep} x {par.pp}"
         )
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from mimo.data.check import foreign_notes
 from mimo.data.prompts import from_dataset, from_text
 from mimo.errors import UsageError
+from mimo.wording import counted
 
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.hf_load import hf_loader
@@ -161,7 +162,7 @@ def _write_all(answers, request: GenerateRequest, data: Path, without_answer: in
                 out.write(json.dumps(records[-1]) + "\n")
                 out.flush()
     if writes:
-        skipped = f" | {without_answer} samples without an answer turn" if without_answer else ""
-        print(f"mimo generate: {len(records)} answers to {data} ({request.split}) | exact match "
+        skipped = f" | {counted(without_answer, 'sample')} without an answer turn" if without_answer else ""
+        print(f"mimo generate: {counted(len(records), 'answer')} to {data} ({request.split}) | exact match "
               f"{mean(r['exact_match'] for r in records):.3f} | token F1 {mean(r['token_f1'] for r in records):.3f}"
               f"{skipped}", file=sys.stderr, flush=True)

@@ -26,6 +26,8 @@ import threading
 import time
 from pathlib import Path
 
+from mimo.wording import counted
+
 FIELDS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
@@ -202,11 +204,12 @@ class CompileReport:
         parts = []
         if self.tuned:
             seconds, timed = sum(t for _, t, _ in self.tuned), sum(n for _, _, n in self.tuned)
-            parts.append(f"{len(self.tuned)} kernels autotuned in {seconds:.1f} s ({timed} configs timed)")
+            parts.append(f"{counted(len(self.tuned), 'kernel')} autotuned in {seconds:.1f} s "
+                         f"({counted(timed, 'config')} timed)")
         if self.compiled:
             parts.append(f"{len(self.compiled)} compiled or loaded in {sum(t for _, t in self.compiled):.1f} s")
         if pinned:
-            parts.append(f"{pinned} choices pinned")
+            parts.append(f"{counted(pinned, 'choice')} pinned")
         slowest = sorted([(n, t) for n, t, _ in self.tuned] + self.compiled, key=lambda x: -x[1])[:2]
         text = "Triton: " + (", ".join(parts) if parts else "nothing compiled")
         if slowest and slowest[0][1] >= 1.0:

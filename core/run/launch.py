@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from mimo.errors import UsageError
+from mimo.wording import counted
 
 from . import cpu_redirect, forked_workers
 
@@ -61,7 +62,7 @@ def external_world(launch_options) -> tuple[int, int, int] | None:
             if tasks != launch_options.nnodes:
                 raise UsageError(f"under srun with --nproc-per-node {launch_options.nproc_per_node}, each task "
                                  f"starts the workers of one node: --nnodes {launch_options.nnodes} must equal the "
-                                 f"step's {tasks} tasks (srun --ntasks-per-node 1)")
+                                 f"step's {counted(tasks, 'task')} (srun --ntasks-per-node 1)")
             return None
         if tasks > 1 and not (env.get("MASTER_ADDR") and env.get("MASTER_PORT")):
             raise UsageError("under srun, set MASTER_ADDR and MASTER_PORT (e.g. the first host of "

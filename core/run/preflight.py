@@ -20,6 +20,7 @@ import os
 from collections.abc import Iterator
 
 from mimo.data.check import check_dataset, foreign_notes
+from mimo.data.splits import check_split
 
 from ..checkpoint import hf
 from ..checkpoint.foreign import foreign_directory
@@ -67,7 +68,7 @@ def for_eval(config: RunConfig, split: str) -> Iterator[Plan]:
     """The checked plan of `mimo eval`: the checkpoint's weights only, `--eval-iters` batches of `split`."""
     plan = prepare(eval_config(config, split))
     check_predictions(plan)
-    _check_datasets(plan.config)
+    _check_datasets(plan.config, split=split)
     check_pretrained(plan)
     yield plan
 
@@ -80,11 +81,16 @@ def check_pretrained(plan: Plan) -> None:
     hf.check_sources(plan)
 
 
-def _check_datasets(config: RunConfig, speak: bool = True) -> None:
+def _check_datasets(config: RunConfig, speak: bool = True, split: str = "val") -> None:
     """A dataset whose declared sample class cannot be imported is one line now, not a traceback from the loader;
-    one of another framework's classes that mimo reads as its own format is said once."""
+    one of another framework's classes that mimo reads as its own format is said once. The dataset evaluations
+    read (--eval-data, else --data) without the eval `split` is one line naming that option."""
     for flag, path in (("--data", config.data.data), ("--eval-data", config.evaluation.eval_data)):
         if path is not None:
             check_dataset(path, flag)
             for note in foreign_notes(path, flag) if speak else ():
                 print(note, flush=True)
+    e = config.evaluation
+    if e.eval_iters and (e.eval_data or config.data.data):
+        flag, path = ("--eval-data", e.eval_data) if e.eval_data else ("--data", config.data.data)
+        check_split(path, split, flag)

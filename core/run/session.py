@@ -15,6 +15,7 @@ import torch.distributed as dist
 from mimo.errors import UsageError
 from mimo.plugins import DataSource
 from mimo.plugins.data_source import as_data_source
+from mimo.wording import counted
 
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.foreign import load_foreign
@@ -203,8 +204,8 @@ def describe_run(plan: Plan, held: dict[str, int], device: torch.device, precisi
         for name, p in plan.parallelism.items()
     )
     return (f"mimo run: provider {plan.config.provider} | {modules} | global batch {plan.global_batch_size} = "
-            f"{plan.num_microbatches} micro-batches x {plan.config.training.micro_batch_size} x {plan.num_lanes} "
-            f"lanes{_encoder_pass(plan)} | {plan.train_iters} iterations | "
+            f"{counted(plan.num_microbatches, 'micro-batch')} x {plan.config.training.micro_batch_size} x "
+            f"{counted(plan.num_lanes, 'lane')}{_encoder_pass(plan)} | {counted(plan.train_iters, 'iteration')} | "
             f"{device.type} {precision}")
 
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE, BuildContext, DataContext
+from mimo.wording import counted
 
 from ..parallel import context_parallel, topology
 from ..parallel.model import build_model, seed_tracker
@@ -78,7 +79,7 @@ def join(plan: Plan, *, seed: int | None = None) -> World:
     device = launch.init_process(config.training.device, config.launch.distributed_timeout_minutes)
     compilation.configure(config.compile, device)  # before the model: torch.compile off, the caches' places
     if dist.get_world_size() != plan.world_size:
-        raise UsageError(f"the plan is for {plan.world_size} ranks but {dist.get_world_size()} joined")
+        raise UsageError(f"the plan is for {counted(plan.world_size, 'rank')} but {dist.get_world_size()} joined")
     gpu_only = gpu_only_options(config)  # the plan refused them already where --device cpu was given
     if device.type != "cuda" and gpu_only:
         raise UsageError(f"{gpu_only[0]} needs a GPU; this run is on the CPU")

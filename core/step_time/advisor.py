@@ -1,8 +1,11 @@
-"""`mimo plan --suggest --gpus N`: the layouts that fit memory (core/memory/layout_search.py), fastest first by
-estimated tokens/s/GPU (model.py), each with one line saying what its iteration is made of.
+"""`mimo plan --suggest --gpus N`: the layouts that fit memory (core/memory/layout_search.py), most estimated
+tokens/s/GPU first (model.py), each with one line saying what its iteration is made of.
 
 A provider without `model_flops` cannot be timed: its layouts keep layout_search's order (least communication,
 then most headroom) and the advice says so in one line.
+
+Layouts that differ in LLM data parallelism (CP and TP take lanes) differ in global batch where --global-batch-size
+is not given: tokens/s/GPU compares them, each with its batch in samples and tokens (`Advised.tokens_per_sample`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from dataclasses import dataclass
 
 from mimo.plugins import LANGUAGE
 
-from ..memory import layout_search
+from ..memory import fit, layout_search
 from ..memory.layout_search import Suggestion
 from . import calibration, workload
 from .model import StepEstimate, estimate
@@ -30,18 +33,35 @@ class Advised:
     layouts: list[Advice]  # best first
     note: str | None = None  # why they are not ordered by time, or on what GPU the times are
     verdict: str = ""  # which to use and why, one line
+    tokens_per_sample: float = 0.0  # the LLM's, as the estimate counts them: a row's batch in tokens
+
+
+def memory_limit(config) -> tuple[float, str]:
+    """(GiB, where it comes from) that --suggest fits layouts into: --gpu-memory, else the visible GPU, else the GPU
+    the step times are estimated for (the calibration's), whatever --device says: the layouts are for GPUs."""
+    given = fit.gpu_limit_gib(config, planning=True)
+    if given is not None and given[1] != "default":
+        return given
+    cal = calibration.load()
+    if cal.reference_gpu_gib is None:
+        return fit.DEFAULT_GIB, "default"
+    return cal.reference_gpu_gib, f"{cal.reference_gpu}, the GPU the times are estimated for"
 
 
 def advise(plan, world: int, limit_gib: float, top: int = 10) -> Advised:
-    """The `top` layouts of `world` GPUs that fit `limit_gib`, fastest estimate first."""
+    """The `top` layouts of `world` GPUs that fit `limit_gib`, most estimated tokens/s/GPU first."""
     found = layout_search.fitting(plan, world, limit_gib)
+    described = plan.hooks.module_memory(settings=plan.settings)
+    language = described[LANGUAGE]
+    tokens = language.mean_tokens_per_sample if language.mean_tokens_per_sample is not None \
+        else language.tokens_per_sample  # as workload.modules_of counts them
     flops = workload.forward_flops(plan)
     if flops is None:
         note = (f"provider '{plan.config.provider}' reports no FLOPs per module (model_flops), so nothing is timed: "
                 f"ordered by least communication, then most headroom")
-        return Advised([Advice(s, why=s.reason) for s in layout_search.best_first(found)[:top]], note)
+        return Advised([Advice(s, why=s.reason) for s in layout_search.best_first(found)[:top]], note,
+                       tokens_per_sample=tokens)
     cal = calibration.load()
-    described = plan.hooks.module_memory(settings=plan.settings)
     advised = []
     for s in found:
         modules = workload.modules_of(plan, flops, described, s.options.frozen)
@@ -53,7 +73,7 @@ def advise(plan, world: int, limit_gib: float, top: int = 10) -> Advised:
         a.why = "; ".join(filter(None, [why(a.estimate), a.suggestion.reason]))
     note = (f"times estimated for an {cal.reference_gpu} from measured efficiencies and overheads "
             f"(core/step_time/calibration.json), bf16")
-    return Advised(advised, note, verdict(advised))
+    return Advised(advised, note, verdict(advised), tokens)
 
 
 def _shares(terms: dict[str, float], total: float, count: int = 2) -> str:
@@ -61,19 +81,25 @@ def _shares(terms: dict[str, float], total: float, count: int = 2) -> str:
     return ", ".join(f"{name} {seconds / total:.0%}" for name, seconds in largest if seconds > 0)
 
 
+def milliseconds(seconds: float) -> str:
+    """A time in ms with the digits that tell layouts apart: 4,033; 24; 0.31."""
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if ms >= 10 else f"{ms:.2g}"
+
+
 def why(est: StepEstimate) -> str:
     """What the iteration is made of: the slower stage and its largest terms, the overlap's cost."""
-    ms = est.seconds * 1e3
+    ms = milliseconds(est.seconds)
     after = {"DP gradient reduce": est.reduce_s, "optimizer": est.optimizer_s}
     if len(est.stages) == 1:
-        return f"{ms:.0f} ms/iteration on every rank: {_shares({**est.stages[0].terms, **after}, est.seconds, 3)}"
+        return f"{ms} ms/iteration on every rank: {_shares({**est.stages[0].terms, **after}, est.seconds, 3)}"
     slowest = est.slowest
     others = [s for s in est.stages if s is not slowest]
     rest = "; ".join(f"{s.name} {s.ranks[0]}-{s.ranks[1]} at {s.busy / slowest.busy:.0%} of it" for s in others)
-    return (f"{ms:.0f} ms/iteration: slower stage {slowest.name} {slowest.ranks[0]}-{slowest.ranks[1]} "
-            f"{slowest.busy * 1e3:.0f} ms ({_shares(slowest.terms, slowest.busy)}); {rest}; fill, drain and bridge "
-            f"{(est.fill_drain_s + est.bridge_s) * 1e3:.0f} ms; reduce and optimizer "
-            f"{(est.reduce_s + est.optimizer_s) * 1e3:.0f} ms")
+    return (f"{ms} ms/iteration: slower stage {slowest.name} {slowest.ranks[0]}-{slowest.ranks[1]} "
+            f"{milliseconds(slowest.busy)} ms ({_shares(slowest.terms, slowest.busy)}); {rest}; fill, drain and "
+            f"bridge {milliseconds(est.fill_drain_s + est.bridge_s)} ms; reduce and optimizer "
+            f"{milliseconds(est.reduce_s + est.optimizer_s)} ms")
 
 
 def verdict(advised: list[Advice]) -> str:
@@ -81,9 +107,7 @@ def verdict(advised: list[Advice]) -> str:
     if not advised:
         return ""
     best = advised[0]
-    flags = best.suggestion.flags()
-    line = (f"use #1 ({flags.strip('()')}): the fastest estimate, {best.tokens_per_s_per_gpu:,.0f} "
-            f"tokens/s/GPU")
+    line = f"use #1: the most tokens/s/GPU, {best.tokens_per_s_per_gpu:,.0f}"
     if len(advised) > 1:
         second = advised[1]
         slower = 1 - second.tokens_per_s_per_gpu / best.tokens_per_s_per_gpu

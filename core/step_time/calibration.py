@@ -2,7 +2,8 @@
 
 Every number there names the records it was fitted from and how (scripts/fit_step_time.py refits them from the
 records and `--check` says whether the file still holds what they give). Times are for the calibration's GPU
-(`reference_gpu`); `gpu_speed` holds other GPUs' measured speed relative to it.
+(`reference_gpu`, with `reference_gpu_memory_gib` of memory); `gpu_speed` holds other GPUs' measured speed
+relative to it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class Calibration:
     encoder_pass_overhead_s: float  # each encoder pass of a step beyond the first
     split_stage_overhead_s: float  # each LLM micro-batch of a heterogeneous layout (bridge send/receive)
     bridge_s: float  # each micro-batch the split's pipeline loses at the bridge beyond its stages' busy time
+    reference_gpu_gib: float | None = None  # the reference GPU's memory: what --suggest fits into by default
 
     def seconds_per_flop(self, kind: str) -> float:
         return 1.0 / (self.peak_flops * self.efficiency[kind])
@@ -43,7 +45,8 @@ def values(document: dict) -> Calibration:
         optimizer_s_per_parameter=fitted["optimizer_ms_per_billion_parameters"] * 1e-3 / 1e9,
         encoder_pass_overhead_s=fitted["encoder_pass_overhead_ms"] * 1e-3,
         split_stage_overhead_s=fitted["split_stage_overhead_ms"] * 1e-3,
-        bridge_s=fitted["bridge_ms"] * 1e-3)
+        bridge_s=fitted["bridge_ms"] * 1e-3,
+        reference_gpu_gib=document.get("reference_gpu_memory_gib", {}).get("value"))
 
 
 def read(path: Path = FILE) -> dict:

@@ -16,6 +16,8 @@ from .gc_pauses import GcPauses
 from .timers import format_timers
 from .truncation import DataReport, data_parts
 
+from mimo.wording import counted
+
 # Dense bf16 peak TFLOP/s per GPU, for MFU (override with --peak-tflops).
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "H800": 989.4, "GH200": 989.4, "A100": 312.0, "A800": 312.0,
                     "B200": 2250.0, "B100": 1750.0, "L40S": 362.0, "L40": 181.0, "A10": 125.0}
@@ -77,9 +79,9 @@ class MetricsLogger:
         if self.progress:
             self.progress.advance(self.progress.task_ids[0])
         if self.nan_in_a_row >= self.options.max_nan_iters:
-            self.nan_stop = (f"{self.nan_in_a_row} iterations in a row had a non-finite loss or gradient norm (the "
-                             f"last: iteration {iteration}), so training stopped; lower --lr, check the data, or raise "
-                             f"--max-nan-iters")
+            self.nan_stop = (f"{counted(self.nan_in_a_row, 'iteration')} in a row had a non-finite loss or gradient "
+                             f"norm (the last: iteration {iteration}), so training stopped; lower --lr, check the "
+                             f"data, or raise --max-nan-iters")
         if iteration % self.options.log_interval and iteration != self.total_iters and not self.nan_stop:
             return None
         timers = self.timers.collect(self._iters)
@@ -188,7 +190,8 @@ def format_line(r: dict, total_iters: int, per: str = "GPU") -> str:
     if "tflops_per_gpu" in r and per == "GPU":
         parts.append(f"TFLOP/s/GPU {r['tflops_per_gpu']:.3g}" + (f" (MFU {r['mfu']:.1%})" if "mfu" in r else ""))
     parts += [f"lr {r['lr']:.3E}", f"lm loss {number(r['lm_loss'], '.6E')}", f"grad norm {number(r['grad_norm'], '.3f')}",
-              f"loss scale {r['loss_scale']:g}", f"skipped {r['skipped_iterations']}", f"nan {r['nan_iterations']}"]
+              f"loss scale {r['loss_scale']:g}", f"skipped iters {r['skipped_iterations']}",
+              f"nan iters {r['nan_iterations']}"]  # iterations; the data's skipped samples are data_parts'
     if r.get("gc_ms", 0) >= 1:  # the host stalled in Python's garbage collector (see --gc-interval)
         parts.append(f"gc {r['gc_ms']:.0f} ms/iter")
     if r["peak_memory_gib"] is not None:

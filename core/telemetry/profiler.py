@@ -18,6 +18,8 @@ import torch
 from .launch_sites import launch_sites
 from .sync_sites import SyncSites
 
+from mimo.wording import counted
+
 # First match wins: kernel names of cuBLAS/CUTLASS GEMMs, fused attention, NCCL, Adam, copies.
 KINDS = [
     ("attention", re.compile(r"flash|fmha|attention|sdpa|scaled_dot_product", re.I)),
@@ -205,7 +207,8 @@ def idle_by_phase(kernels: list[tuple], phases: list[tuple], iterations: int) ->
 
 def format_summary(summary: dict, directory: Path) -> str:
     per_iteration = summary["wall_ms_per_iteration"]
-    lines = [f"profile ({summary['iterations']} iterations, trace in {directory}): {per_iteration:.1f} ms/iteration"]
+    lines = [f"profile ({counted(summary['iterations'], 'iteration')}, trace in {directory}): {per_iteration:.1f} "
+             f"ms/iteration"]
     if summary["idle_fraction"] is not None:
         lines[0] += f", GPU busy {summary['busy_ms_per_iteration']:.1f} ms ({1 - summary['idle_fraction']:.0%})"
     for kind, ms in summary["ms_per_iteration_by_kind"].items():

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import time
 
+from mimo.wording import counted
+
 __all__ = ["MIN_SAMPLES_READ", "SkipReporter", "skip_stop_message"]
 
 MIN_SAMPLES_READ = 100  # a few bad samples early on do not stop a run
@@ -59,8 +61,8 @@ class SkipReporter:
 
     def _summary(self) -> None:
         if self._hidden:
-            self._out(f"{self._prefix}skipped {self._hidden} more samples in the last minute (not shown: at most "
-                      f"{self.limit} lines a minute)")
+            self._out(f"{self._prefix}skipped {counted(self._hidden, 'more sample')} in the last minute (not shown: "
+                      f"at most {self.limit} lines a minute)")
             self._hidden = 0
 
 

@@ -5,6 +5,10 @@ from __future__ import annotations
 import math
 import os
 
+from mimo.wording import counted
+
+from .truncation import REASONS
+
 
 def _loss(value) -> str:
     return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.6E}"
@@ -17,7 +21,7 @@ def summary_lines(session, first_iteration: int, seconds: float) -> list[str]:
     trained = session.iteration - first_iteration
     speed = (f", {logger.trained_tokens / logger.trained_seconds:,.0f} tokens/s"
              if logger.trained_seconds > 0 else "")
-    lines = [f"mimo run: finished {trained} iterations ({first_iteration + 1} to {session.iteration} of "
+    lines = [f"mimo run: finished {counted(trained, 'iteration')} ({first_iteration + 1} to {session.iteration} of "
              f"{plan.train_iters}) in {seconds:.1f} s{speed}"]
     losses = []
     if logger.records:
@@ -28,9 +32,12 @@ def summary_lines(session, first_iteration: int, seconds: float) -> list[str]:
         losses.append(f"validation {_loss(last.lm_loss)} (iteration {last.iteration})")
     if losses:
         lines.append("  last lm loss: " + ", ".join(losses))
-    skipped = logger.records[-1].get("skipped_samples", 0) if logger.records else 0
-    if skipped:
-        lines.append(f"  data: {skipped} sample{'s' if skipped != 1 else ''} skipped as unreadable")
+    record = logger.records[-1] if logger.records else {}
+    if record.get("skipped_samples"):  # by reason, as the iteration line's `skipped samples` part
+        by = [f"{record[f'skipped_{key}']} {what}" for key, what in REASONS if record.get(f"skipped_{key}")]
+        why = " as unreadable" if by == [f"{record['skipped_samples']} unreadable"] else f" ({', '.join(by)})" if by \
+            else ""
+        lines.append(f"  data: {counted(record['skipped_samples'], 'sample')} skipped{why}")
     outputs = {"checkpoint": session.checkpointer.last_saved if session.checkpointer else None}
     lg = plan.config.logging
     outputs.update({"metrics": lg.metrics_file, "tensorboard": lg.tensorboard_dir, "profile": lg.profile_dir,

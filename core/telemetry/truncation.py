@@ -50,12 +50,14 @@ class DataReport:
                 f"{raise_it}, or see docs/data.md (Truncation)")
 
 
+REASONS = (("unreadable", "unreadable"), ("unsupported", "unsupported"), ("too_long", "too long"))  # key, words
+
+
 def data_parts(r: dict) -> list[str]:
     """The log line's data parts: skipped samples by reason, and the interval's cut when there was one."""
     parts = []
     if r.get("skipped_samples"):
-        by = [(r.get("skipped_unreadable", 0), "unreadable"), (r.get("skipped_unsupported", 0), "unsupported"),
-              (r.get("skipped_too_long", 0), "too long")]
+        by = [(r.get(f"skipped_{key}", 0), what) for key, what in REASONS]
         named = ", ".join(f"{n} {what}" for n, what in by if n) or str(r["skipped_samples"])
         parts.append(f"skipped samples {named}")
     if r.get("truncated_tokens"):

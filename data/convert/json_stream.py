@@ -21,6 +21,7 @@ class _Reader:
     def __init__(self, handle, chunk: int):
         self.handle, self.chunk = handle, chunk
         self.buf, self.pos, self.consumed, self.eof = "", 0, 0, False  # consumed: characters dropped from the front
+        self.lines, self.line_start = 0, 0  # newlines dropped with them; where the line after the last one starts
 
     def fill(self) -> None:
         try:
@@ -30,7 +31,18 @@ class _Reader:
             raise JSONSyntaxError(f"not UTF-8 text at line {line} (byte {byte}: {err.reason}); JSON is UTF-8: "
                                   f"re-encode the file, e.g. with iconv -t utf-8") from None
         self.eof = not more
+        dropped = self.buf[:self.pos]
+        if "\n" in dropped:
+            self.lines += dropped.count("\n")
+            self.line_start = self.consumed + dropped.rindex("\n") + 1
         self.buf, self.consumed, self.pos = self.buf[self.pos:] + more, self.consumed + self.pos, 0
+
+    def where(self, pos: int) -> str:
+        """Line, column and character of `pos` in the buffer, as an editor counts them (from 1)."""
+        before = self.buf[:pos]
+        line = self.lines + before.count("\n") + 1
+        start = self.consumed + before.rindex("\n") + 1 if "\n" in before else self.line_start
+        return f"line {line}, column {self.consumed + pos - start + 1} (character {self.consumed + pos})"
 
     def skip_space(self) -> None:
         while True:
@@ -74,7 +86,7 @@ def records(path: Path, chunk: int = CHUNK):
             r.skip_space()
             if not r.at():
                 if in_array:
-                    raise JSONSyntaxError(f"the array is not closed (the file ends at character {r.consumed + r.pos})")
+                    raise JSONSyntaxError(f"the array is not closed (the file ends at {r.where(r.pos)})")
                 return
             if in_array and r.at() == "]":
                 return
@@ -83,9 +95,10 @@ def records(path: Path, chunk: int = CHUNK):
                     value, end = decoder.raw_decode(r.buf, r.pos)
                     break
                 except json.JSONDecodeError as err:
-                    if r.eof or len(r.buf) - r.pos > MAX_RECORD:
-                        raise JSONSyntaxError(f"not valid JSON at character {r.consumed + err.pos} ({err.msg})") \
-                            from None
+                    if r.eof or len(r.buf) - r.pos > MAX_RECORD:  # json's message, whole: "... starting at" a place
+                        at = f"{err.msg} {r.where(err.pos)}" if err.msg.endswith(" at") else \
+                            f"{err.msg} at {r.where(err.pos)}"
+                        raise JSONSyntaxError(f"not valid JSON: {at}") from None
                     r.fill()  # the element may go on past the buffer: read more and try again
             yield index, r.consumed + r.pos, value
             index, r.pos = index + 1, end
@@ -94,4 +107,4 @@ def records(path: Path, chunk: int = CHUNK):
                 if r.at() == ",":
                     r.pos += 1
                 elif r.at() != "]":
-                    raise JSONSyntaxError(f"expected ',' or ']' at character {r.consumed + r.pos}")
+                    raise JSONSyntaxError(f"not valid JSON: expected ',' or ']' at {r.where(r.pos)}")

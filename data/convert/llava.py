@@ -7,10 +7,11 @@ Each record is checked with the functions the cooker uses at training time (`tur
 is named and counted here instead; each image is decoded in full (a truncated file fails now) and its bytes are
 copied unchanged. The JSON is read one record at a time (json_stream.py).
 
-Written: webdataset shards `train-NNNNNN.tar` / `val-NNNNNN.tar` (key = the record's index; parts `json` and `jpg`,
+Written: webdataset shards `train-NNNNNN.tar` / `val-NNNNNN.tar` / `test-NNNNNN.tar` (key = the record's index; parts `json` and `jpg`,
 or `0.jpg`, `1.png`, ... for several images, named in the json's `images`), prepared with energon's own tooling as
 a `CrudeWebdataset` (the cooker `ConversationTaskEncoder` registers reads it). The split is a hash of the record's
-id: the same record goes to the same split however the file is ordered. OUT is written as a partial folder beside
+id: the same record goes to the same split however the file is ordered (val below `--val-fraction` of the hash's
+range, test in the next `--test-fraction` of it). OUT is written as a partial folder beside
 it and renamed at the end.
 """
 
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mimo.errors import UsageError
+from mimo.wording import counted
 
 from ..conversation import place_images, turns_from_chat_json
 from ..skips import describe_error
@@ -42,16 +44,18 @@ class ConvertResult:
     out: Path
     train: int = 0
     val: int = 0
+    test: int = 0
     bad: list = field(default_factory=list)  # indices of the records skipped
 
     @property
     def read(self) -> int:
-        return self.train + self.val + len(self.bad)
+        return self.train + self.val + self.test + len(self.bad)
 
     def summary(self) -> str:
         first = f" (records {', '.join(map(str, self.bad[:10]))}{', ...' if len(self.bad) > 10 else ''})"
-        return (f"converted {self.train + self.val} of {self.read} records into {self.out}: {self.train} train, "
-                f"{self.val} val, {len(self.bad)} skipped" + (first if self.bad else ""))
+        return (f"converted {self.train + self.val + self.test} of {counted(self.read, 'record')} into {self.out}: "
+                f"{self.train} train, {self.val} val, " + (f"{self.test} test, " if self.test else "")
+                + f"{len(self.bad)} skipped" + (first if self.bad else ""))
 
 
 def _image_names(record: dict) -> list[str]:
@@ -99,15 +103,16 @@ def sample_of(record, image_dir: Path) -> tuple[dict, dict[str, bytes]]:
 
 
 def convert_llava(json_path, image_dir, out, val_fraction: float = 0.0, shard_size: int = 1000,
-                  say=print) -> ConvertResult:
+                  say=print, test_fraction: float = 0.0) -> ConvertResult:
     """Convert; `say` gets a line per bad record (the first SHOWN). UsageError when nothing could be converted."""
     json_path, image_dir, out = Path(json_path), Path(image_dir), Path(out)
     if not json_path.is_file():
         raise UsageError(f"{json_path}: no such file")
     if not image_dir.is_dir():
         raise UsageError(f"{image_dir}: no such directory")
-    if not 0 <= val_fraction < 1:
-        raise UsageError(f"--val-fraction {val_fraction} must lie in [0, 1)")
+    if not (0 <= val_fraction < 1 and 0 <= test_fraction < 1 and val_fraction + test_fraction < 1):
+        raise UsageError(f"--val-fraction {val_fraction:g} and --test-fraction {test_fraction:g} must each lie in "
+                         f"[0, 1) and leave records for training (their sum below 1)")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UsageError(f"{out} is not empty: convert into a new folder")
     partial = out.parent / f".{out.name}.mimo-partial-{os.getpid()}"
@@ -115,10 +120,10 @@ def convert_llava(json_path, image_dir, out, val_fraction: float = 0.0, shard_si
     partial.mkdir()
     result = ConvertResult(out)
     try:
-        _write(json_path, image_dir, partial, val_fraction, shard_size, result, say)
+        _write(json_path, image_dir, partial, (val_fraction, test_fraction), shard_size, result, say)
         if not result.train:
-            raise UsageError(f"{json_path}: none of its {result.read} records could be converted for training "
-                             f"(the lines above say why)")
+            raise UsageError(f"{json_path}: none of its {counted(result.read, 'record')} could be converted for "
+                             f"training (the lines above say why)")
         _prepare(partial)
         if out.is_dir():
             out.rmdir()
@@ -128,11 +133,12 @@ def convert_llava(json_path, image_dir, out, val_fraction: float = 0.0, shard_si
     return result
 
 
-def _write(json_path, image_dir, folder, val_fraction, shard_size, result, say) -> None:
+def _write(json_path, image_dir, folder, fractions, shard_size, result, say) -> None:
     import webdataset as wds
 
+    val_fraction, test_fraction = fractions
     writers = {split: wds.ShardWriter(str(folder / f"{split}-%06d.tar"), maxcount=shard_size, maxsize=1 << 30,
-                                      verbose=0) for split in ("train", "val")}
+                                      verbose=0) for split in ("train", "val", "test")}
     try:
         for index, offset, record in records(json_path):
             try:
@@ -143,7 +149,8 @@ def _write(json_path, image_dir, folder, val_fraction, shard_size, result, say) 
                     ident = record.get("id") if isinstance(record, dict) else None
                     say(f"skipped record {index} (id {ident!r}, character {offset}): {err}")
                 continue
-            split = "val" if zlib.crc32(str(chat.get("id", index)).encode()) < val_fraction * 2**32 else "train"
+            share = zlib.crc32(str(chat.get("id", index)).encode()) / 2**32
+            split = "val" if share < val_fraction else "test" if share < val_fraction + test_fraction else "train"
             writers[split].write({"__key__": f"{index:09d}", "json": json.dumps(chat, ensure_ascii=False).encode(),
                                   **parts})
             setattr(result, split, getattr(result, split) + 1)
@@ -152,12 +159,12 @@ def _write(json_path, image_dir, folder, val_fraction, shard_size, result, say) 
     finally:
         for writer in writers.values():
             writer.close()
-    for split in writers:  # a split with no sample (no --val-fraction) leaves one empty shard, which energon refuses
+    for split in writers:  # a split with no sample (no --val-fraction) leaves an empty shard, which energon refuses
         if not getattr(result, split):
             for shard in folder.glob(f"{split}-*.tar"):
                 shard.unlink()
     if len(result.bad) > SHOWN:
-        say(f"skipped {len(result.bad) - SHOWN} more records (not shown)")
+        say(f"skipped {counted(len(result.bad) - SHOWN, 'more record')} (not shown)")
 
 
 def _prepare(folder: Path) -> None:
@@ -170,5 +177,5 @@ def _prepare(folder: Path) -> None:
         if empty.name not in shards:
             empty.unlink()
     BaseWebdatasetFactory.prepare_dataset(folder, shards, split_parts_patterns=[
-        ("train", r"^train-"), ("val", r"^val-"), ("test", r"^$")], shuffle_seed=None, workers=1)
+        ("train", r"^train-"), ("val", r"^val-"), ("test", r"^test-")], shuffle_seed=None, workers=1)
     (folder / MAIN_FOLDER_NAME / "dataset.yaml").write_text(DATASET_YAML)

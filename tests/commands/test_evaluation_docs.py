@@ -40,5 +40,6 @@ def test_a_dataset_without_a_val_split_is_refused_before_training(tmp_path):
     assert run_mimo("data", "sample", str(data), "--num-samples", "16").returncode == 0
     result = run_mimo("run", "--provider", "mock-vlm", "--device", "cpu", "--data", str(data), "--train-iters", "2",
                       "--eval-iters", "1", "--num-workers", "0", env={"TORCH_COMPILE_DISABLE": "1"})
-    assert result.returncode == 2 and "the dataset has no val samples" in result.stderr, result.stderr[-2000:]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert f"error: --data {data}: the dataset has no val split: hold some samples out" in result.stderr
     assert "iteration      1/2" not in result.stdout

@@ -30,10 +30,20 @@ def test_the_json_stream_reads_what_json_loads_reads(tmp_path, chunk):
         assert all(text[offset] == "{" for _, offset, _ in got)  # character offsets into the file
     broken = tmp_path / "b.json"
     broken.write_text('[{"a": 1}, {"a": nope}]')
-    with pytest.raises(JSONSyntaxError, match="not valid JSON at character 17 \\(Expecting value\\)"):
+    with pytest.raises(JSONSyntaxError, match=r"^not valid JSON: Expecting value at line 1, column 18 \(character "
+                                              r"17\)$"):
+        list(records(broken, chunk=chunk))
+    # json's own message whole ("... starting at" a place), on the line and column an editor shows
+    broken.write_text('[\n {"id": 1, "a": "x"},\n {"id": 2, "a": "y}\n]\n')
+    with pytest.raises(JSONSyntaxError, match=r"^not valid JSON: Invalid control character at line 3, column 20 "
+                                              r"\(character 43\)$"):
+        list(records(broken, chunk=chunk))
+    broken.write_text('[\n {"id": 1, "a": "x"},\n {"id": 2, "a": "y')
+    with pytest.raises(JSONSyntaxError, match=r"^not valid JSON: Unterminated string starting at line 3, column 17 "
+                                              r"\(character 40\)$"):
         list(records(broken, chunk=chunk))
     broken.write_text('[{"a": 1}, {"a": 2}')
-    with pytest.raises(JSONSyntaxError, match="the array is not closed"):
+    with pytest.raises(JSONSyntaxError, match=r"the array is not closed \(the file ends at line 1, column 20 "):
         list(records(broken, chunk=chunk))
     broken.write_bytes('{"a": "ü"}\n{"a": "\xff"}\n'.encode("utf-8").replace(b"\xc3\xbf", b"\xff"))  # latin-1 ÿ
     with pytest.raises(JSONSyntaxError, match=r"^not UTF-8 text at line 2 \(byte 19: invalid start byte\); JSON is "
@@ -104,7 +114,7 @@ def test_convert_llava_then_train_and_evaluate(tmp_path):
     lines = result.stdout.strip().splitlines()
     assert len(lines) == len(bad) + 1 and all(line.startswith("skipped record ") for line in lines[:-1])
     assert lines[0].startswith("skipped record 7 (id 'rec.7/x', character ") and "missing7.jpg" in lines[0]
-    assert "cannot be decoded" in lines[1] and "placeholders but the sample has 1 images" in lines[2]
+    assert "cannot be decoded" in lines[1] and "placeholders but the sample has 1 image" in lines[2]
     assert "unknown role 'narrator'" in lines[3]
     summary = lines[-1]
     assert summary.startswith(f"converted {NUM_RECORDS - len(bad)} of {NUM_RECORDS} records into {out}: ")

@@ -299,8 +299,9 @@ def test_bad_dataset_paths_are_one_clear_line(tmp_path, dataset):
     prepare_energon_dataset(info.path, info.shards, split_parts_patterns=[("train", "^$"), ("val", ".*")])
     with pytest.raises(UsageError, match="no training samples"):
         LaneLoader(info.path, te, micro_batch_size=2, num_lanes=1)
-    with pytest.raises(UsageError, match=r"has no val samples .*; energon prepare's --split-ratio gives a dataset a "
-                                         r"val share \(docs/evaluation.md\)$"):
+    with pytest.raises(UsageError, match=r"^the eval data .*: the dataset has no val samples .*: hold some samples "
+                                         r"out for it when making the dataset \(mimo data convert llava "
+                                         r"--val-fraction F, .*; docs/evaluation.md\)$"):
         LaneLoader(dataset.path, te, micro_batch_size=2, num_lanes=1, split_part="val")
     with pytest.raises(UsageError, match="lower --num-workers"):
         LaneLoader(dataset.path, te, micro_batch_size=2, num_lanes=4, lanes=range(0, 1), num_workers=16)
@@ -335,7 +336,7 @@ def test_data_sample_command(tmp_path):
     result = runner.invoke(data_app, ["sample", str(tmp_path / "ds"), "--num-samples", "12", "--corrupt", "2",
                                       "--seed", "4"])
     assert result.exit_code == 0, result.output
-    assert "wrote 12 samples in 1 shards" in result.output and "2 corrupt" in result.output
+    assert "wrote 12 samples in 1 shard " in result.output and "2 corrupt" in result.output
     assert (tmp_path / "ds" / ".nv-meta" / "dataset.yaml").is_file()
     result = runner.invoke(data_app, ["sample", str(tmp_path / "ds")])
     assert result.exit_code == 2 and "is not empty" in result.output

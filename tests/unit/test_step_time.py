@@ -131,17 +131,21 @@ def suggest(*args):
 
 
 def test_suggest_ranks_the_layouts_that_fit_by_estimated_tokens_per_gpu():
+    from mimo.core.step_time.advisor import milliseconds
+
     report = json.loads(suggest("--json"))
     layouts = report["layouts"]
     speeds = [row["tokens_per_s_per_gpu"] for row in layouts]
     assert len(layouts) > 2 and speeds == sorted(speeds, reverse=True)
     assert report["ordered_by"] == "tokens_per_s_per_gpu" and report["use"].startswith("use #1")
     for row in layouts:
-        assert row["ms_per_iteration"] > 0 and row["why"].startswith(f"{row['ms_per_iteration']:.0f} ms/iteration")
+        assert row["ms_per_iteration"] > 0 and row["why"].startswith(f"{milliseconds(row['ms_per_iteration'] / 1e3)} "
+                                                                    f"ms/iteration")
     split = next(row for row in layouts if row["layout"]["encoder_ranks"])
     assert "slower stage" in split["why"] and split["slower_stage"]
-    text = suggest()
-    assert "fastest first" in text and "use #1" in text and "#1 " in text
+    text = " ".join(suggest().split())
+    assert "most tokens/s/GPU first" in text and "use #1" in text and "#1 " in text
+    assert milliseconds(4.0333) == "4,033" and milliseconds(0.024) == "24" and milliseconds(0.00031) == "0.31"
 
 
 def test_without_model_flops_the_order_is_least_communication_and_says_so():
@@ -251,6 +255,8 @@ def test_cp_is_not_proposed_where_the_provider_refuses_it():
                              training=TrainingOptions(device="cpu", micro_batch_size=1)), world_size=2)
     found = layout_search.fitting(plan, 2, 80)
     assert found and all(s.layout.llm_cp == 1 for s in found)
+    # nor sequence parallelism (the MoE LLM's TP), which the CPU plan and the local backend refuse alike
+    assert not any(s.sequence_parallel or s.layout.llm_tp > 1 for s in found)
 
 
 def test_mimo_plan_names_each_modules_share_of_the_forward_flops():
