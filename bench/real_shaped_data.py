@@ -3,10 +3,10 @@ frames, phone screenshots and panoramas), one to five rounds with long-tailed an
 image and some with two (bench/real_shaped_records.py says what and how many), converted by `mimo data convert
 llava` into an energon dataset.
 
-    python bench/real_shaped_data.py --out results/real_data                 # 2000 records, then converted
-    python bench/real_shaped_data.py --out /tmp/real --records 24            # a few dozen, for a CPU run
-    python bench/real_shaped_data.py --out $OUT/real --workers 8             # on a GPU host: the images in 8
+    python bench/real_shaped_data.py --out results/real_data            # 2000 records, then converted
+    python bench/real_shaped_data.py --out $OUT/real --workers 8        # a GPU host: 8 processes draw the images
     mimo run --provider nemotron-moe-vlm-mid --data results/real_data/dataset ...
+    python bench/real_shaped_data.py --out /tmp/real --records 24 --provider nemotron-moe-vlm-tiny  # a CPU run's
 
 Written under --out: `llava.json` and `images/<size class>/` (the source), `dataset/` (the energon dataset:
 `mimo.data.convert.convert_llava`, which `mimo data convert llava` runs) and `real_shaped_data.json`: the mix
@@ -152,7 +152,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("results/real_data"), help="a new folder (or one holding "
                         "this dataset already, which is kept)")
-    parser.add_argument("--records", type=int, default=2000)
+    parser.add_argument("--records", type=int, default=2000, help="LLaVA records to write")
     parser.add_argument("--seed", type=int, default=0, help="the same seed writes the same records and images")
     parser.add_argument("--workers", type=int, default=1, help="processes drawing the images (the same files)")
     parser.add_argument("--shard-size", type=int, default=200, help="records per tar shard (convert's option)")
