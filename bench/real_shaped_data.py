@@ -186,8 +186,8 @@ def main() -> None:
     mix = mix_figures(plans)
     source_mb = folder_mb(args.out / "images") + (args.out / "llava.json").stat().st_size / 2**20
     summary = {"command": shlex.join(["python", *sys.argv]), "records": args.records, "seed": args.seed,
-               "workers": args.workers, "load_1min": os.getloadavg()[0], "write_s": written, "write_cpu_s": written_cpu, "source_mb": source_mb,
-               "mix": mix}
+               "workers": args.workers, "load_1min": os.getloadavg()[0], "write_s": written,
+               "write_cpu_s": written_cpu, "source_mb": source_mb, "mix": mix}
     results = Results("real_shaped_data", [
         ("class", "size class", ""), ("images", "images", "d"), ("share", "share", ".0%"), ("png", "PNG", "d"),
         ("megapixels", "mean MP", ".2f"), ("kb_median", "median KB", ".0f"), ("mb", "MB", ".1f")],
