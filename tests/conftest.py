@@ -37,6 +37,7 @@ SLOW: dict[str, float] = {
     "test_hf_stages.py::test_the_documented_stage_recipe_runs_and_trains_what_each_stage_names": 84,
     "test_lora.py": 70,
     "test_data_formats.py": 70,
+    "test_real_shaped_data.py": 70,  # 162 s at a load average of 8-16, 45 s of CPU
     "test_layouts.py": 65,
     "test_memory.py::test_estimate_matches_megatron_buffers": 48,
     "test_peft_export.py::test_a_peft_adapter_on_the_base_gives_the_merged_models_logits": 45,
