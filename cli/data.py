@@ -181,11 +181,11 @@ def _inspect(ctx: typer.Context, dataset: Path, split: str = "train", seq_length
     from .console import prints_to_debug_log
 
     try:
-        if limit < 1:
-            raise UsageError(f"--limit {limit} must be 1 or more")
+        if limit < 0:
+            raise UsageError(f"--limit {limit} must be 0 (all) or more")
         provider, encoder = _encoder(ctx, dataset, split, seq_length, kwargs)
         with prints_to_debug_log("energon"):
-            result = inspect_dataset(dataset, split, limit, encoder, provider,
+            result = inspect_dataset(dataset, split, limit or None, encoder, provider,
                                      buffer_size=kwargs.get("packing_buffer_size") or 64, command="mimo data inspect")
     except UsageError as err:
         raise fail(str(err)) from None
@@ -247,7 +247,8 @@ def _register_views() -> None:
     from .options import with_options
 
     data_app.command("inspect", cls=WholeNamesCommand)(with_options(_inspect, _view_parameters([
-        ("limit", int, 1000, "--limit", dict(help="read at most this many samples (a blend: in all)")),
+        ("limit", int, 1000, "--limit", dict(help="read at most this many samples (a blend: in all); 0: the whole "
+                                                  "split")),
         ("as_json", bool, False, "--json", dict(help="print the figures as JSON")),
     ])))
     data_app.command("preview", cls=WholeNamesCommand)(with_options(_preview, _view_parameters([

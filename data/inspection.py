@@ -137,8 +137,8 @@ class Inspection:
         out += _wrap("images per sample: " + ", ".join(f"{k}: {n}" for k, n in sorted(self.images_per_sample.items())))
         out += self._skip_lines()
         if self.provider is not None:
-            pack = (f"packed (buffers of {self.buffer_size} samples)" if self.packed else "not packed")
-            out += [""] + _wrap(f"encoded by provider {self.provider}: seq_length {self.seq_length}, {pack}")
+            pack = f"packed from buffers of {self.buffer_size}" if self.packed else "not packed"
+            out += [""] + _wrap(f"provider {self.provider}: seq_length {self.seq_length}, {pack}")
         table = [(LABELS[key], stats) for key in LABELS if (stats := percentiles(self.columns.get(key, ())))]
         if table:
             out += ["", f"{'':<24}{'p50':>9}{'p90':>9}{'p99':>9}{'max':>9}{'mean':>11}"]
@@ -192,9 +192,10 @@ class Inspection:
         if self.rows:
             fills = [used / self.seq_length for used in self.rows]
             mean = sum(self.rows) / (len(self.rows) * self.seq_length)
-            how = "packed rows" if self.packed else "rows, one each (not packed),"
-            out += _wrap(f"rows: {self.encoded} samples in {len(self.rows)} {how} of {self.seq_length} tokens: "
-                         f"{mean:.0%} full (p50 {percentiles(fills)['p50']:.0%}, min {min(fills):.0%})")
+            how = (f"packed into {len(self.rows)} rows of {self.seq_length} tokens" if self.packed else
+                   f"one a row of {self.seq_length} tokens (not packed)")
+            out += _wrap(f"rows: {self.encoded} samples {how}: {mean:.0%} full (p50 {percentiles(fills)['p50']:.0%}, "
+                         f"min {min(fills):.0%})")
         return out
 
     # -- JSON ---------------------------------------------------------------------------------------------------
