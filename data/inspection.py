@@ -222,7 +222,8 @@ class Inspection:
 
 
 def _declared(sample_type: str) -> str:
-    return "CrudeWebdataset (chat)" if sample_type == "CrudeSample" else sample_type
+    return {"CrudeSample": "CrudeWebdataset (chat)", "ChatMLRecord": "ChatMLWebdataset (Bridge)"}.get(sample_type,
+                                                                                                    sample_type)
 
 
 def _fit(line: str) -> str:

@@ -121,7 +121,7 @@ foreign_samples.register()  # before any dataset is opened: energon then builds 
 # What each sample type is called where a dataset is described (docs/data.md's example names).
 _KINDS = {CaptioningSample: "captions", VQASample: "vqa", MultiChoiceVQASample: "multiple choice",
           SimilarityInterleavedSample: "interleaved", InterleavedSample: "sequence", TextSample: "text",
-          ChatSample: "chat", ChatMLRecord: "chat (Megatron-Bridge)"}
+          ChatSample: "chat", ChatMLRecord: "bridge chat"}
 
 
 def kind_of(sample) -> str:

@@ -20,7 +20,7 @@ from mimo.errors import UsageError
 
 from .chat_cooker import CHAT_COOKER
 from .check import check_dataset
-from .deferred_errors import defer_load_errors
+from .deferred_errors import defer_dataset_errors, defer_load_errors
 from .sample_formats import check_readable
 from .skips import SkippedSampleCounter, SkipRecord
 from .task_encoder import EncodedSample, is_tombstone
@@ -157,6 +157,7 @@ class SampleReader:
             raise UsageError(f"{self.path} {what} '{split}': its splits are {have}; choose one with --split")
         for member in loaded:
             check_readable(member.dataset.__sample_type__, getattr(member.dataset, "path", self.path), reader)
+            defer_dataset_errors(member.dataset)  # a damaged shard's samples, a missing part: skipped, named
         weights = [m.weight if m.weight is not None else 1.0 for m in loaded]
         total = sum(weights) or 1.0
         self.members = [Member(str(getattr(m.dataset, "path", self.path)), m.dataset.__sample_type__.__name__,

@@ -18,7 +18,7 @@ from .deferred_errors import defer_load_errors
 from .images import to_float_image
 from .sample_formats import conversation_of, kind_of
 from .sample_reader import Read
-from .skips import UNSUPPORTED, SkipRecord, record_of
+from .skips import UNREADABLE, UNSUPPORTED, SkipRecord, record_of
 from .task_encoder import EncodedSample, is_tombstone
 
 __all__ = ["SampleView", "Viewer"]
@@ -86,8 +86,8 @@ class Viewer:
             conversation = conversation_of(sample)
             view.turns = list(conversation.turns)
             view.image_sizes = [_pixels(image) for image in conversation.images]
-        except ValueError as err:  # what mimo's readers raise for content they do not take
-            view.skipped = record_of(sample, UNSUPPORTED, err)
+        except Exception as err:  # noqa: BLE001 - classified as the loader does: ValueError is content mimo refuses
+            view.skipped = record_of(sample, UNSUPPORTED if isinstance(err, ValueError) else UNREADABLE, err)
             return view
         if self.encoder is not None:
             self._encode(view, sample)

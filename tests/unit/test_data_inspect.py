@@ -131,6 +131,26 @@ def test_a_corrupt_sample_is_skipped_and_named(tmp_path):
     assert any(info.corrupt_keys[0] in line for line in result.lines())
 
 
+def test_a_damaged_shard_skips_its_unreadable_samples(tmp_path):
+    write_sample_dataset(tmp_path / "ds", num_samples=16, shard_size=8)
+    shard = sorted((tmp_path / "ds").glob("*.tar"))[0]
+    with open(shard, "r+b") as f:  # cut short, as an interrupted copy leaves it
+        f.truncate(shard.stat().st_size // 2)
+    result = inspect_dataset(tmp_path / "ds")
+    assert result.read == 16 and result.skip_counts["unreadable"] >= 4 and result.formats["captions"] >= 8
+    assert "its shard is damaged at this sample" in result.skipped[0].error
+
+
+def test_a_megatron_bridge_dataset_reads_as_its_chat(tmp_path):
+    from test_foreign_samples import bridge_dataset
+
+    bridge_dataset(tmp_path / "bridge")
+    result = inspect_dataset(tmp_path / "bridge", encoder=encoder_of("mock-vlm", tmp_path / "bridge"),
+                             provider="mock-vlm")
+    assert dict(result.formats) == {"bridge chat": 12} and not result.skip_counts
+    assert "declared samples: ChatMLWebdataset (Bridge)" in result.lines()
+
+
 def test_a_blend_is_read_by_weight(llava, tmp_path):
     import random
 
