@@ -192,9 +192,9 @@ class Inspection:
         if self.rows:
             fills = [used / self.seq_length for used in self.rows]
             mean = sum(self.rows) / (len(self.rows) * self.seq_length)
-            how = (f"packed into {len(self.rows)} rows of {self.seq_length} tokens" if self.packed else
-                   f"one a row of {self.seq_length} tokens (not packed)")
-            out += _wrap(f"rows: {self.encoded} samples {how}: {mean:.0%} full (p50 {percentiles(fills)['p50']:.0%}, "
+            how = (f" packed into {len(self.rows)} rows of {self.seq_length} tokens" if self.packed else
+                   f", one a row of {self.seq_length} tokens (not packed)")
+            out += _wrap(f"rows: {self.encoded} samples{how}: {mean:.0%} full (p50 {percentiles(fills)['p50']:.0%}, "
                          f"min {min(fills):.0%})")
         return out
 
