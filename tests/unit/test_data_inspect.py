@@ -187,6 +187,9 @@ def test_preview_without_a_provider_shows_the_turns_as_read(llava):
     lines = preview_lines(views)
     assert "  user       Compare <image 40x90> with <image 120x80>." in lines
     assert "  assistant  The first is taller." in lines and not any("[[" in line for line in lines)
+    shortened = preview_lines(views, chars=6)  # a run of text longer than --chars keeps its head and tail
+    assert "  assistant  The  ... r." in shortened
+    assert any(line.startswith("  user       Comp ... e <image 40x90> with <image 120x80>") for line in shortened)
 
 
 def test_bad_inputs_are_one_line(llava, tmp_path):
