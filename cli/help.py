@@ -32,7 +32,7 @@ def _kind(param, ctx) -> Text:
 def _help(param, ctx) -> Text:
     record = param.get_help_record(ctx)  # (names, help with its [default: ...]), as click prints them
     text = Text(" ".join((record[1] if record else "").split()))
-    if param.required:
+    if param.required and not text.plain.endswith("[required]"):  # an argument's record says it already
         text.append(" [required]", style="red")
     return text
 

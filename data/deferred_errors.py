@@ -39,8 +39,8 @@ from .skips import (
 )
 from .task_encoder import tombstone
 
-__all__ = ["DeferringDecoder", "UNCOOKED", "UnreadablePart", "UnreadableSample", "defer_load_errors",
-           "raise_if_unreadable"]
+__all__ = ["DeferringDecoder", "UNCOOKED", "UnreadablePart", "UnreadableSample", "defer_dataset_errors",
+           "defer_load_errors", "raise_if_unreadable"]
 
 _MARKS = ("__stateless__", "__failure_tolerance__")  # what energon reads off a task encoder's method
 
@@ -196,16 +196,19 @@ def _load_or_defer(factory, load, raw_sample):
                 UNCOOKED: (UNREADABLE, why)}
 
 
+def defer_dataset_errors(factory) -> None:
+    """`factory` (one of energon's loaded datasets) with its raw-sample loader deferring its failures, and its
+    shards' damage too: such a sample comes on carrying why (`UNCOOKED`), for the encoder's first step."""
+    guard_shard_reads(factory)
+    load = getattr(type(factory), "_load_sample_raw", None)
+    if load is not None and "_load_sample_raw" not in vars(factory):
+        factory._load_sample_raw = functools.partial(_load_or_defer, factory, functools.partial(load, factory))
+
+
 def _build_deferring(encoder, *, datasets, **kwargs):
-    """energon's build_train_datasets, each dataset's raw-sample loader deferring its failures first, and its
-    shards' damage too."""
+    """energon's build_train_datasets, each dataset deferring its failures first (`defer_dataset_errors`)."""
     for loaded in datasets:
-        factory = loaded.dataset
-        guard_shard_reads(factory)
-        load = getattr(type(factory), "_load_sample_raw", None)
-        if load is not None and "_load_sample_raw" not in vars(factory):
-            factory._load_sample_raw = functools.partial(_load_or_defer, factory,
-                                                         functools.partial(load, factory))
+        defer_dataset_errors(loaded.dataset)
     return type(encoder).build_train_datasets(encoder, datasets=datasets, **kwargs)
 
 

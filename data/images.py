@@ -215,6 +215,10 @@ class FixedTiles:
     def num_tokens(self, height: int, width: int) -> int:
         return self.tokens_per_tile
 
+    def num_patches(self, height: int, width: int) -> int:
+        """Patches the encoder reads for an image (before pixel shuffle): one tile's."""
+        return (self.image_size // self.patch_size) ** 2
+
     def process(self, image: torch.Tensor) -> ProcessedImage:
         tile = _normalize(_resize(image, self.image_size, self.image_size), self.mean, self.std)
         g = self.image_size // self.patch_size
@@ -277,6 +281,11 @@ class DynamicResolution:
 
     def num_tokens(self, height: int, width: int) -> int:
         return dynamic_num_tokens(*self.grid(height, width), self.pixel_shuffle_factor)
+
+    def num_patches(self, height: int, width: int) -> int:
+        """Patches the encoder reads for an image (before pixel shuffle): its grid's."""
+        rows, cols = self.grid(height, width)
+        return rows * cols
 
     def process(self, image: torch.Tensor) -> ProcessedImage:
         hp, wp = self.grid(image.shape[-2], image.shape[-1])

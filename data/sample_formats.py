@@ -32,7 +32,7 @@ from .chat_cooker import ChatSample
 from .conversation import IMAGE, Conversation, Turn, place_images, split_placeholders
 from .foreign_samples import ChatMLRecord, chatml_conversation
 
-__all__ = ["READERS", "check_readable", "conversation_of", "readable_type_names"]
+__all__ = ["READERS", "check_readable", "conversation_of", "kind_of", "readable_type_names"]
 
 
 def _key(sample) -> str:
@@ -117,6 +117,17 @@ READERS: dict[type, Callable] = {
 _DECLARED = {**{t: t.__name__ for t in READERS if t not in (ChatSample, ChatMLRecord)},
              CrudeSample: "CrudeWebdataset (chat)", ChatMLRecord: "ChatMLWebdataset (Megatron-Bridge chat)"}
 foreign_samples.register()  # before any dataset is opened: energon then builds mimo's class for Bridge's name
+
+
+# What each sample type is called where a dataset is described (docs/data.md's example names).
+_KINDS = {CaptioningSample: "captions", VQASample: "vqa", MultiChoiceVQASample: "multiple choice",
+          SimilarityInterleavedSample: "interleaved", InterleavedSample: "sequence", TextSample: "text",
+          ChatSample: "chat", ChatMLRecord: "bridge chat"}
+
+
+def kind_of(sample) -> str:
+    """The format a read sample is in: `captions`, `vqa`, ..., `chat` (else its class name)."""
+    return next((kind for t, kind in _KINDS.items() if isinstance(sample, t)), type(sample).__name__)
 
 
 def readable_type_names() -> list[str]:

@@ -196,3 +196,30 @@ def build_chat(path, rng):
 BUILDERS = {"captions": build_captions, "vqa": build_vqa, "choice": build_choice, "interleaved": build_interleaved,
             "sequence": build_sequence, "text": build_text, "chat": build_chat}
 assert tuple(BUILDERS) == FORMATS
+
+
+# LLaVA-style records for `mimo data convert llava`: one image, two images placed inside the text, text only (with a
+# system string); the images' (width, height) by name.
+LLAVA_SIZES = {"a.jpg": (64, 48), "b.png": (40, 90), "c.jpg": (120, 80)}
+
+
+def write_llava(root) -> list[dict]:
+    """The images and `llava.json` under `root` (images in `root / "images"`); the records written, in order."""
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    for name, size in LLAVA_SIZES.items():
+        Image.new("RGB", size, (200, 40, 40)).save(root / "images" / name)
+    records = []
+    for i in range(6):
+        if i % 3 == 0:
+            records.append({"id": f"one{i}", "image": "a.jpg", "conversations": [
+                {"from": "human", "value": "<image>\nWhat is shown?"}, {"from": "gpt", "value": f"A red box {i}."}]})
+        elif i % 3 == 1:
+            records.append({"id": f"two{i}", "image": ["b.png", "c.jpg"], "conversations": [
+                {"from": "human", "value": "Compare <image> with <image>."},
+                {"from": "gpt", "value": "The first is taller."}, {"from": "human", "value": "Sure?"},
+                {"from": "gpt", "value": "Yes."}]})
+        else:
+            records.append({"id": f"text{i}", "system": "Be brief.", "conversations": [
+                {"from": "human", "value": "Name a colour."}, {"from": "gpt", "value": "Blue."}]})
+    (root / "llava.json").write_text(json.dumps(records))
+    return records

@@ -109,3 +109,32 @@ def test_each_documented_mimo_run_line_trains(written, tmp_path):
         assert result.returncode == 0, (name, result.stderr[-3000:])
         losses = [r["lm_loss"] for r in read_metrics(metrics)]
         assert len(losses) == 3 and all(math.isfinite(loss) for loss in losses), (name, losses)
+
+
+# the formats `mimo data inspect` names for each example's samples
+FORMATS = {"captions": "captions", "vqa": "vqa", "multiple choice": "multiple choice", "interleaved": "interleaved",
+           "sequence": "sequence", "text": "text", "chat": "chat", "blend": "captions"}
+
+
+@pytest.mark.parametrize("name", list(EXAMPLES))
+def test_inspect_and_preview_read_each_example(written, name):
+    """`mimo data inspect` and `preview` on each example's dataset (the blend's too), with the provider and settings
+    of its `mimo run` line and without a provider: every sample read, none skipped, within 80 columns."""
+    from typer.testing import CliRunner
+
+    from mimo.cli.data import data_app
+
+    provider, data, sets = run_options(next(argv for argv in written[name] if argv[:2] == ["mimo", "run"]))
+    given = ["--provider", provider] + [arg for value in sets for arg in ("--set", value)]
+    for command, options in [("inspect", []), ("inspect", given), ("preview", given), ("preview", [])]:
+        result = CliRunner().invoke(data_app, [command, data, *options])
+        assert result.exit_code == 0, (command, options, result.output)
+        lines = result.stdout.splitlines()
+        assert all(len(line) <= 80 for line in lines), result.stdout
+        if command == "inspect":
+            assert "skipped: none" in lines and re.search(r"^read: (\d+) of the \1 train samples \(all", result.stdout,
+                                                          re.M), result.stdout
+            assert re.search(rf"^formats: .*\b{FORMATS[name]} \d+", result.stdout, re.M), result.stdout
+            assert ("total tokens / sample" in result.stdout) == bool(options)
+        else:
+            assert "sample 1 (" in result.stdout and ("[[" in result.stdout) == bool(options), result.stdout
