@@ -113,7 +113,8 @@ def convert_llava(json_path: Path = typer.Argument(..., metavar="JSON", help="th
 # -- looking at a dataset: `mimo data inspect`, `mimo data preview` ------------------------------------------------
 
 # The loop options that change what the provider's task encoder is (its settings from Hugging Face folders, packing)
-VIEW_LOOP_OPTIONS = ("pretrained", "pretrained_llm", "pretrained_vision", "pack_sequences", "packing_buffer_size")
+VIEW_LOOP_OPTIONS = ("pretrained", "pretrained_llm", "pretrained_vision", "pack_sequences", "packing_buffer_size",
+                     "pack_image_tokens")
 PROVIDER_NAMING = ("provider", "config", "provider_config")
 _FOLDER = " a run starts from: the provider settings it determines apply, as in mimo run"
 _VIEW_HELP = {"pretrained": "a Hugging Face folder" + _FOLDER,
@@ -180,6 +181,7 @@ def _inspect(ctx: typer.Context, dataset: Path, split: str = "train", seq_length
 
     from mimo.data.inspection import inspect_dataset
     from mimo.errors import UsageError
+    from mimo.plugins.context import packing_buffer_for
 
     from .common import fail
     from .console import prints_to_debug_log
@@ -189,8 +191,12 @@ def _inspect(ctx: typer.Context, dataset: Path, split: str = "train", seq_length
             raise UsageError(f"--limit {limit} must be 0 (all) or more")
         provider, encoder = _encoder(ctx, dataset, split, seq_length, kwargs)
         with prints_to_debug_log("energon"):
-            result = inspect_dataset(dataset, split, limit or None, encoder, provider,
-                                     buffer_size=kwargs.get("packing_buffer_size") or 64, command="mimo data inspect")
+            # the run's packing buffer, and its image budget where given (a run's default is the memory plan's)
+            if encoder is not None:
+                encoder.image_token_budget = kwargs.get("pack_image_tokens")
+            buffer = kwargs.get("packing_buffer_size") or (packing_buffer_for(encoder.seq_length) if encoder else 64)
+            result = inspect_dataset(dataset, split, limit or None, encoder, provider, buffer_size=buffer,
+                                     command="mimo data inspect")
     except UsageError as err:
         raise fail(str(err)) from None
     typer.echo(json.dumps(result.as_dict(), indent=1) if as_json else "\n".join(result.lines()))
