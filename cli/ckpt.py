@@ -116,10 +116,10 @@ def merge_lora(adapters: Path, out: Path,
 
     die_with_parent()
     try:
-        name = merger.merge_lora(adapters, out, pretrained)
+        name, base = merger.merge_lora(adapters, out, pretrained)
     except UsageError as err:
         raise fail(str(err)) from None
-    typer.echo(f"merged the adapters of {adapters} into their base (provider {name}): {out}")
+    typer.echo(f"merged the adapters of {adapters} into their base {base} (provider {name}): {out}")
 
 
 @ckpt_app.command("export-hf", cls=PlainFlagsCommand)
@@ -137,8 +137,10 @@ def export_hf(checkpoint: Path, out: Path,
     """Write the weights of a mimo checkpoint (CHECKPOINT: its save directory; any layout) as a Hugging Face
     model folder OUT that transformers loads (AutoModelForImageTextToText, AutoProcessor), with its tokenizer
     and processor files; with --adapter-only, a LoRA run's adapters as a PEFT adapter. Streaming, in one process:
-    no model is built."""
+    no model is built. A LoRA run's checkpoint without --adapter-only: its adapters merged into the base it
+    records first (as mimo ckpt merge-lora, into a temporary folder beside OUT), then the whole model."""
     from mimo.core.checkpoint import hf_export, peft_export
+    from mimo.core.run import merge_lora
     from mimo.core.run.lifeline import install as die_with_parent
 
     from .common import fail
@@ -147,6 +149,8 @@ def export_hf(checkpoint: Path, out: Path,
     try:
         if adapter_only:
             name, notes = peft_export.export_peft(checkpoint, out, assignments or [])
+        elif merge_lora.holds_adapters(checkpoint):
+            name, notes = merge_lora.export_merged(checkpoint, out, assignments or [], parse_size(max_shard_size))
         else:
             name, notes = hf_export.export_hf(checkpoint, out, assignments or [], parse_size(max_shard_size))
     except UsageError as err:

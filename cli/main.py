@@ -65,7 +65,9 @@ def _run(ctx: typer.Context, print_config: bool = False, **kwargs):
     from .checkpoint_config import config_for_run
 
     try:
-        config = config_for_run(kwargs, ctx)  # resuming: the checkpoint's provider and settings
+        config, taken = config_for_run(kwargs, ctx)  # resuming: the checkpoint's provider and settings
+        if taken and not print_config and launch.speaks_for_run(config.launch):
+            print("\n".join(taken), flush=True)
         if print_config:
             plan = prepare(config)
             typer.echo(run_file.dump(plan.config, plan.settings), nl=False)
