@@ -46,19 +46,32 @@ def inspect_checkpoint(directory: Path,
         "size_bytes": sum(p.stat().st_size for p in files), "files": len(files),
         "settings": common["run"]["settings"], "options": common["run"]["options"],
     }
+    if common["contents"].get("adapters"):
+        from .inspect_adapters import adapters_summary
+
+        summary["adapters"] = adapters_summary(target, common)
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))
         return
     console = Console()
+    adapters = summary.get("adapters")
     console.print(f"[bold]{target}[/bold]: iteration {summary['iteration']}, {summary['consumed_samples']} samples "
                   f"consumed, provider {summary['provider']}, {summary['files']} files, "
-                  f"{summary['size_bytes'] / 2**20:.1f} MiB, saved on {summary['world_size']} ranks")
-    table = Table("module", "ranks", "TP", "DP", "PP", "EP", "parameters")
+                  f"{summary['size_bytes'] / 2**20:.1f} MiB{' (LoRA adapters alone)' if adapters else ''}, saved on "
+                  f"{summary['world_size']} ranks")
+    counts = ("base parameters", "adapter parameters") if adapters else ("parameters",)
+    table = Table("module", "ranks", "TP", "DP", "PP", "EP", *counts)
     for name, par in summary["layout"].items():
         count = summary["parameters"].get(name)
+        extra = [f"{adapters['parameters'].get(name, 0):,}"] if adapters else []
         table.add_row(name, f"{par['first_rank']}-{par['first_rank'] + par['num_ranks'] - 1}", str(par["tp"]),
-                      str(par["dp"]), str(par["pp"]), str(par["ep"]), f"{count:,}" if count else "?")
+                      str(par["dp"]), str(par["pp"]), str(par["ep"]), f"{count:,}" if count else "?", *extra)
     console.print(table)
+    if adapters:
+        from .inspect_adapters import adapter_lines
+
+        for line in adapter_lines(adapters):
+            console.print(line, highlight=False)
     contents = summary["contents"]
     console.print(f"optimizer state: {'yes' if contents['optimizer'] else 'no'}"
                   f"{' (distributed, ' + contents['optimizer_sharding'] + ')' if contents.get('distributed_optimizer') else ''}"

@@ -15,7 +15,7 @@ from mimo.errors import TrainingStopped, UsageError
 from . import console
 from .common import fail, start_workers
 from .help import PlainFlagsGroup, WholeNamesCommand
-from .options import CONTEXT, loop_parameters, provider_parameters, run_config, with_options
+from .options import CONTEXT, loop_parameters, provider_parameters, with_options
 from . import generate
 from .ckpt import ckpt_app
 from .data import data_app
@@ -140,15 +140,17 @@ def _plan(ctx: typer.Context, as_json: bool = False, suggest: bool = False, gpus
     from mimo.core.memory import fit
     from mimo.core.run.plan import prepare
 
+    from .checkpoint_config import config_for_run
     from .plan import describe, print_plan, print_suggestions
 
     try:
+        config, _ = config_for_run(kwargs, ctx)  # as `mimo run` takes it: a resumed checkpoint's run and base
         if suggest or gpus is not None:
             if not (suggest and gpus):
                 raise UsageError("--suggest and --gpus N go together (N >= 1): list the layouts of N GPUs that fit")
-            print_suggestions(run_config(kwargs, ctx), gpus, as_json)
+            print_suggestions(config, gpus, as_json)
             return
-        plan = prepare(run_config(kwargs, ctx))
+        plan = prepare(config)
         estimates = fit.estimate_plan(plan)
         limit = fit.gpu_limit_gib(plan.config, planning=True)
         summary = describe(plan, estimates, limit)

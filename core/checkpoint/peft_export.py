@@ -139,6 +139,18 @@ def _hf_base(record: dict) -> tuple[str | None, str | None]:
     return str(path), None
 
 
+def shared_outer_note(options: AdapterOptions, targets: dict | None, expert_modules) -> str | None:
+    """The start-up line of a run whose checkpoints cannot be exported as PEFT adapters (shared-outer adapters on
+    routed experts: `expert_modules` are the modules with experts), told before it trains, not at export time."""
+    if options.lora_experts != "shared-outer":
+        return None
+    if not any({"experts", "all"} & set((targets or {}).get(m, ())) for m in expert_modules):
+        return None
+    return ("note: --lora-experts shared-outer: the routed experts' adapters have no PEFT form, so this run's "
+            "checkpoints export merged (mimo ckpt merge-lora, then mimo ckpt export-hf), not with --adapter-only; "
+            "--lora-experts shared or per-expert export as PEFT adapters")
+
+
 def refuse_shared_outer(keys, merge: str) -> None:
     """UsageError where the checkpoint's `keys` hold shared-outer expert adapters, which PEFT cannot represent."""
     outer = next((key for key in sorted(keys) if _OUTER in key), None)

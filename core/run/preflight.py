@@ -24,6 +24,7 @@ from mimo.data.check import check_dataset, foreign_notes
 from ..checkpoint import hf
 from ..checkpoint.foreign import foreign_directory
 from ..checkpoint.hf_export import export_note
+from ..checkpoint.peft_export import shared_outer_note
 from ..checkpoint.layout import remove_unfinished
 from ..checkpoint.resume import check_resume
 from ..checkpoint.save_lock import lock_save_directory
@@ -55,8 +56,10 @@ def for_run(config: RunConfig) -> Iterator[Plan]:
         removed = remove_unfinished(config.checkpoint.save)  # what killed saves left: never loaded, never kept
         if removed:
             print(removed, flush=True)
-    if speaks and config.checkpoint.save is not None and (note := export_note(plan.hooks, plan.settings)):
-        print(note, flush=True)  # before training, not after it: these settings decide
+    if speaks and config.checkpoint.save is not None:
+        for note in (export_note(plan.hooks, plan.settings), peft_note(plan)):
+            if note:
+                print(note, flush=True)  # before training, not after it: these settings decide
     yield plan
 
 
@@ -68,6 +71,14 @@ def for_eval(config: RunConfig, split: str) -> Iterator[Plan]:
     _check_datasets(plan.config)
     check_pretrained(plan)
     yield plan
+
+
+def peft_note(plan: Plan) -> str | None:
+    """The line saying a LoRA run's checkpoints cannot be exported as PEFT adapters (None: they can, or no LoRA)."""
+    if not plan.adapter_targets:
+        return None
+    experts = [name for name, shape in plan.shapes.items() if shape.num_experts]
+    return shared_outer_note(plan.config.adapters, plan.adapter_targets, experts)
 
 
 def check_pretrained(plan: Plan) -> None:

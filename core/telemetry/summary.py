@@ -28,6 +28,8 @@ def summary_lines(session, first_iteration: int, seconds: float) -> list[str]:
         losses.append(f"validation {_loss(last.lm_loss)} (iteration {last.iteration})")
     if losses:
         lines.append("  last lm loss: " + ", ".join(losses))
+    if getattr(session, "lora_summary", None):  # --lora-rank: what trained, on which base
+        lines.append(session.lora_summary)
     skipped = logger.records[-1].get("skipped_samples", 0) if logger.records else 0
     if skipped:
         lines.append(f"  data: {skipped} sample{'s' if skipped != 1 else ''} skipped as unreadable")
