@@ -229,3 +229,15 @@ def test_shared_outer_expert_adapters_say_at_start_up_that_they_export_only_merg
     # no routed experts adapted, or another layout: nothing to say
     assert peft_note(_plan(lora_experts="shared-outer", lora_targets="language:linear_qkv")) is None
     assert peft_note(_plan(lora_experts="per-expert")) is None
+
+
+def test_a_shared_outer_run_that_saves_says_so_before_it_trains(tmp_path, capsys):
+    from mimo.core.run import preflight
+
+    config = RunConfig(provider="nemotron-moe-vlm-tiny", training=TrainingOptions(device="cpu"),
+                       adapters=AdapterOptions(lora_rank=4, lora_experts="shared-outer"),
+                       checkpoint=CheckpointOptions(save=tmp_path / "ck"))
+    with preflight.for_run(config):
+        pass
+    assert "note: --lora-experts shared-outer: the routed experts' adapters have no PEFT form" in \
+        capsys.readouterr().out
