@@ -118,7 +118,8 @@ def import_hf(paths: list[Path] = typer.Argument(..., metavar="[HF_DIR] OUT", sh
 @ckpt_app.command("merge-lora", cls=PlainFlagsCommand)
 def merge_lora(adapters: Path, out: Path,
                pretrained: Path = typer.Option(None, help="the base the adapters were trained on (default: the one "
-                                                          "their checkpoint names; its checksum must match)")):
+                                                          "their checkpoint names; either must hold the same "
+                                                          "weights by their fingerprint)")):
     """Fold the LoRA adapters of a run's checkpoint (ADAPTERS: its save directory) into their base and write the
     whole model as a weights-only mimo checkpoint OUT (fp32 arithmetic, stored in the run's precision): train on
     with `mimo run --pretrained OUT`, export with `mimo ckpt export-hf OUT HF_DIR`. One process."""
