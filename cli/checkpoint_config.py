@@ -13,7 +13,9 @@ from mimo.core.checkpoint.foreign import foreign_directory
 from mimo.core.checkpoint.hf import is_hf_folder
 from mimo.core.checkpoint.layout import read_tracker
 from mimo.core.checkpoint.resume import require_checkpoint
-from mimo.core.checkpoint.saved_run import honour, refuse_changed_settings, report_lines, saved_run
+from mimo.core.checkpoint.saved_run import (
+    honour, recorded_base, refuse_changed_settings, report_lines, saved_run,
+)
 from mimo.core.config import RunConfig
 from mimo.errors import UsageError
 
@@ -40,25 +42,42 @@ def config_from_checkpoint(kwargs: dict, ctx, command: str) -> tuple[RunConfig, 
     if saved is None:
         refuse_packing_without_data(config, ctx)
         return config, None
-    given = given_on_command_line(ctx)
-    if config.config_file is not None:
-        file_values = run_file.read(config.config_file)
-        given |= {name for section in run_file.sections() for name in file_values.get(section, {})}
+    given = _given(config, ctx)
     honoured = honour(config, saved, given, command)
+    honoured, base = recorded_base(honoured, saved, given, command)
     refuse_packing_without_data(honoured, ctx)  # --data may be the checkpoint's run's
-    return honoured, lambda plan: report_lines(plan, saved, config, honoured, command)
+    return honoured, lambda plan: report_lines(plan, saved, config, honoured, command) + ([base] if base else [])
 
 
-def config_for_run(kwargs: dict, ctx) -> RunConfig:
-    """`mimo run`'s RunConfig; resuming a mimo checkpoint (`--load` holding one), with its provider and settings:
-    the run goes on as it was trained. Loop options stay the command line's (a resume may change them)."""
+def config_for_run(kwargs: dict, ctx) -> tuple[RunConfig, list[str]]:
+    """`mimo run`'s RunConfig, and the lines saying what it took from a checkpoint; resuming a mimo checkpoint
+    (`--load` holding one), with its provider and settings: the run goes on as it was trained. Loop options stay
+    the command line's (a resume may change them), but for a LoRA checkpoint's --lora-* options and its base,
+    which the checkpoint records."""
     load = kwargs.get("load")
     saved = saved_run(load) if load and Path(load).is_dir() and read_tracker(load) is not None else None
     if saved is not None and not kwargs.get("provider"):
         kwargs = {**kwargs, "provider": saved.provider}
     config = run_config(kwargs, ctx)
     if saved is None:
-        return config
-    honoured = honour(config, saved, set(), "run")
+        return config, []
+    given = _given(config, ctx)
+    honoured = honour(config, saved, given, "run")
     refuse_changed_settings(honoured, saved)
-    return honoured
+    honoured, base = recorded_base(honoured, saved, given, "run")
+    if saved.adapter_base is None:
+        return honoured, []
+    taken = [f"{name}={getattr(honoured.adapters, name)}" for name in ("lora_rank", "lora_alpha", "lora_experts",
+                                                                       "lora_targets")
+             if getattr(honoured.adapters, name) != getattr(config.adapters, name)]
+    lines = [f"mimo run: {', '.join(taken)} from {saved.source}"] if taken else []
+    return honoured, lines + ([base] if base else [])
+
+
+def _given(config: RunConfig, ctx) -> set[str]:
+    """The options the user typed or wrote in the --config file: they win over the checkpoint's."""
+    given = _given_on_command_line(ctx)
+    if config.config_file is not None:
+        file_values = run_file.read(config.config_file)
+        given |= {name for section in run_file.sections() for name in file_values.get(section, {})}
+    return given

@@ -49,20 +49,32 @@ def inspect_checkpoint(directory: Path,
         "settings": common["run"]["settings"], "options": common["run"]["options"],
         "series": common.get("series"), "save_directory": _save_directory(target.parent, common.get("series")),
     }
+    if common["contents"].get("adapters"):
+        from .inspect_adapters import adapters_summary
+
+        summary["adapters"] = adapters_summary(target, common)
     if as_json:
         typer.echo(json.dumps(summary, indent=2, default=str))
         return
     console = Console()
+    adapters = summary.get("adapters")
     console.print(f"[bold]{target}[/bold]: iteration {summary['iteration']}, "
                   f"{counted(summary['consumed_samples'], 'sample')} consumed, provider {summary['provider']}, "
-                  f"{counted(summary['files'], 'file')}, {summary['size_bytes'] / 2**20:.1f} MiB, saved on "
-                  f"{counted(summary['world_size'], 'rank')}")
-    table = Table("module", "ranks", "TP", "DP", "PP", "EP", "parameters")
+                  f"{counted(summary['files'], 'file')}, {summary['size_bytes'] / 2**20:.1f} MiB"
+                  f"{' (LoRA adapters alone)' if adapters else ''}, saved on {counted(summary['world_size'], 'rank')}")
+    counts = ("base parameters", "adapter parameters") if adapters else ("parameters",)
+    table = Table("module", "ranks", "TP", "DP", "PP", "EP", *counts)
     for name, par in summary["layout"].items():
         count = summary["parameters"].get(name)
+        extra = [f"{adapters['parameters'].get(name, 0):,}"] if adapters else []
         table.add_row(name, f"{par['first_rank']}-{par['first_rank'] + par['num_ranks'] - 1}", str(par["tp"]),
-                      str(par["dp"]), str(par["pp"]), str(par["ep"]), f"{count:,}" if count else "?")
+                      str(par["dp"]), str(par["pp"]), str(par["ep"]), f"{count:,}" if count else "?", *extra)
     console.print(table)
+    if adapters:
+        from .inspect_adapters import adapter_lines
+
+        for line in adapter_lines(adapters):
+            console.print(line, highlight=False)
     contents = summary["contents"]
     console.print(f"optimizer state: {'yes' if contents['optimizer'] else 'no'}"
                   f"{' (distributed, ' + contents['optimizer_sharding'] + ')' if contents.get('distributed_optimizer') else ''}"
@@ -128,7 +140,8 @@ def import_hf(paths: list[Path] = typer.Argument(..., metavar="[HF_DIR] OUT", sh
 @ckpt_app.command("merge-lora", cls=PlainFlagsCommand)
 def merge_lora(adapters: Path, out: Path,
                pretrained: Path = typer.Option(None, help="the base the adapters were trained on (default: the one "
-                                                          "their checkpoint names; its checksum must match)")):
+                                                          "their checkpoint names; either must hold the same "
+                                                          "weights by their fingerprint)")):
     """Fold the LoRA adapters of a run's checkpoint (ADAPTERS: its save directory) into their base and write the
     whole model as a weights-only mimo checkpoint OUT (fp32 arithmetic, stored in the run's precision): train on
     with `mimo run --pretrained OUT`, export with `mimo ckpt export-hf OUT HF_DIR`. One process."""
@@ -139,10 +152,10 @@ def merge_lora(adapters: Path, out: Path,
 
     die_with_parent()
     try:
-        name = merger.merge_lora(adapters, out, pretrained)
+        name, base = merger.merge_lora(adapters, out, pretrained)
     except UsageError as err:
         raise fail(str(err)) from None
-    typer.echo(f"merged the adapters of {adapters} into their base (provider {name}): {out}")
+    typer.echo(f"merged the adapters of {adapters} into their base {base} (provider {name}): {out}")
 
 
 @ckpt_app.command("export-hf", cls=PlainFlagsCommand)
@@ -160,8 +173,10 @@ def export_hf(checkpoint: Path, out: Path,
     """Write the weights of a mimo checkpoint (CHECKPOINT: its save directory; any layout) as a Hugging Face
     model folder OUT that transformers loads (AutoModelForImageTextToText, AutoProcessor), with its tokenizer
     and processor files; with --adapter-only, a LoRA run's adapters as a PEFT adapter. Streaming, in one process:
-    no model is built."""
+    no model is built. A LoRA run's checkpoint without --adapter-only: its adapters merged into the base it
+    records first (as mimo ckpt merge-lora, into a temporary folder beside OUT), then the whole model."""
     from mimo.core.checkpoint import hf_export, peft_export
+    from mimo.core.run import merge_lora
     from mimo.core.run.lifeline import install as die_with_parent
 
     from .common import fail
@@ -170,6 +185,8 @@ def export_hf(checkpoint: Path, out: Path,
     try:
         if adapter_only:
             name, notes = peft_export.export_peft(checkpoint, out, assignments or [])
+        elif merge_lora.holds_adapters(checkpoint):
+            name, notes = merge_lora.export_merged(checkpoint, out, assignments or [], parse_size(max_shard_size))
         else:
             name, notes = hf_export.export_hf(checkpoint, out, assignments or [], parse_size(max_shard_size))
     except UsageError as err:

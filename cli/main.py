@@ -15,7 +15,7 @@ from mimo.errors import TrainingStopped, UsageError
 from . import console
 from .common import fail, start_workers
 from .help import PlainFlagsGroup, WholeNamesCommand
-from .options import CONTEXT, given_on_command_line, loop_parameters, provider_parameters, run_config, with_options
+from .options import CONTEXT, given_on_command_line, loop_parameters, provider_parameters, with_options
 from . import generate
 from .ckpt import ckpt_app
 from .data import data_app
@@ -65,7 +65,9 @@ def _run(ctx: typer.Context, print_config: bool = False, **kwargs):
     from .checkpoint_config import config_for_run
 
     try:
-        config = config_for_run(kwargs, ctx)  # resuming: the checkpoint's provider and settings
+        config, taken = config_for_run(kwargs, ctx)  # resuming: the checkpoint's provider and settings
+        if taken and not print_config and launch.speaks_for_run(config.launch):
+            print("\n".join(taken), flush=True)
         if print_config:
             plan = prepare(config)
             typer.echo(run_file.dump(plan.config, plan.settings), nl=False)
@@ -142,16 +144,18 @@ def _plan(ctx: typer.Context, as_json: bool = False, suggest: bool = False, gpus
     from mimo.core.memory import fit
     from mimo.core.run.plan import prepare
 
+    from .checkpoint_config import config_for_run
     from .plan import describe, print_plan
     from .suggest import print_suggestions, typed_options
 
     try:
+        config, _ = config_for_run(kwargs, ctx)  # as `mimo run` takes it: a resumed checkpoint's run and base
         if suggest or gpus is not None:
             if not (suggest and gpus):
                 raise UsageError("--suggest and --gpus N go together (N >= 1): list the layouts of N GPUs that fit")
-            print_suggestions(run_config(kwargs, ctx), gpus, as_json, typed_options(ctx))
+            print_suggestions(config, gpus, as_json, typed_options(ctx))
             return
-        plan = prepare(run_config(kwargs, ctx), planning=True)
+        plan = prepare(config, planning=True)
         estimates = fit.estimate_plan(plan)
         limit = fit.gpu_limit_gib(plan.config, planning=True)
         summary = describe(plan, estimates, limit)

@@ -46,7 +46,43 @@ def describe(plan, estimates=None, limit=None) -> dict:
         "train_iters": plan.train_iters, "valid": True, "memory": summary(estimates, limit),
         "hf_export": _hf_export(plan), "forward_flops_per_sample": forward_flops(plan),
         "pack_image_tokens": plan.pack_image_tokens, "packs": pack_budget.describe(plan),
+        "adapters": _adapters(plan),
     }
+
+
+def _adapters(plan) -> dict | None:
+    """A LoRA plan's adapters: options and targets, at most how many parameters train (the memory plan's bound,
+    core/adapters/size.py) against the model's, the base, and whether checkpoints export as PEFT adapters."""
+    from mimo.core.memory.fit import adapter_bounds
+    from mimo.core.run.preflight import peft_note
+
+    if not plan.adapter_targets:
+        return None
+    a, c = plan.config.adapters, plan.config.checkpoint
+    bounds = adapter_bounds(plan)
+    counts = [shape.num_parameters for shape in plan.shapes.values()]
+    base = sum(counts) if counts and all(counts) else None
+    at_most = sum(bounds.values()) if bounds else None
+    folders = {f"--{n.replace('_', '-')}": str(getattr(c, n)) for n in ("pretrained", "pretrained_llm",
+                                                                          "pretrained_vision") if getattr(c, n)}
+    note = peft_note(plan)
+    return {"rank": a.lora_rank, "alpha": a.scale * a.lora_rank, "experts": a.lora_experts, "dropout": a.lora_dropout,
+            "targets": {m: list(names) for m, names in plan.adapter_targets.items()},
+            "parameters_at_most": bounds, "trainable_at_most": at_most,
+            "share_at_most": at_most / (base + at_most) if at_most and base else None,
+            "base": " ".join(f"{flag} {path}" for flag, path in folders.items()) or
+            f"the provider's initialization (--seed {plan.config.training.seed})",
+            "peft_export": note is None, "note": note}
+
+
+def _adapter_line(adapters: dict) -> str:
+    from mimo.core.run.lora_report import targets_text
+
+    trainable = (f"at most {adapters['trainable_at_most']:,} trainable parameters"
+                 + (f" ({100 * adapters['share_at_most']:.1f}% of the model)" if adapters["share_at_most"] else "")
+                 if adapters["trainable_at_most"] else "trainable parameters not estimated (no module_memory hook)")
+    return (f"LoRA adapters: rank {adapters['rank']}, alpha {adapters['alpha']:g}, experts {adapters['experts']} "
+            f"on {targets_text(adapters['targets'])}; {trainable}; base {adapters['base']}, frozen")
 
 
 def _hf_export(plan) -> dict | None:
@@ -76,6 +112,10 @@ def print_plan(summary: dict, as_json: bool) -> None:
     title = f"{summary['provider']}: {summary['layout']} layout on {counted(summary['world_size'], 'rank')}"
     console.print(fitted(["module", "ranks", "TP", "CP", "DP", "PP", "EP", "layers", "parameters", "per rank (≈)"],
                          rows, console.width, title))
+    if summary.get("adapters"):
+        console.print(_adapter_line(summary["adapters"]), highlight=False)
+        if summary["adapters"]["note"]:
+            console.print(summary["adapters"]["note"], highlight=False)
     if summary.get("memory"):
         console.print(memory_table(summary["memory"], console.width))
     elif "memory" in summary:

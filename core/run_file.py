@@ -129,6 +129,27 @@ def dump(config: RunConfig, settings) -> str:
     return yaml.safe_dump(effective(config, settings), sort_keys=False)
 
 
+def refuse_loop_settings(config: RunConfig, settings_cls: type) -> None:
+    """A loop option given as a provider setting (`--set lora_rank=4`, or in a --config file's `settings`
+    section) gets one line naming the option, not "unknown setting" with a setting's name guessed."""
+    settings = {f.name for f in dataclasses.fields(settings_cls)}
+    fields = {f.name: (name, f) for name, cls in sections().items() for f in dataclasses.fields(cls)}
+    for assignment in config.provider_settings:
+        key, sep, value = (part.strip() for part in assignment.partition("="))
+        if sep and key in fields and key not in settings:
+            flag = f"--{key.replace('_', '-')}"
+            if isinstance(fields[key][1].default, bool):
+                typed = flag if yaml.safe_load(value or "true") else f"--no-{flag[2:]}"
+            else:
+                typed = f"{flag} {value}" if value else flag
+            raise UsageError(f"--set {assignment}: '{key}' is a loop option, not a provider setting: pass {typed}")
+    if config.config_file is not None:
+        for key in config.provider_values:
+            if key in fields and key not in settings:
+                raise UsageError(f"--config {config.config_file}: '{key}' is a loop option, not a provider "
+                                 f"setting: move it from section '{SETTINGS}' to section '{fields[key][0]}'")
+
+
 def refuse_loop_options(path: Path, settings_cls: type) -> None:
     """A --provider-config file holds provider settings only: a loop option there gets one line saying where it
     goes (a closest-setting guess would mislead)."""

@@ -59,7 +59,7 @@ def model_shapes(sharded_state: dict) -> dict[str, tuple]:
         value = pending.pop()
         if isinstance(value, ShardedTensorFactory):
             built = value.build()
-            pending += list(nested_values(built)) if isinstance(built, dict) else [built]
+            pending += list(nested_values(built)) if isinstance(built, (dict, list)) else [built]
         elif isinstance(value, ShardedTensor):
             shapes[value.key] = tuple(value.global_shape)
     return shapes

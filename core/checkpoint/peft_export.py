@@ -34,7 +34,7 @@ from mimo.plugins.kit.safetensors_io import SINGLE_FILE, ShardWriter, is_hf_fold
 from mimo.plugins.kit.tensor_map import Stack, TensorMap, contributions, hf_shapes
 
 from ..config import AdapterOptions
-from . import atomic_dir, checksums
+from . import adapter_state, atomic_dir, checksums
 from .hf_export import Reader, open_export, saved_tensors
 from .peft_experts import expert_tensors
 
@@ -96,8 +96,7 @@ def export_peft(checkpoint: Path, out: Path, assignments: list[str] = (),
     parameters, weights = expert_tensors({t: pair for t, pair in placed.items() if not isinstance(t, str)})
 
     options = AdapterOptions(**run["options"]["adapters"])
-    base = common.get("adapters", {}).get("folders", {}).get("pretrained", {}).get("path")
-    base = base if base and is_hf_folder(base) else None
+    base, unverified = _hf_base(common.get("adapters") or {})
     config = {"peft_type": "LORA", "task_type": None, "base_model_name_or_path": base, "inference_mode": True,
               "r": options.lora_rank, "lora_alpha": options.scale * options.lora_rank,
               # PEFT runs no dropout on adapted parameters (experts) and refuses any: inference is the same
@@ -116,7 +115,7 @@ def export_peft(checkpoint: Path, out: Path, assignments: list[str] = (),
         (scratch / SINGLE_FILE).rename(scratch / ADAPTER_WEIGHTS)
         write_json(scratch / ADAPTER_CONFIG, config)
         readable_by_all(scratch)
-    notes = _derived_notes(tmap, adapters, export.loaded_modules)
+    notes = _derived_notes(tmap, adapters, export.loaded_modules) + ([unverified] if unverified else [])
     onto = base or "the Hugging Face export of the adapters' base (mimo ckpt export-hf BASE)"
     if parameters and options.lora_dropout:
         notes.append(f"lora_dropout is 0 in the adapter config (the run's {options.lora_dropout}): PEFT takes no "
@@ -125,6 +124,31 @@ def export_peft(checkpoint: Path, out: Path, assignments: list[str] = (),
     notes.append(f"{len(adapters)} adapters on {len(modules)} Hugging Face modules{experts}: load them with "
                  f"peft.PeftModel.from_pretrained(model, '{out}') on {onto}")
     return run["provider"], notes
+
+
+def _hf_base(record: dict) -> tuple[str | None, str | None]:
+    """(the Hugging Face folder the adapters were trained on, for the adapter config's base_model_name_or_path,
+    when it is still there with the same weights; else None, and the note saying why it is left out)."""
+    was = record.get("folders", {}).get("pretrained")
+    path = Path(was["path"]) if was else None
+    if path is None or (path.exists() and not is_hf_folder(path)):
+        return None, None  # a mimo checkpoint's adapters: their base is that checkpoint's export
+    change = adapter_state.changed(path, was)
+    if change is not None:
+        return None, f"base_model_name_or_path left empty: the folder the adapters were trained on, {path}, {change}"
+    return str(path), None
+
+
+def shared_outer_note(options: AdapterOptions, targets: dict | None, expert_modules) -> str | None:
+    """The start-up line of a run whose checkpoints cannot be exported as PEFT adapters (shared-outer adapters on
+    routed experts: `expert_modules` are the modules with experts), told before it trains, not at export time."""
+    if options.lora_experts != "shared-outer":
+        return None
+    if not any({"experts", "all"} & set((targets or {}).get(m, ())) for m in expert_modules):
+        return None
+    return ("note: --lora-experts shared-outer: the routed experts' adapters have no PEFT form, so this run's "
+            "checkpoints export merged (mimo ckpt merge-lora, then mimo ckpt export-hf), not with --adapter-only; "
+            "--lora-experts shared or per-expert export as PEFT adapters")
 
 
 def refuse_shared_outer(keys, merge: str) -> None:

@@ -26,6 +26,7 @@ from mimo.plugins import Registry
 from mimo.plugins.settings import SETTINGS_FILE_OPTION, build_settings, given_settings, settings_file_values
 
 from ..config import RunConfig
+from . import adapter_state
 from .hf import find_provider, is_hf_folder, plain_value, precision_of
 from .layout import RUN_FILE, iteration_dir, read_common, read_tracker
 
@@ -37,7 +38,7 @@ INHERITED = {
              "data": ("data", "num_workers", "pack_sequences", "packing_buffer_size"),
              "evaluation": ("eval_data", "eval_iters"), "adapters": _ADAPTERS},
     "generate": {"training": ("precision",), "adapters": _ADAPTERS},
-    "run": {},  # a resumed run: the saved settings only
+    "run": {"adapters": _ADAPTERS},  # a resumed run: the saved settings, and a LoRA run's adapters
 }
 _BATCH = ("micro_batch_size", "global_batch_size", "num_microbatches")  # taken together or not at all
 
@@ -49,6 +50,7 @@ class SavedRun:
     settings: dict  # every setting as saved (plain values)
     options: dict  # {section: {option: value}} of the run that saved it; {} for a Hugging Face folder
     llm_dp: int | None = None  # the LLM's data-parallel size then
+    adapter_base: dict | None = None  # a LoRA checkpoint's record of its base (adapter_state.base_record)
 
 
 def saved_run(path: Path | None, provider: str | None = None, registry: Registry | None = None) -> SavedRun | None:
@@ -62,12 +64,14 @@ def saved_run(path: Path | None, provider: str | None = None, registry: Registry
         directory = iteration_dir(path, iteration)
         if not (directory / "common.pt").is_file():
             return None
-        run = read_common(directory).get("run")
+        common = read_common(directory)
+        run = common.get("run")
         if not isinstance(run, dict) or "provider" not in run:
             return None  # a dist checkpoint that mimo did not write
         layout = (run.get("layout") or {}).get("language") or {}
+        record = common.get("adapters") if (common.get("contents") or {}).get("adapters") else None
         return SavedRun(str(directory), run["provider"], dict(run.get("settings") or {}),
-                        dict(run.get("options") or {}), layout.get("dp"))
+                        dict(run.get("options") or {}), layout.get("dp"), record)
     if is_hf_folder(path):
         from mimo.plugins.kit import safetensors_io
 
@@ -123,6 +127,25 @@ def honour(config: RunConfig, saved: SavedRun, given: set[str], command: str) ->
     # the saved settings take the place of a --config file's (checked equal above); errors name the checkpoint
     return dataclasses.replace(config, provider_values=dict(saved.settings), config_file=Path(saved.source),
                                **parts)
+
+
+def recorded_base(config: RunConfig, saved: SavedRun, given: set[str], command: str) -> tuple[RunConfig, str | None]:
+    """A LoRA checkpoint's base where the command line names none: the folders its record names, checked now (still
+    there, the same weights; one line otherwise), or the seed of the initialization the adapters were trained on.
+    Returns the config and the line saying which base (None: no adapters, or a base given, which the load checks
+    against the record)."""
+    record = saved.adapter_base
+    c = config.checkpoint
+    if record is None or any(getattr(c, name) is not None for name in adapter_state.BASE_OPTIONS):
+        return config, None
+    bases = adapter_state.recorded_base(record, Path(saved.source))
+    if bases:
+        config = dataclasses.replace(config, checkpoint=dataclasses.replace(c, **bases))
+    elif record.get("seed") is not None and (command == "generate" or "seed" not in given):
+        # generate's --seed is its sampling's: the model is built from the seed the adapters were trained on
+        config = dataclasses.replace(config, training=dataclasses.replace(config.training, seed=record["seed"]))
+    checked = ", unchanged since" if bases else ""
+    return config, f"mimo {command}: base {adapter_state.describe(record)}, recorded by {saved.source}{checked}"
 
 
 def refuse_changed_settings(config: RunConfig, saved: SavedRun) -> None:

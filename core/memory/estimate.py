@@ -211,7 +211,7 @@ def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int,
         optimizer = state * (dense / (par.dp * par.cp) + experts / par.expt_dp)
     else:
         optimizer = state * count
-    lora = _adapters(name, memory, options.adapters)
+    lora = adapter_count(name, memory, options.adapters)
     lora_state = state_bytes
     optimizer += lora_state * lora / (par.dp * par.cp if options.distributed_optimizer else 1)
     mode = options.recompute.get(name, "none")
@@ -261,7 +261,7 @@ def optimizer_bytes(options: Options) -> tuple[int, int]:
     return {"fp32": (12, 4), "bf16-moments": (6, 4), "bf16": (6, 2)}[options.optimizer_precision]
 
 
-def _adapters(name: str, memory: ModuleMemory, adapters: tuple) -> float:
+def adapter_count(name: str, memory: ModuleMemory, adapters: tuple) -> float:
     """The module's adapter parameters, at most (core/adapters/size.py), counted whole on each of its ranks."""
     if not adapters:
         return 0.0

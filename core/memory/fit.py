@@ -34,6 +34,16 @@ def estimate_plan(plan) -> list[RankEstimate] | None:
     return memory.estimate(described, plan.parallelism, memory.options_of(plan), rows)
 
 
+def adapter_bounds(plan) -> dict[str, int] | None:
+    """{module: at most how many adapter parameters it gets} of a LoRA plan, as the memory estimate counts them
+    from the provider's module_memory (core/adapters/size.py); None without adapters or without that hook."""
+    described = plan.hooks.module_memory(settings=plan.settings) if plan.adapter_targets else None
+    if described is None:
+        return None
+    adapters = memory.options_of(plan).adapters
+    return {name: round(memory.adapter_count(name, described[name], adapters)) for name in plan.parallelism}
+
+
 def encoder_rows(parallelism, micro_batch_size: int) -> dict[str, int]:
     """Samples per micro-batch each encoder's ranks read (their lanes, or their share of one)."""
     return {name: topology.data_positions(parallelism, par.first_rank, micro_batch_size)[1]

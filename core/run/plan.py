@@ -73,6 +73,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     hooks = registry.hooks(config.provider)
     if config.provider_config is not None:
         run_file.refuse_loop_options(config.provider_config, provider.settings)
+    run_file.refuse_loop_settings(config, provider.settings)  # before "unknown setting" guesses a setting
     settings = build_settings(provider, config.provider_settings, config.provider_config, config.provider_values,
                               config.config_file, base=hf_base_settings(config, provider, hooks))
     shapes = hooks.model_shape(settings=settings)

@@ -25,6 +25,7 @@ from mimo.data.splits import check_split
 from ..checkpoint import hf
 from ..checkpoint.foreign import foreign_directory
 from ..checkpoint.hf_export import export_note
+from ..checkpoint.peft_export import shared_outer_note
 from ..checkpoint.resume import check_resume
 from ..checkpoint.save_dir import remove_unfinished
 from ..checkpoint.save_lock import check_not_in_use, lock_save_directory
@@ -58,8 +59,10 @@ def for_run(config: RunConfig) -> Iterator[Plan]:
         lock_save_directory(config.checkpoint.save)  # held until this process exits
         for line in remove_unfinished(config.checkpoint.save):  # what killed saves left; complete ones stay
             print(line, flush=True)
-    if speaks and config.checkpoint.save is not None and (note := export_note(plan.hooks, plan.settings)):
-        print(note, flush=True)  # before training, not after it: these settings decide
+    if speaks and config.checkpoint.save is not None:
+        for note in (export_note(plan.hooks, plan.settings), peft_note(plan)):
+            if note:
+                print(note, flush=True)  # before training, not after it: these settings decide
     yield plan
 
 
@@ -71,6 +74,14 @@ def for_eval(config: RunConfig, split: str) -> Iterator[Plan]:
     _check_datasets(plan.config, split=split)
     check_pretrained(plan)
     yield plan
+
+
+def peft_note(plan: Plan) -> str | None:
+    """The line saying a LoRA run's checkpoints cannot be exported as PEFT adapters (None: they can, or no LoRA)."""
+    if not plan.adapter_targets:
+        return None
+    experts = [name for name, shape in plan.shapes.items() if shape.num_experts]
+    return shared_outer_note(plan.config.adapters, plan.adapter_targets, experts)
 
 
 def check_pretrained(plan: Plan) -> None:

@@ -17,6 +17,7 @@ from mimo.plugins import DataSource
 from mimo.plugins.data_source import as_data_source
 from mimo.wording import counted
 
+from ..checkpoint import adapter_state
 from ..checkpoint.checkpointer import Checkpointer
 from ..checkpoint.foreign import load_foreign
 from ..checkpoint.hf_load import hf_loader
@@ -31,7 +32,7 @@ from ..telemetry.profiler import StepProfiler
 from ..telemetry.skip_report import SkipReporter
 from ..telemetry.timers import StepTimers
 from ..telemetry.truncation import DataReport
-from . import signals
+from . import lora_report, signals
 from .compilation import FirstIterations
 from .cuda_graphs import LayerGraphs
 from .plan import Plan
@@ -64,6 +65,7 @@ class Session:
     signal_watch: signals.SignalWatch | None = None  # --exit-signal and SIGINT: stop at an iteration boundary
     compiles: FirstIterations | None = None  # Triton pins and the compile report around the first iterations
     memory: MemorySnapshot | None = None  # --memory-snapshot-dir: the allocator's history to one iteration
+    lora_summary: str | None = None  # --lora-rank: the summary's line on the adapters
 
     @property
     def device(self) -> torch.device:
@@ -104,6 +106,7 @@ def start(plan: Plan) -> Session:
     memory = MemorySnapshot(config.logging.memory_snapshot_dir, config.logging.memory_snapshot_iteration,
                             rank=dist.get_rank())
     model = world.build_model()
+    adapters = lora_report.adapter_counts(model) if config.adapters.enabled else None  # collective
     phases.done("the model")
     optimizer = build_optimizer(config.optimizer, model=model, params_dtype=params_dtype)
     phases.done("the optimizer")
@@ -114,6 +117,8 @@ def start(plan: Plan) -> Session:
     checkpointer, start_iteration, consumed, data_state, source = None, 0, 0, None, None
     if c.save or c.load or c.pretrained or c.pretrained_llm or c.pretrained_vision:
         info = run_info(plan, plan.settings, lane_data_state=False)  # known once the data is open, below
+        if adapters is not None:
+            info["adapters"] = lora_report.record(plan, adapters)  # for mimo ckpt inspect
         checkpointer = Checkpointer(
             c, model=model, topology=topo, run_info=info, optimizer=optimizer, scheduler=scheduler,
             # also called by load(), as the template of what it reads, before the data is open (source None)
@@ -122,6 +127,11 @@ def start(plan: Plan) -> Session:
             load_hf=hf_loader(plan, model))
         start_iteration, consumed, data_state = checkpointer.load()
         phases.done("loading")
+    base = None
+    if adapters is not None:  # the base as loaded (a resume's: the record it loaded), kept by the checkpoints
+        base = adapter_state.base_record(c, t.seed, checkpointer.adapter_base if checkpointer else None)
+        if checkpointer:
+            checkpointer.adapter_base = base
     # Index-addressed data continues from the samples already seen; a loader with its own state restores it.
     ahead = config.data.prefetch_microbatches
     if ahead and plan.step_encoders:  # the step takes all its micro-batches at once: make the next step's meanwhile
@@ -162,7 +172,9 @@ def start(plan: Plan) -> Session:
                            data_report=DataReport(share=config.data.truncation_warning, seq_length=seq_length,
                                                   longest_needed=lambda: source.longest_needed))
     if logging_rank:
-        print(describe_run(plan, count_parameters(model), device, t.precision), flush=True)
+        print(describe_run(plan, count_parameters(model), device, t.precision, adapters), flush=True)
+        if adapters is not None:
+            print(lora_report.details(plan, adapters, base), flush=True)
         if start_iteration:
             print(f"resumed from {c.load} at iteration {start_iteration} ({consumed} samples consumed)", flush=True)
         note = source.size_note()
@@ -185,13 +197,15 @@ def start(plan: Plan) -> Session:
                                speaks=logging_rank)
     return Session(plan, world, model, optimizer, scheduler, step, logger, profiler, checkpointer,
                    _chain(first_batch, reader), reader, skips, start_iteration, consumed, evaluations,
-                   compiles=compiles, memory=memory)
+                   compiles=compiles, memory=memory,
+                   lora_summary=lora_report.summary(plan, adapters, base) if adapters is not None else None)
 
 
-def describe_run(plan: Plan, held: dict[str, int], device: torch.device, precision: str) -> str:
+def describe_run(plan: Plan, held: dict[str, int], device: torch.device, precision: str,
+                 adapters: dict[str, int] | None = None) -> str:
     """The run's opening line: what runs where, with how many parameters (each module's whole count as the
     provider's model_shape gives it, whatever the layout; else this rank's shard of the modules it holds), at
-    which batch."""
+    which batch; with `adapters` (LoRA: their parameters per module), that only they train."""
     def count(name: str) -> str:
         total = plan.shapes[name].num_parameters
         if total is not None:
@@ -206,7 +220,7 @@ def describe_run(plan: Plan, held: dict[str, int], device: torch.device, precisi
     return (f"mimo run: provider {plan.config.provider} | {modules} | global batch {plan.global_batch_size} = "
             f"{counted(plan.num_microbatches, 'micro-batch')} x {plan.config.training.micro_batch_size} x "
             f"{counted(plan.num_lanes, 'lane')}{_encoder_pass(plan)} | {counted(plan.train_iters, 'iteration')} | "
-            f"{device.type} {precision}")
+            f"{device.type} {precision}" + (lora_report.header(plan, adapters) if adapters is not None else ""))
 
 
 def _encoder_pass(plan) -> str:

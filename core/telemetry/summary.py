@@ -32,6 +32,8 @@ def summary_lines(session, first_iteration: int, seconds: float) -> list[str]:
         losses.append(f"validation {_loss(last.lm_loss)} (iteration {last.iteration})")
     if losses:
         lines.append("  last lm loss: " + ", ".join(losses))
+    if getattr(session, "lora_summary", None):  # --lora-rank: what trained, on which base
+        lines.append(session.lora_summary)
     record = logger.records[-1] if logger.records else {}
     if record.get("skipped_samples"):  # by reason, as the iteration line's `skipped samples` part
         by = [f"{record[f'skipped_{key}']} {what}" for key, what in REASONS if record.get(f"skipped_{key}")]

@@ -5,6 +5,8 @@ evaluates as base + adapters."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -70,37 +72,62 @@ def test_expert_parallel_adapters_give_the_single_process_losses(tmp_path):
 
 
 def test_adapter_checkpoints_resume_exactly_and_merge(tmp_path):
+    """The run says it trains adapters (first lines, summary, inspect: rank, targets, trainable parameters as the
+    checkpoint holds them, the base); the checkpoint carries its base: a resume, eval and generate take the base
+    and the --lora-* options from it (checked, said in one line), and refuse in one line once the base is gone."""
     base, adapters, merged = tmp_path / "base", tmp_path / "adapters", tmp_path / "merged"
     result = run_mimo(*PLAIN, "--train-iters", "1", "--save", str(base))
     assert result.returncode == 0, result.stderr[-3000:]
     straight, _ = _losses(tmp_path, "straight", *MOCK, "--train-iters", "4", "--pretrained", str(base))
-    first, _ = _losses(tmp_path, "first", *MOCK, "--train-iters", "2", "--pretrained", str(base),
-                       "--save", str(adapters))
-    second, _ = _losses(tmp_path, "second", *MOCK, "--train-iters", "4", "--pretrained", str(base),
-                        "--load", str(adapters), "--save", str(adapters))
+    first, run = _losses(tmp_path, "first", *MOCK, "--train-iters", "2", "--pretrained", str(base),
+                         "--save", str(adapters))
+    # resumed with neither --pretrained nor --lora-rank: both from the checkpoint
+    second, resumed = _losses(tmp_path, "second", *PLAIN, "--lr", "1e-2", "--train-iters", "4",
+                              "--load", str(adapters), "--save", str(adapters))
     assert first + second == straight  # bit for bit
+    recorded = f"--pretrained {base.resolve()} (iteration 1)"
+    assert f"mimo run: lora_rank=4 from {adapters}/iter_0000002" in resumed.stdout
+    assert f"mimo run: base {recorded}, recorded by {adapters}/iter_0000002, unchanged since" in resumed.stdout
 
-    # adapters alone, a fraction of the whole model's checkpoint, naming the base by path and checksum
+    # adapters alone, a fraction of the whole model's checkpoint, naming the base by path and fingerprint
     def size(directory):
         return sum(p.stat().st_size for p in directory.glob("__*.distcp"))
 
     assert size(adapters / "iter_0000004") < size(base / "iter_0000001") / 4  # with Adam's moments both
     common = torch.load(adapters / "iter_0000004" / "common.pt", weights_only=False)
     folder = common["adapters"]["folders"]["pretrained"]
-    assert folder["path"] == str(base.resolve()) and len(folder["checksum"]) == 16
+    assert folder["path"] == str(base.resolve()) and len(folder["checksum"]) == 16 and folder["iteration"] == 1
     assert common["contents"]["adapters"] is True
 
-    # another base, or none, is refused in one line before anything trains
-    refused = run_mimo(*MOCK, "--train-iters", "5", "--load", str(adapters))
-    assert refused.returncode == 2 and "were trained on --pretrained" in refused.stderr
-    assert refused.stderr.strip().count("\n") == 0, refused.stderr
+    # what trains, said where the run starts and ends and by inspect: the adapter tensors the checkpoint holds
+    from mimo.plugins.kit.dist_checkpoint import saved_tensor_shapes
+
+    held = sum(torch.Size(shape).numel() for key, (shape, _) in saved_tensor_shapes(adapters / "iter_0000004").items()
+               if ".lora" in key and not key.startswith("mimo."))
+    total = sum(common["run"]["parameters"].values()) + held
+    trainable = f"{held:,} trainable params ({100 * held / total:.1f}% of {total:,})"
+    lines = run.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("mimo run: provider"))
+    assert lines[header].endswith(f" | LoRA rank 4, {trainable}")
+    assert lines[header + 1].startswith("LoRA adapters: rank 4, alpha 8 on language: linear_qkv, linear_proj, "
+                                        "linear_fc1, linear_fc2; images: ")
+    assert lines[header + 1].endswith(f"trainable params; base {recorded}, frozen")
+    assert f"  LoRA: rank 4 adapters, {trainable}, on base {recorded}; checkpoints hold the adapters alone" in lines
+    inspect = run_mimo("ckpt", "inspect", str(adapters), "--json")
+    found = json.loads(inspect.stdout)["adapters"]
+    assert sum(found["parameters"].values()) == found["trainable"] == held and found["rank"] == 4
+    assert found["base_status"].startswith("it is unchanged since")
+    text = run_mimo("ckpt", "inspect", str(adapters)).stdout
+    assert "adapter parameters" in text and f"{held:,} trainable parameters" in text
 
     result = run_mimo("ckpt", "merge-lora", str(adapters), str(merged))
     assert result.returncode == 0, result.stderr[-3000:]
+    assert f"into their base {recorded}, recorded by {adapters}/iter_0000004" in result.stdout
     evaluate = ("eval", "--device", "cpu", "--eval-iters", "2", "--micro-batch-size", "4", "--global-batch-size", "8")
-    with_adapters = run_mimo(*evaluate, "--load", str(adapters), "--pretrained", str(base))
+    with_adapters = run_mimo(*evaluate, "--load", str(adapters))  # its base from the record
     whole = run_mimo(*evaluate, "--load", str(merged))
     assert with_adapters.returncode == whole.returncode == 0, with_adapters.stderr[-2000:] + whole.stderr[-2000:]
+    assert f"mimo eval: base {recorded}, recorded by {adapters}/iter_0000004, unchanged since" in with_adapters.stdout
 
     def eval_loss(out):
         line = next(line for line in out.splitlines() if line.startswith("validation"))
@@ -109,10 +136,18 @@ def test_adapter_checkpoints_resume_exactly_and_merge(tmp_path):
     assert eval_loss(whole.stdout) == pytest.approx(eval_loss(with_adapters.stdout), rel=1e-6)
 
     generate = ("generate", "--device", "cpu", "--prompt", "a photo of", "--max-new-tokens", "6")
-    answers = [run_mimo(*generate, *where) for where in (("--load", str(adapters), "--pretrained", str(base)),
-                                                          ("--load", str(merged)))]
+    answers = [run_mimo(*generate, "--load", str(where)) for where in (adapters, merged)]
     assert all(a.returncode == 0 for a in answers), answers[0].stderr[-2000:] + answers[1].stderr[-2000:]
     assert answers[0].stdout.splitlines()[-1] == answers[1].stdout.splitlines()[-1]  # greedy: the same answer
+
+    # the base moved away: one line, before anything is built; given where it is now, it loads
+    base.rename(tmp_path / "moved")
+    refused = run_mimo(*generate, "--load", str(adapters))
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines()[-1] == (
+        f"error: the adapters in {adapters}/iter_0000004 were trained on --pretrained {base.resolve()}, which is no "
+        f"longer there: give --pretrained PATH holding those weights")
+    moved = run_mimo(*generate, "--load", str(adapters), "--pretrained", str(tmp_path / "moved"))
+    assert moved.returncode == 0 and moved.stdout.splitlines()[-1] == answers[0].stdout.splitlines()[-1]
 
 
 def test_adapters_reshard_from_tp1_to_tp2(tmp_path):

@@ -1,7 +1,7 @@
 """`mimo ckpt export-hf CK OUT --adapter-only` (docs/lora.md): adapters trained on the tiny omni folder, written as a
 PEFT adapter, loaded by peft onto that folder with transformers give the logits of mimo's merged model exported
 whole (merge-lora, then export-hf), routed experts' adapters included (PEFT's target_parameters); what cannot be
-exported is one line each."""
+exported is one line each; export-hf without --adapter-only merges the adapters into their recorded base first."""
 
 from __future__ import annotations
 
@@ -82,11 +82,21 @@ def test_a_peft_adapter_on_the_base_gives_the_merged_models_logits(tmp_path, omn
     config, saved = _logits_check(tmp_path, omni_folder, adapters, peft_dir)
     assert len(saved) == 2 * len(config["target_modules"]) == 2 * 29 and not config["target_parameters"]
 
-    # each checkpoint kind given to the other export: one line
+    # export-hf without --adapter-only: the adapters merged into the base their checkpoint records, then the whole
+    # model, in one command: merge-lora's and export-hf's tensors
+    import torch
+    from safetensors.torch import load_file
+
+    at_once = tmp_path / "at-once"
+    printed = _mimo("ckpt", "export-hf", str(adapters), str(at_once))
+    assert f"exported merged into their base --pretrained {omni_folder.resolve()}" in printed
+    tensors = [{k: v for f in sorted(d.glob("*.safetensors")) for k, v in load_file(f).items()}
+               for d in (at_once, tmp_path / "whole")]
+    assert tensors[0].keys() == tensors[1].keys() and all(torch.equal(tensors[0][k], tensors[1][k])
+                                                          for k in tensors[0])
+    assert not any(p.name.startswith(".at-once") for p in tmp_path.iterdir())  # the merged scratch is gone
+    # a whole model given to the adapters' export: one line
     merged = tmp_path / "merged"
-    assert _refused("ckpt", "export-hf", str(adapters), str(tmp_path / "x")) == (
-        f"error: {adapters}/iter_0000002 holds LoRA adapters only: export them as a PEFT adapter with "
-        f"--adapter-only, or the whole model after mimo ckpt merge-lora {adapters} MERGED")
     assert _refused("ckpt", "export-hf", str(merged), str(tmp_path / "x"), "--adapter-only").startswith(
         f"error: --adapter-only: {merged}/iter_0000000 holds a whole model, no LoRA adapters")
 

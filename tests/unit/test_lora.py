@@ -1,6 +1,8 @@
 """LoRA in one process (core/adapters/): the options and targets refused in one line; adapters on the layers named,
 every base weight frozen without a gradient buffer, only adapters in the optimizer and changed by it; the base
-untouched by training, bit for bit; merging gives the adapted model's logits (fp32)."""
+untouched by training, bit for bit; merging gives the adapted model's logits (fp32); the count a run reports is the
+model's; `mimo plan` names the adapters, their bound and the base, and says up front that shared-outer expert
+adapters export only merged."""
 
 from __future__ import annotations
 
@@ -179,3 +181,63 @@ def test_the_memory_plan_counts_frozen_weights_without_gradients_or_optimizer_st
         assert built[name] <= adapters <= 3 * built[name], name  # an upper bound of the right size
         assert module.parameters == full[name].parameters + 2 * adapters  # bf16 weights, the base's kept
         assert module.gradients == 4 * adapters and module.optimizer == 12 * adapters  # adapters' only
+
+
+@pytest.mark.parametrize("layout", ["shared", "shared-outer", "per-expert"])
+def test_the_runs_adapter_count_is_the_models(world, layout):
+    """What the run's first line and its checkpoints say train: every adapter parameter once, counted from the
+    tensors a checkpoint holds (Mamba's in_proj B saved in parts, experts' shared halves saved by their owner)."""
+    from mimo.core.run.lora_report import adapter_counts
+
+    _, model, _ = _build("nemotron-moe-vlm-tiny", lora_experts=layout)
+    counts = adapter_counts(model)
+    built = {name: sum(p.numel() for n, p in adapter_parameters(model) if n.startswith(prefix))
+             for name, prefix in (("language", "language_model."), ("images", "modality_submodules.images."))}
+    assert counts == built and all(built.values())
+
+
+def _plan(**adapters):
+    return prepare(RunConfig(provider="nemotron-moe-vlm-tiny", adapters=AdapterOptions(lora_rank=4, **adapters)),
+                   world_size=1)
+
+
+def test_the_plan_names_the_adapters_their_bound_and_the_base():
+    from mimo.cli.plan import _adapter_line, describe
+
+    adapters = describe(_plan())["adapters"]
+    assert adapters["rank"] == 4 and adapters["alpha"] == 8 and adapters["experts"] == "shared"
+    assert adapters["targets"]["language"] == ["linear_qkv", "linear_proj", "in_proj", "out_proj", "experts",
+                                               "shared_experts"]
+    # the memory plan's bound: the built model has 12,320 (tests/unit/test_lora.py checks the bound's size)
+    assert 12_320 <= adapters["trainable_at_most"] <= 3 * 12_320
+    assert 0 < adapters["share_at_most"] < 0.2 and adapters["peft_export"] and adapters["note"] is None
+    line = _adapter_line(adapters)
+    assert line.startswith("LoRA adapters: rank 4, alpha 8, experts shared on language: linear_qkv, linear_proj")
+    assert f"at most {adapters['trainable_at_most']:,} trainable parameters (" in line
+    assert line.endswith("base the provider's initialization (--seed 1234), frozen")
+    assert describe(prepare(RunConfig(provider="nemotron-moe-vlm-tiny"), world_size=1))["adapters"] is None
+
+
+def test_shared_outer_expert_adapters_say_at_start_up_that_they_export_only_merged():
+    from mimo.cli.plan import describe
+    from mimo.core.run.preflight import peft_note
+
+    note = peft_note(_plan(lora_experts="shared-outer"))
+    assert note.startswith("note: --lora-experts shared-outer: the routed experts' adapters have no PEFT form")
+    assert "mimo ckpt merge-lora" in note and "\n" not in note
+    assert describe(_plan(lora_experts="shared-outer"))["adapters"]["note"] == note
+    # no routed experts adapted, or another layout: nothing to say
+    assert peft_note(_plan(lora_experts="shared-outer", lora_targets="language:linear_qkv")) is None
+    assert peft_note(_plan(lora_experts="per-expert")) is None
+
+
+def test_a_shared_outer_run_that_saves_says_so_before_it_trains(tmp_path, capsys):
+    from mimo.core.run import preflight
+
+    config = RunConfig(provider="nemotron-moe-vlm-tiny", training=TrainingOptions(device="cpu"),
+                       adapters=AdapterOptions(lora_rank=4, lora_experts="shared-outer"),
+                       checkpoint=CheckpointOptions(save=tmp_path / "ck"))
+    with preflight.for_run(config):
+        pass
+    assert "note: --lora-experts shared-outer: the routed experts' adapters have no PEFT form" in \
+        capsys.readouterr().out

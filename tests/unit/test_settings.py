@@ -202,3 +202,31 @@ def test_a_provider_config_that_names_its_provider_stands_in_for_provider(tmp_pa
     assert result.exit_code == 0 and "Layout valid" in result.output, result.output
     result = CliRunner().invoke(app, ["plan", "--provider-config", str(unnamed), "--device", "cpu"])
     assert result.exit_code == 2 and "--provider NAME is needed" in result.output
+
+
+@pytest.mark.parametrize("assignment, message", [
+    ("lora_rank=4", "--set lora_rank=4: 'lora_rank' is a loop option, not a provider setting: pass --lora-rank 4"),
+    ("lr=0.1", "--set lr=0.1: 'lr' is a loop option, not a provider setting: pass --lr 0.1"),
+    ("overlap_grad_reduce=false", "pass --no-overlap-grad-reduce"),
+    ("overlap_grad_reduce=true", "pass --overlap-grad-reduce"),
+])
+def test_a_loop_option_given_as_a_setting_names_its_option(assignment, message):
+    from mimo.core.config import RunConfig
+    from mimo.core.run.plan import prepare
+
+    with pytest.raises(UsageError) as err:
+        prepare(RunConfig(provider="mock-vlm", provider_settings=[assignment]), world_size=1)
+    assert message in str(err.value) and "unknown setting" not in str(err.value)
+
+
+def test_a_loop_option_in_a_run_files_settings_names_its_section(tmp_path):
+    from mimo.core import run_file
+    from mimo.core.config import RunConfig
+    from mimo.core.run.plan import prepare
+
+    path = tmp_path / "run.yaml"
+    path.write_text("provider: mock-vlm\nsettings:\n  lora_rank: 4\n")
+    config = RunConfig(provider="mock-vlm", provider_values=run_file.read(path)["settings"], config_file=path)
+    with pytest.raises(UsageError, match="'lora_rank' is a loop option, not a provider setting: move it from "
+                                         "section 'settings' to section 'adapters'"):
+        prepare(config, world_size=1)
