@@ -76,7 +76,7 @@ def config_for_run(kwargs: dict, ctx) -> tuple[RunConfig, list[str]]:
 
 def _given(config: RunConfig, ctx) -> set[str]:
     """The options the user typed or wrote in the --config file: they win over the checkpoint's."""
-    given = _given_on_command_line(ctx)
+    given = given_on_command_line(ctx)
     if config.config_file is not None:
         file_values = run_file.read(config.config_file)
         given |= {name for section in run_file.sections() for name in file_values.get(section, {})}

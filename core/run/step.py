@@ -7,6 +7,7 @@ The forward and loss of a micro-batch and the schedule for the layout are core/f
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,7 @@ class StepResult:
     num_zeros: int | None = None
     moe_losses: dict[str, float] = field(default_factory=dict)  # each auxiliary loss, mean over MoE layers
     data: DataCounts | None = None  # what --data's loaders consumed so far, all lanes (None: synthetic data)
+    data_wait_s: float = 0.0  # this rank's host time waiting for its micro-batches (next()), this iteration
 
 
 class TrainStep:
@@ -144,6 +146,7 @@ class TrainStep:
         self._totals.zero_()
         from megatron.core.pipeline_parallel import schedules
 
+        data_iterator = waited = _Waited(data_iterator)
         if self.encoder_pass is not None:
             with self.timers.phase("data"):
                 batches = [next(data_iterator) for _ in range(self.num_microbatches)]
@@ -167,7 +170,7 @@ class TrainStep:
                           module_grad_norms=dict(self.optimizer.module_grad_norms),
                           skipped_samples=data.skipped if data is not None else 0,
                           loss_scale=self.optimizer.loss_scale, num_zeros=num_zeros, moe_losses=moe_losses,
-                          data=data)
+                          data=data, data_wait_s=waited.seconds)
 
 
 def _moe_losses() -> dict[str, float]:
@@ -189,3 +192,21 @@ def _gradient_tensors(module) -> list[torch.Tensor]:
     """The gradient buffers of a DDP-wrapped module: what megatron-core's `scale_gradients` scales."""
     buffers = module.buffers + module.expert_parallel_buffers
     return [t for b in buffers for t in (b.grad_data, *getattr(b, "extra_main_grads", ()))]
+
+
+class _Waited:
+    """The step's data iterator, timing the host's waits in next(): the most the GPU can have idled for data (the
+    host runs ahead of the GPU; a wait longer than its lead leaves the GPU idle). No synchronize: always on."""
+
+    def __init__(self, iterator):
+        self._iterator, self.seconds = iterator, 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        started = time.perf_counter()
+        try:
+            return next(self._iterator)
+        finally:
+            self.seconds += time.perf_counter() - started

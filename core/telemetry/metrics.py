@@ -58,6 +58,7 @@ class MetricsLogger:
 
     def _reset(self):
         self._loss_sum = self._tokens = self._iters = 0
+        self._data_wait = 0.0
         self._start = time.perf_counter()
 
     def exclude(self, seconds: float) -> None:
@@ -74,6 +75,7 @@ class MetricsLogger:
             self._loss_sum += result.lm_loss * result.num_tokens
             self._tokens += result.num_tokens
         self._iters += 1
+        self._data_wait += getattr(result, "data_wait_s", 0.0)
         if self.tensorboard:
             self._per_iteration_scalars(iteration, result, consumed_samples)
         if self.progress:
@@ -118,6 +120,9 @@ class MetricsLogger:
             **_alloc_retries(self.device),
             **{f"grad_norm_{name}": norm for name, norm in result.module_grad_norms.items()},
         }
+        # the host's waits for micro-batches (this rank's): an upper bound on the GPU's idle time for data
+        record["data_wait_ms"] = self._data_wait * 1000 / self._iters
+        record["data_wait_share"] = record["data_wait_ms"] / elapsed_ms if elapsed_ms else 0.0
         gc_seconds, gc_passes = self.gc_pauses.take()
         record["gc_ms"], record["gc_passes"] = gc_seconds * 1000 / self._iters, gc_passes  # per iteration, interval
         if self.flops_per_iteration:

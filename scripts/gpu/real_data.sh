@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Real-shaped data beside synthetic on one GPU (docs/benchmarks.md (h), docs/benchmarks/real_data_gpu.json): the
+# slice and mid, each synthetic then on the real-shaped dataset with the same options, in one call per case. From
+# the repository root:
+#   here, once:                                  bash scripts/gpu/real_data.sh prepare
+#   device call 1, carry [".whl-te"], 420 s:     bash scripts/gpu/real_data.sh install
+#   device call 2, carry [".whl"], 600 s:        bash scripts/gpu/real_data.sh run slice
+#   device call 3, carry [".whl"], 600 s:        bash scripts/gpu/real_data.sh run mid
+# (each call right after the one before: scripts/gpu/common.sh). The dataset is made on the machine (2000 records,
+# about 10 s on 16 cores). Results: $OUT/real_data.tgz; the summary table is the last output.
+# REAL_ITERATIONS (40) and REAL_WARMUP (10) override the defaults.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/common.sh"
+case "${1:-}" in
+  prepare) prepare ;;
+  install) install_te ;;
+  run)
+    use_wheels te
+    results=/tmp/mimo-gpu/real_data
+    mkdir -p "$results"
+    export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
+    versions "$results/versions.txt"
+    test -d /tmp/mimo-gpu/real/dataset || python3 bench/real_shaped_data.py --out /tmp/mimo-gpu/real --workers 8 \
+      2>&1 | tail -12
+    timeout -k 10 540 python3 bench/real_data.py --out "$results/${2:-slice}" --data /tmp/mimo-gpu/real/dataset \
+      --cases "${2:-slice}" --iterations "${REAL_ITERATIONS:-40}" --warmup "${REAL_WARMUP:-10}" --timeout 260 \
+      2>&1 | tee -a "$results/console.log"
+    tar czf "$OUT/real_data.tgz" --exclude='trace_*' -C /tmp/mimo-gpu real_data 2>/dev/null
+    ;;
+  *) echo "usage: real_data.sh prepare | install | run [slice|mid]"; exit 2 ;;
+esac
