@@ -1,6 +1,6 @@
 """One energon loader over consecutive lanes of the lane loader (`lane_loader.py`): its samples queued per worker,
 taken lane by lane in turn, and counted as they are consumed (samples trained, skipped by reason, cut by
-seq_length; see `skips.py`)."""
+seq_length, see `skips.py`; and the work they are: tokens, images, rows and forward FLOPs)."""
 
 from __future__ import annotations
 
@@ -59,8 +59,10 @@ class LaneStream:
     """One energon loader over consecutive lanes, `per_lane` workers each, its samples queued per worker."""
 
     def __init__(self, path: str, task_encoder, lanes: range, num_lanes: int, num_workers: int, seed: int,
-                 dataset_kwargs: dict):
+                 dataset_kwargs: dict, sample_flops=None):
+        """`sample_flops(tokens, image_patches)`: one sample's forward FLOPs (or None: not counted)."""
         k = len(lanes)
+        self.sample_flops = sample_flops
         self.path, self.lanes, self.num_workers = path, lanes, num_workers * k
         self.per_lane = max(num_workers, 1)
         self.rank = lanes.start // k
@@ -190,11 +192,34 @@ class LaneStream:
             raise DataError(shard_stop_line(self.path, whole))
         if len(sample.tokens if hasattr(sample, "tokens") else sample["tokens"]):
             self.in_a_row[lane] = 0
+            self._count_work(counts, sample)
             return True
         self.in_a_row[lane] += len(dropped)
         if self.in_a_row[lane] > MAX_SKIPS_IN_A_ROW:
             raise DataError(self._given_up(lane))
         return False
+
+    def _count_work(self, counts: DataCounts, sample) -> None:
+        """A trained row's work: its samples' tokens (not the row's padding), images and forward FLOPs."""
+        seqlens = list(getattr(sample, "seqlens", ()) or ())
+        images = list(getattr(sample, "images", ()) or ())
+        counts.rows += 1
+        counts.tokens += sum(seqlens)
+        counts.images += len(images)
+        if self.sample_flops is None or not seqlens:
+            return
+        per_sample = list(getattr(sample, "image_counts", ()) or ())
+        if len(per_sample) != len(seqlens) or sum(per_sample) != len(images):
+            per_sample = [len(images)] + [0] * (len(seqlens) - 1)  # not said: the first sample's
+        first = 0
+        for length, count in zip(seqlens, per_sample):
+            patches = [n for image in images[first:first + count] for n in getattr(image, "encoder_patches", ())]
+            first += count
+            flops = self.sample_flops(length, patches)
+            if flops is None:  # the run counts no FLOPs per sample
+                self.sample_flops = None
+                return
+            counts.flops += int(round(flops))
 
     def _given_up(self, lane: int) -> str:
         last = list(self.counted)[-MAX_SKIPS_IN_A_ROW:]
