@@ -26,7 +26,7 @@ from .deferred_errors import defer_load_errors
 from .skips import REASONS, SkippedSampleCounter, SkipRecord
 from .splits import hold_out_hint
 
-__all__ = ["DataError", "LaneStream", "MAX_SKIPS_IN_A_ROW", "StreamView"]
+__all__ = ["DataError", "LaneStream", "MAX_SKIPS_IN_A_ROW", "StreamView", "count_work"]
 
 _KEPT_RECORDS = 1000  # skip records a loader keeps for the loop to report; older ones are only counted
 MAX_SKIPS_IN_A_ROW = 100  # skipped samples in a row before the data is given up on (it would read forever)
@@ -192,34 +192,13 @@ class LaneStream:
             raise DataError(shard_stop_line(self.path, whole))
         if len(sample.tokens if hasattr(sample, "tokens") else sample["tokens"]):
             self.in_a_row[lane] = 0
-            self._count_work(counts, sample)
+            if not count_work(counts, sample, self.sample_flops):
+                self.sample_flops = None  # the run counts no FLOPs per sample
             return True
         self.in_a_row[lane] += len(dropped)
         if self.in_a_row[lane] > MAX_SKIPS_IN_A_ROW:
             raise DataError(self._given_up(lane))
         return False
-
-    def _count_work(self, counts: DataCounts, sample) -> None:
-        """A trained row's work: its samples' tokens (not the row's padding), images and forward FLOPs."""
-        seqlens = list(getattr(sample, "seqlens", ()) or ())
-        images = list(getattr(sample, "images", ()) or ())
-        counts.rows += 1
-        counts.tokens += sum(seqlens)
-        counts.images += len(images)
-        if self.sample_flops is None or not seqlens:
-            return
-        per_sample = list(getattr(sample, "image_counts", ()) or ())
-        if len(per_sample) != len(seqlens) or sum(per_sample) != len(images):
-            per_sample = [len(images)] + [0] * (len(seqlens) - 1)  # not said: the first sample's
-        first = 0
-        for length, count in zip(seqlens, per_sample):
-            patches = [n for image in images[first:first + count] for n in getattr(image, "encoder_patches", ())]
-            first += count
-            flops = self.sample_flops(length, patches)
-            if flops is None:  # the run counts no FLOPs per sample
-                self.sample_flops = None
-                return
-            counts.flops += int(round(flops))
 
     def _given_up(self, lane: int) -> str:
         last = list(self.counted)[-MAX_SKIPS_IN_A_ROW:]
@@ -287,3 +266,29 @@ class LaneStream:
         self.counts[lane] = DataCounts(**state["counts"])
         self.in_a_row[lane] = state.get("in_a_row", 0)
         return pickle.loads(state["energon"])
+
+
+def count_work(counts: DataCounts, sample, sample_flops) -> bool:
+    """Add a trained row's work to `counts`: its samples' tokens (not the row's padding), images, and forward FLOPs
+    by `sample_flops(tokens, image_patches)` per sample, each with its own images. False when `sample_flops`
+    counts none (it returned None): the row's FLOPs are then left out."""
+    seqlens = list(getattr(sample, "seqlens", ()) or ())
+    images = list(getattr(sample, "images", ()) or ())
+    counts.rows += 1
+    counts.tokens += sum(seqlens)
+    counts.images += len(images)
+    if sample_flops is None:
+        return False
+    per_sample = list(getattr(sample, "image_counts", ()) or ())
+    if len(per_sample) != len(seqlens) or sum(per_sample) != len(images):
+        per_sample = [len(images)] + [0] * (len(seqlens) - 1)  # not said: the first sample's
+    flops, first = 0.0, 0
+    for length, count in zip(seqlens, per_sample):
+        patches = [n for image in images[first:first + count] for n in getattr(image, "encoder_patches", ())]
+        first += count
+        one = sample_flops(length, patches)
+        if one is None:
+            return False
+        flops += one
+    counts.flops += int(round(flops))
+    return True
