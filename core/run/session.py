@@ -178,7 +178,8 @@ def start(plan: Plan) -> Session:
         if adapters is not None:
             print(lora_report.details(plan, adapters, base), flush=True)
         if start_iteration:
-            print(f"resumed from {c.load} at iteration {start_iteration} ({consumed} samples consumed)", flush=True)
+            seen = step.data_start.samples if step.data_start is not None else consumed  # samples, not packed rows
+            print(f"resumed from {c.load} at iteration {start_iteration} ({seen} samples consumed)", flush=True)
         note = source.size_note()
         if note:  # a dataset smaller than a micro-batch: say that samples repeat
             print(note, flush=True)

@@ -30,7 +30,8 @@ def loader_of(path, packed: bool):
     its DataContext), with no FLOP count of its own."""
     hooks, settings = mock_vlm()
     ctx = DataContext(micro_batch_size=MICRO_BATCH, num_microbatches=1, num_lanes=1, seed=SEED,
-                      data_path=str(path), num_workers=WORKERS, pack_sequences=packed, packing_buffer_size=BUFFER)
+                      data_path=str(path), num_workers=WORKERS, pack_sequences=packed, packing_buffer_size=BUFFER,
+                      pack_image_tokens=SEQ if packed else None)  # a CPU run's image budget: a whole row
     return hooks.data_provider(settings=settings, ctx=ctx), settings
 
 
