@@ -24,6 +24,8 @@ from pathlib import Path
 
 OOM = re.compile(r"out of memory|OutOfMemoryError", re.I)
 STEADY_KEYS = ("elapsed_ms", "tokens_per_sec_per_gpu", "tflops_per_gpu", "mfu", "peak_memory_gib")
+# what a record's tokens and FLOPs counted (docs/telemetry.md): the rows (synthetic data) or the --data samples'
+COUNTED_KEYS = ("tokens_counted", "flops_counted")
 
 
 @dataclass
@@ -99,13 +101,15 @@ def _worth_echoing(line: str) -> bool:
 
 
 def steady(records: list[dict], warmup_records: int = 1) -> dict:
-    """Means over the logged intervals after the first `warmup_records` (compilation, allocator, caches)."""
+    """Means over the logged intervals after the first `warmup_records` (compilation, allocator, caches), and what
+    their tokens and FLOPs counted."""
     kept = records[warmup_records:] or records[-1:]
     result = {}
     for key in STEADY_KEYS:
         values = [r[key] for r in kept if r.get(key) is not None]
         if values:
             result[key] = max(values) if key == "peak_memory_gib" else sum(values) / len(values)
+    result.update({key: kept[-1][key] for key in COUNTED_KEYS if kept and key in kept[-1]})
     return result
 
 

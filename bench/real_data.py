@@ -31,19 +31,20 @@ CASES = {
 }
 QUICK_CASES = {"tiny": ("nemotron-moe-vlm-tiny", {"backend": "local"}, 2, 2, [])}
 # metrics-file keys: the real-token figures, with --data; the synthetic run's tokens are all real
-FIGURES = {  # row key -> (metrics key, fallback key)
-    "ms_per_iter": ("elapsed_ms", None),
-    "real_tokens_per_s_per_gpu": ("real_tokens_per_sec_per_gpu", "tokens_per_sec_per_gpu"),
-    "tflops": ("tflops_per_gpu", None),
-    "samples_per_s": ("samples_per_sec", None),
-    "data_wait_share": ("data_wait_share", None),
-    "pack_fill": ("pack_fill", None),
+FIGURES = {  # row key -> metrics key (with --data, tokens and FLOPs are the samples' own, padding left out)
+    "ms_per_iter": "elapsed_ms",
+    "real_tokens_per_s_per_gpu": "tokens_per_sec_per_gpu",
+    "tflops": "tflops_per_gpu",
+    "samples_per_s": "samples_per_sec",
+    "data_wait_share": "data_wait_share",
+    "padding_share": "padding_share",
+    "samples_per_row": "samples_per_row",
 }
 COLUMNS = [
     ("case", "case", ""), ("status", "status", ""), ("first_iteration_s", "iteration 1 s", ".1f"),
     ("ms_per_iter", "ms/iter min-median-max", ""), ("real_tokens_per_s_per_gpu", "real tokens/s/GPU", ""),
     ("tflops", "TFLOP/s/GPU min-median-max", ""), ("mfu", "MFU", ".1%"), ("samples_per_s", "samples/s", ""),
-    ("pack_fill", "pack fill", ""), ("data_wait_share", "data wait", ""), ("peak_memory_gib", "peak GiB", ".1f"),
+    ("samples_per_row", "samples/row", ""), ("padding_share", "padding", ""), ("data_wait_share", "data wait", ""), ("peak_memory_gib", "peak GiB", ".1f"),
     ("plan_gib", "plan GiB", ".1f"),
 ]
 
@@ -87,11 +88,10 @@ def run_one(name: str, case, out: Path, device: str, iterations: int, warmup: in
     if run.records and run.records[0]["iteration"] == 1:
         row["first_iteration_s"] = run.records[0]["elapsed_ms"] / 1000
     kept = [r for r in run.records if r["iteration"] > warmup]
-    for key, (metric, fallback) in FIGURES.items():
-        figures = spread(kept, metric) or (spread(kept, fallback) if fallback else None)
-        if figures:
+    for key, metric in FIGURES.items():
+        if figures := spread(kept, metric):
             row[f"{key}_spread"] = figures
-            digits = ".0%" if "share" in key or "fill" in key else ".0f"
+            digits = ".0%" if "share" in key else ".1f" if key == "samples_per_row" else ".0f"
             row[key] = "-".join(format(figures[k], digits) for k in ("min", "median", "max"))
     if (mfu := spread(kept, "mfu")) is not None:
         row["mfu"] = mfu["median"]

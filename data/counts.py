@@ -1,6 +1,8 @@
 """What the data counted at consumption, per lane and summed over a run: samples trained, samples skipped (by
-reason), and what seq_length cut. The loop all-reduces these as one fixed-order vector with the step's totals
-(`core/run/step.py`), so every rank sees the run's figures at the same iteration."""
+reason), what seq_length cut, and the work the trained samples are (their tokens, images, rows and FLOPs). The
+loop all-reduces these as one fixed-order vector with the step's totals (`core/run/step.py`), so every rank sees
+the run's figures at the same iteration. A checkpoint's counts of a mimo that counted fewer fields load with the
+new ones at 0."""
 
 from __future__ import annotations
 
@@ -21,6 +23,10 @@ class DataCounts:
     cut_answer_tokens: int = 0  # of those, tokens the template trains (answers)
     answer_tokens: int = 0  # trained tokens of the trained samples before the cut
     data_error: int = 0  # lanes whose data failed (the loop stops, see lane_loader.py)
+    tokens: int = 0  # the trained samples' tokens (their lengths after the cut): what is not padding
+    images: int = 0  # the trained samples' images
+    rows: int = 0  # rows (packs, or single samples) trained: each takes a row of seq_length tokens
+    flops: int = 0  # forward FLOPs of the trained samples, every module (0: the data source counts none)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

@@ -193,6 +193,13 @@ class ProcessedImage:
     num_tokens: int  # placeholders this image takes in the token sequence
     size: tuple[int, int]  # (height, width) in pixels after resizing
 
+    @property
+    def encoder_patches(self) -> list[int]:
+        """The patches of each sequence the encoder makes of this image: one per tile (fixed tiles), else the
+        image's own grid; what its FLOPs follow (`sample_flops`)."""
+        tiles = self.pixels.shape[0] if self.pixels.ndim == 4 else 1
+        return [self.grid[0] * self.grid[1]] * tiles
+
 
 @dataclass(frozen=True)
 class FixedTiles:

@@ -21,9 +21,11 @@ them but not consumed, the turn, and the lane's counts: everything needed to con
 does not depend on how many lanes a loader serves, so one lane's state restores that lane on any rank that reads it.
 
 Counts. A sample that cannot be trained on travels the stream as a tombstone (`deferred_errors.py`, `skips.py`);
-the loader counts it, by reason, when it consumes it (or the pack that carries it), with the samples trained and
-what seq_length cut (`data_counts()`; what each skip was: `take_skip_records`). So the counts depend on the stream
-alone, not on read-ahead, and a restore neither loses nor repeats one. energon's own per-sample prints go to the
+the loader counts it, by reason, when it consumes it (or the pack that carries it), with the samples trained,
+what seq_length cut and the work trained: the samples' tokens (padding left out), images, rows and forward FLOPs
+(from each sample's length and images' patches, `sample_flops`) (`data_counts()`; what each skip was:
+`take_skip_records`). So the counts depend on the stream alone, not on read-ahead, and a restore neither loses nor
+repeats one. energon's own per-sample prints go to the
 debug log (`energon_prints.py`).
 
 Errors. A missing or empty dataset, or fewer samples than workers, is one `UsageError` line at start. A data error
@@ -81,6 +83,8 @@ class LaneLoader:
             then re-read from the start up to there, which gives the same position, only slower).
         shuffle_buffer_size, max_samples_per_sequence, packing_buffer_size, dataset_kwargs: for energon's
             `get_train_dataset`.
+        sample_flops: `(tokens, image_patches) -> forward FLOPs` of one sample (`DataContext.sample_flops`), or
+            None: the counts hold no FLOPs.
     """
 
     # DataSource's members kept as plain attributes (the class must define them to count as one)
@@ -91,7 +95,7 @@ class LaneLoader:
                  lanes: range | None = None, lane_part: tuple[int, int] = (0, 1), num_workers: int = 0,
                  seed: int = 0, start_sample: int = 0, shuffle_buffer_size: int | None = 100,
                  max_samples_per_sequence: int | None = 100, packing_buffer_size: int | None = None,
-                 read_ahead: int = 0, pin_memory: bool = False, **dataset_kwargs):
+                 read_ahead: int = 0, pin_memory: bool = False, sample_flops=None, **dataset_kwargs):
         path = Path(path)
         if not path.exists():
             raise UsageError(f"--data {path}: no such dataset directory or metadataset file")
@@ -112,8 +116,8 @@ class LaneLoader:
                       packing_buffer_size=packing_buffer_size, **dataset_kwargs)
         # With worker processes one loader serves all the lanes; in-process, one loader per lane.
         blocks = [lanes] if num_workers else [range(lane, lane + 1) for lane in lanes]
-        self._streams = [LaneStream(str(path), task_encoder, block, num_lanes, num_workers, seed, kwargs)
-                         for block in blocks]
+        self._streams = [LaneStream(str(path), task_encoder, block, num_lanes, num_workers, seed, kwargs,
+                                    sample_flops) for block in blocks]
         self._stream_of = {lane: s for s in self._streams for lane in s.lanes}
         self._state: dict | None = None
         self._started = self._closed = False
@@ -137,7 +141,8 @@ class LaneLoader:
         return cls(ctx.data_path, task_encoder, micro_batch_size=ctx.micro_batch_size, num_lanes=ctx.num_lanes,
                    lanes=ctx.lanes, lane_part=ctx.lane_part, num_workers=ctx.num_workers, seed=ctx.seed,
                    start_sample=ctx.start_sample, read_ahead=getattr(ctx, "read_ahead", 0),
-                   pin_memory=getattr(ctx, "pin_memory", False), **kwargs)
+                   pin_memory=getattr(ctx, "pin_memory", False), sample_flops=getattr(ctx, "sample_flops", None),
+                   **kwargs)
 
     # -- iteration ----------------------------------------------------------------------------------------------
 
@@ -246,7 +251,8 @@ class LaneLoader:
 
     def data_counts(self) -> DataCounts:
         """What this rank's lanes consumed so far, over the whole run: samples trained, skipped by reason, cut by
-        seq_length; `data_error` 1 once a data error stopped the reading."""
+        seq_length, the trained samples' tokens, images, rows and FLOPs; `data_error` 1 once a data error stopped
+        the reading."""
         if not self._started and self._state is not None:
             total = sum((DataCounts(**self._state["lanes"][lane]["counts"]) for lane in self.lanes), DataCounts())
         else:

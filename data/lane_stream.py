@@ -1,6 +1,6 @@
 """One energon loader over consecutive lanes of the lane loader (`lane_loader.py`): its samples queued per worker,
 taken lane by lane in turn, and counted as they are consumed (samples trained, skipped by reason, cut by
-seq_length; see `skips.py`)."""
+seq_length, see `skips.py`; and the work they are: tokens, images, rows and forward FLOPs)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from .deferred_errors import defer_load_errors
 from .skips import REASONS, SkippedSampleCounter, SkipRecord
 from .splits import hold_out_hint
 
-__all__ = ["DataError", "LaneStream", "MAX_SKIPS_IN_A_ROW", "StreamView"]
+__all__ = ["DataError", "LaneStream", "MAX_SKIPS_IN_A_ROW", "StreamView", "count_work"]
 
 _KEPT_RECORDS = 1000  # skip records a loader keeps for the loop to report; older ones are only counted
 MAX_SKIPS_IN_A_ROW = 100  # skipped samples in a row before the data is given up on (it would read forever)
@@ -59,8 +59,10 @@ class LaneStream:
     """One energon loader over consecutive lanes, `per_lane` workers each, its samples queued per worker."""
 
     def __init__(self, path: str, task_encoder, lanes: range, num_lanes: int, num_workers: int, seed: int,
-                 dataset_kwargs: dict):
+                 dataset_kwargs: dict, sample_flops=None):
+        """`sample_flops(tokens, image_patches)`: one sample's forward FLOPs (or None: not counted)."""
         k = len(lanes)
+        self.sample_flops = sample_flops
         self.path, self.lanes, self.num_workers = path, lanes, num_workers * k
         self.per_lane = max(num_workers, 1)
         self.rank = lanes.start // k
@@ -190,6 +192,8 @@ class LaneStream:
             raise DataError(shard_stop_line(self.path, whole))
         if len(sample.tokens if hasattr(sample, "tokens") else sample["tokens"]):
             self.in_a_row[lane] = 0
+            if not count_work(counts, sample, self.sample_flops):
+                self.sample_flops = None  # the run counts no FLOPs per sample
             return True
         self.in_a_row[lane] += len(dropped)
         if self.in_a_row[lane] > MAX_SKIPS_IN_A_ROW:
@@ -262,3 +266,29 @@ class LaneStream:
         self.counts[lane] = DataCounts(**state["counts"])
         self.in_a_row[lane] = state.get("in_a_row", 0)
         return pickle.loads(state["energon"])
+
+
+def count_work(counts: DataCounts, sample, sample_flops) -> bool:
+    """Add a trained row's work to `counts`: its samples' tokens (not the row's padding), images, and forward FLOPs
+    by `sample_flops(tokens, image_patches)` per sample, each with its own images. False when `sample_flops`
+    counts none (it returned None): the row's FLOPs are then left out."""
+    seqlens = list(getattr(sample, "seqlens", ()) or ())
+    images = list(getattr(sample, "images", ()) or ())
+    counts.rows += 1
+    counts.tokens += sum(seqlens)
+    counts.images += len(images)
+    if sample_flops is None:
+        return False
+    per_sample = list(getattr(sample, "image_counts", ()) or ())
+    if len(per_sample) != len(seqlens) or sum(per_sample) != len(images):
+        per_sample = [len(images)] + [0] * (len(seqlens) - 1)  # not said: the first sample's
+    flops, first = 0.0, 0
+    for length, count in zip(seqlens, per_sample):
+        patches = [n for image in images[first:first + count] for n in getattr(image, "encoder_patches", ())]
+        first += count
+        one = sample_flops(length, patches)
+        if one is None:
+            return False
+        flops += one
+    counts.flops += int(round(flops))
+    return True

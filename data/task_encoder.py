@@ -51,6 +51,8 @@ class EncodedSample(Sample):
     images: list
     #: lengths of the samples packed in this row (one entry when not packed; none in a tombstone)
     seqlens: list
+    #: how many of `images` each packed sample has, in `seqlens` order (what the loader's FLOPs count follows)
+    image_counts: list = dataclasses.field(default_factory=list)
     #: the skipped samples this item carries (a tombstone's own; in a pack, those that came before its samples)
     dropped: list = dataclasses.field(default_factory=list)
     #: what seq_length cut: all tokens, trained (answer) tokens; and the trained tokens before the cut
@@ -209,7 +211,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         """One sample's row, keeping the sample's key and restore key (an energon Sample or a raw dict)."""
         fields = dict(tokens=tokens, labels=labels, loss_mask=loss_mask,
                       position_ids=torch.arange(len(tokens), dtype=torch.long), images=images,
-                      seqlens=[len(tokens)])
+                      seqlens=[len(tokens)], image_counts=[len(images)])
         if isinstance(sample, Sample):
             return EncodedSample.derive_from(sample, **fields)
         return EncodedSample(__key__=sample.get("__key__", ""), __restore_key__=sample.get("__restore_key__", ()),
@@ -283,6 +285,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             position_ids=position_ids,
             images=[im for s in good for im in s.images],
             seqlens=[n for s in good for n in s.seqlens],
+            image_counts=[n for s in good for n in s.image_counts],
             **counts,
         )
 
@@ -350,7 +353,11 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         With a segment multiple above 1 (the LLM's CP split) the sequences are their places, padding included:
         transformer-engine's attention then splits real and padded boundaries alike (its split of a sequence
         whose real length is not a multiple of 2 x CP differs from the rows' split), and the padding, after its
-        sample's tokens, reaches none of them under causal attention and the causal scan."""
+        sample's tokens, reaches none of them under causal attention and the causal scan.
+
+        `tokens_per_sample` (the row length) lets megatron-core's MoE layers see the flattened batch as its rows
+        again, so the sequence-level auxiliary loss is each row's, as unpacked rows give it, not the whole
+        micro-batch's (the loop adapts it to a context-parallel rank's share: core/parallel/context_parallel.py)."""
         lengths, padded = [], []
         for sample in samples:
             seqlens = list(sample.seqlens) or [0]
@@ -370,5 +377,6 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             "max_seqlen_q": torch.tensor(max(padded), dtype=torch.int32),
             "max_seqlen_kv": torch.tensor(max(padded), dtype=torch.int32),
             "total_tokens": len(samples) * row,
+            "tokens_per_sample": row,
         }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -185,6 +186,9 @@ class DataContext:
     split: str = "train"
     # the loaders energon_loader opened: with data_path set, the loop refuses a provider that opened none
     opened_loaders: list = field(default_factory=list, repr=False, compare=False)
+    # `(tokens, image_patches) -> forward FLOPs` of one sample, all modules (the provider's `sample_flops`), or
+    # None: energon_loader's counts then hold no FLOPs. The loop sets it; a DataSource of its own may call it too
+    sample_flops: Callable[[int, list[int]], float | None] | None = field(default=None, repr=False, compare=False)
 
     @property
     def global_batch_size(self) -> int:

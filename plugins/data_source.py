@@ -6,7 +6,8 @@ default that does nothing; the loop calls every one of them, unconditionally, at
 name. A source overrides the ones it can do:
 
     resumable, state_dict, load_state_dict   exact resume from a checkpoint (saved per lane)
-    data_counts, take_skip_records           samples trained and skipped: the log, the skip guard, the skip lines
+    data_counts, take_skip_records           samples trained and skipped, the work trained: the log (throughput
+                                             without padding), the skip guard, the skip lines
     longest_needed, size_note                the truncation warning, the note on a dataset smaller than a batch
     hold_data_errors, data_error,            a data error mid-run: finish the iteration with empty micro-batches,
     mark_boundary                            then stop at its boundary and save the state kept there
@@ -81,8 +82,9 @@ class DataSource(metaclass=ABCMeta):
 
     def data_counts(self) -> DataCounts | None:
         """What this rank consumed over the run (`mimo.data.DataCounts`: samples trained, skipped by reason, cut
-        by seq_length), or None: counts nothing. Called after every iteration (the log, the skip guard) and after
-        every evaluation."""
+        by seq_length; the trained samples' tokens, images, rows and FLOPs), or None: counts nothing. Called once
+        before the first micro-batch (a resumed run's counts: its throughput counts from there), after every
+        iteration (the log, the skip guard) and after every evaluation."""
         return None
 
     def take_skip_records(self) -> list[SkipRecord]:

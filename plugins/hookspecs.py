@@ -104,6 +104,19 @@ def model_flops(settings):
 
 
 @hookspec(firstresult=True)
+def sample_flops(settings, tokens, image_patches):
+    """Return `{module name: forward FLOPs}` of ONE sample as `model_flops` counts them: `tokens` LLM tokens (its
+    length, image placeholders included; attention within the sample alone, as packed samples attend) and images
+    whose encoder sequences have `image_patches` patches each (a list, one entry per sequence: an image, or a tile
+    of one). A `--data` run sums it over the samples it trains, from each one's real length and images, for its
+    TFLOP/s and MFU (`model_flops` at the synthetic shape gives the same figure). The loop asks for a sample's parts
+    apart, its tokens (no images) and each image (no tokens), and adds them: as MimoModel runs a sample, each image
+    through its encoder alone and the LLM over the tokens, placeholders included. Optional: without it those figures
+    count `model_flops` per row of seq_length, padding included.
+    """
+
+
+@hookspec(firstresult=True)
 def module_memory(settings):
     """Return `{module name: mimo.plugins.ModuleMemory}` for every module of model_shape: each layer's parameters
     by how they split over the ranks and the activation bytes it keeps per token by recompute mode

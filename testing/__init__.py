@@ -12,7 +12,7 @@ from .contract import check_provider
 from .data_check import check_data, check_layout_independence, check_micro_batch
 from .data_path_check import check_data_path
 from .data_source_check import check_capabilities, check_data_source
-from .flops_check import check_flops
+from .flops_check import check_flops, check_sample_flops
 from .memory_check import check_module_memory
 from .moved import MOVED, moved_imports
 from .model_check import check_model_shape, check_specs
@@ -26,7 +26,7 @@ from .train_check import CPU_PARAMETER_LIMIT, check_build_and_train
 __all__ = [
     "CPU_PARAMETER_LIMIT", "MOVED", "ContractError", "ContractReport", "ModuleReport", "ProviderContract", "Subject",
     "builtin_provider_names", "check_build_and_train", "check_capabilities", "check_data", "check_data_path",
-    "check_data_source", "check_flops",
+    "check_data_source", "check_flops", "check_sample_flops",
     "check_layout_independence", "check_micro_batch", "check_model_shape", "check_module_memory", "check_provider",
     "check_registration",
     "check_settings_round_trip", "check_size_settings", "check_specs", "hookspec_signatures", "load_subject",

@@ -9,7 +9,7 @@ from mimo.plugins import Registry
 
 from .data_check import check_data
 from .data_path_check import check_data_path
-from .flops_check import check_flops
+from .flops_check import check_flops, check_sample_flops
 from .kernel_configs_check import check_kernel_configs
 from .lora_targets_check import check_lora_targets
 from .memory_check import check_module_memory
@@ -43,6 +43,8 @@ def check_provider(name: str, settings=(), *, registry: Registry | None = None, 
     note = check_data_path(subject, encoders, vocab_size(language))
     report.notes += [note] if note else []
     report.flops, note = check_flops(subject, shapes, report.seq_length)
+    report.notes += [note] if note else []
+    note = check_sample_flops(subject, report.flops, report.seq_length)
     report.notes += [note] if note else []
     note = check_module_memory(subject, shapes)
     report.notes += [note] if note else []

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .data_check import check_data
 from .data_path_check import check_data_path
-from .flops_check import check_flops
+from .flops_check import check_flops, check_sample_flops
 from .memory_check import check_module_memory
 from .model_check import check_model_shape, check_specs, module_reports, vocab_size
 from .report import ContractReport
@@ -87,6 +87,9 @@ class ProviderContract:
         if note:
             pytest.skip(note)
         print(f"{self.provider}: model_flops = {flops}")
+        note = check_sample_flops(self._subject(), flops, self._seq_length())
+        if note:
+            print(f"{self.provider}: {note}")
 
     def test_module_memory(self):
         import pytest

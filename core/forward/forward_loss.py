@@ -9,7 +9,7 @@ from functools import partial
 import torch
 from torch.profiler import record_function
 
-from ..parallel.context_parallel import check_row
+from ..parallel.context_parallel import check_row, local_rows
 from ..parallel.embedding_merge import placeholder_rows
 from ..telemetry.timers import StepTimers
 from .batch_transfer import to_device
@@ -43,6 +43,8 @@ class ForwardLoss:
         check_row(model, batch["input_ids"].shape[-1])
         with self._label("mimo/to-device"):
             model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
+            if "packing_kwargs" in model_inputs:
+                model_inputs["packing_kwargs"] = local_rows(model, model_inputs["packing_kwargs"])
             # where each encoder's placeholders are, found on the host: the merge then never waits for the GPU
             rows = placeholder_rows(batch["input_ids"], model.special_token_ids, self.device)
             model_inputs = to_device(model_inputs, self.device, torch.float32)

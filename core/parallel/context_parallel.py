@@ -73,3 +73,22 @@ def check_row(model, width: int) -> None:
         raise UsageError(f"a micro-batch row of {width} tokens does not split over context parallelism: rows must "
                          f"be a multiple of {multiple} (2 x --llm-cp, x TP under --sequence-parallel); pad the data "
                          f"to such a length")
+
+
+def local_rows(model, packing_kwargs: dict | None) -> dict | None:
+    """A packed batch's `packing_kwargs` with `tokens_per_sample` (the row length the task encoder gives) as the
+    tokens of a row this rank's MoE layers hold, which megatron-core divides their tokens by to restore the rows
+    (its sequence-level auxiliary loss is then each row's): a CP rank holds 1/CP of every row (transformer-engine
+    splits each of a row's segments); sequence parallelism cuts the flattened rows over TP, which no row length
+    describes, so there it is left out (the loss then spans the micro-batch's rows)."""
+    if not packing_kwargs or not packing_kwargs.get("tokens_per_sample"):
+        return packing_kwargs
+    cfg = getattr(getattr(model, "partition_adapter", None), "cfg", None)
+    if cfg is None:
+        return packing_kwargs
+    row = int(packing_kwargs["tokens_per_sample"])
+    if cfg.seq_parallel and cfg.tp_group is not None and cfg.tp_group.size() > 1:
+        row = None
+    elif cfg.use_cp:
+        row //= cfg.cp_group.size()
+    return {**packing_kwargs, "tokens_per_sample": row}

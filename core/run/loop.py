@@ -54,7 +54,7 @@ def advance(session: Session, iterations: int, first_iteration: int | None = Non
         s.logger.update(iteration, result, s.consumed)
         data_error = result.data is not None and result.data.data_error
         if s.evaluations and not data_error:  # after a data error the weights are those of the iteration before
-            s.evaluations.after_iteration(iteration, s.consumed)
+            s.evaluations.after_iteration(iteration, result.data.samples if result.data is not None else s.consumed)
         received = s.signal_watch.agreed(s.device) if s.signal_watch is not None else None
         stop = decide(s, result, received)
         if s.checkpointer and c.save:
@@ -104,7 +104,9 @@ def train(plan: Plan) -> list[dict]:
         garbage.start()
         try:
             if session.evaluations:
-                session.evaluations.at_start(session.iteration, session.consumed)
+                counted = session.step.data_start  # samples (not packed rows) where the data counts them
+                seen = counted.samples if counted is not None else session.consumed
+                session.evaluations.at_start(session.iteration, seen)
             advance(session, plan.train_iters - session.iteration, first_iteration, garbage)
         except BaseException:
             session.logger.close()

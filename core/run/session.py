@@ -147,6 +147,7 @@ def start(plan: Plan) -> Session:
             raise UsageError(f"the checkpoint in {c.load} holds a data loader's position (it was saved with "
                              f"--data): resume with the same --data, or pass --finetune")
         source.load_state_dict(data_state["loader"])
+    counted_before = source.data_counts()  # a resume's counts: this process's throughput counts from here
     first_batch = next(source)
     if data_ctx.data_path and not data_ctx.opened_loaders:  # never train on synthetic data in place of --data
         raise UsageError(f"--data {data_ctx.data_path}: provider '{config.provider}' does not read datasets (its "
@@ -158,7 +159,7 @@ def start(plan: Plan) -> Session:
                           micro_batch_size=t.micro_batch_size, num_microbatches=plan.num_microbatches)
               if config.performance.cuda_graphs else None)
     step = TrainStep(t, world=world, model=model, optimizer=optimizer, scheduler=scheduler, seq_length=seq_length,
-                     data_counts=source.data_counts, timers=timers,
+                     data_counts=source.data_counts, data_start=counted_before, timers=timers,
                      layer_graphs=graphs, step_encoders=plan.step_encoders)
 
     logging_rank = world.logging_rank  # lane 0 logs
@@ -170,13 +171,15 @@ def start(plan: Plan) -> Session:
                                                 if flops else None),
                            world_size=plan.world_size, device=device, timers=timers,
                            data_report=DataReport(share=config.data.truncation_warning, seq_length=seq_length,
-                                                  longest_needed=lambda: source.longest_needed))
+                                                  longest_needed=lambda: source.longest_needed),
+                           data_start=step.data_start)
     if logging_rank:
         print(describe_run(plan, count_parameters(model), device, t.precision, adapters), flush=True)
         if adapters is not None:
             print(lora_report.details(plan, adapters, base), flush=True)
         if start_iteration:
-            print(f"resumed from {c.load} at iteration {start_iteration} ({consumed} samples consumed)", flush=True)
+            seen = step.data_start.samples if step.data_start is not None else consumed  # samples, not packed rows
+            print(f"resumed from {c.load} at iteration {start_iteration} ({seen} samples consumed)", flush=True)
         note = source.size_note()
         if note:  # a dataset smaller than a micro-batch: say that samples repeat
             print(note, flush=True)

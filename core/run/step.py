@@ -51,10 +51,12 @@ class TrainStep:
     everything around it (when to step, log, evaluate and save)."""
 
     def __init__(self, options: TrainingOptions, *, world: World, model, optimizer, scheduler, seq_length: int,
-                 data_counts=lambda: None, timers: StepTimers | None = None, layer_graphs=None,
-                 step_encoders: bool = False):
+                 data_counts=lambda: None, data_start: DataCounts | None = None,
+                 timers: StepTimers | None = None, layer_graphs=None, step_encoders: bool = False):
         """`world`: this rank's joined world (its plan, device, grids); `seq_length`: the tokens of a row;
         `data_counts()`: what the data consumed so far (a DataCounts, None for data that counts nothing);
+        `data_start`: what it had consumed when this process began (a resume's), summed over the lanes into
+        `self.data_start` here (collective: every rank builds its step);
         `layer_graphs`: --cuda-graphs' LayerGraphs; `step_encoders`: the encoders run once per step
         (--encoder-pass, core/forward/encoder_pass.py)."""
         plan = world.plan
@@ -86,6 +88,18 @@ class TrainStep:
         optimizer.before_update = self._read_before_update
         self.encoder_pass = StepEncoderPass(model, hooks=hooks, settings=settings, device=device,
                                             params_dtype=params_dtype) if step_encoders else None
+        self.data_start = self._lanes_sum(data_start)
+
+    def _lanes_sum(self, counts: DataCounts | None) -> DataCounts | None:
+        """`counts` (this rank's lanes') summed over the run's lanes, each counted once as the step's totals are;
+        None for data that counts nothing. Collective."""
+        vector = torch.zeros(len(DataCounts.names()) + 1, dtype=torch.float64, device=self.device)
+        if counts is not None and self._token_source:
+            vector[:-1] = torch.tensor(counts.vector(), dtype=torch.float64)
+            vector[-1] = 1
+        dist.all_reduce(vector)
+        values = vector.tolist()
+        return DataCounts.from_vector(values[:-1]) if values[-1] else None
 
     @record_function("mimo/finalize-grads")
     def _finalize_grads(self, model_chunks, num_tokens, pg_collection=None, force_all_reduce=False):

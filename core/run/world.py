@@ -19,6 +19,7 @@ from mimo.wording import counted
 
 from ..parallel import context_parallel, topology
 from ..parallel.model import build_model, seed_tracker
+from ..telemetry.sample_flops import SampleFlops
 from . import compilation, launch
 from .cuda_graphs import train_on_capture_stream
 from .plan import Plan, gpu_only_options
@@ -59,7 +60,8 @@ class World:
                            num_workers=data.num_workers, pack_sequences=data.pack_sequences,
                            packing_buffer_size=data.packing_buffer_size, pack_image_tokens=plan.pack_image_tokens,
                            segment_multiple=context_parallel.shard_multiple(plan.parallelism[LANGUAGE],
-                                                                            plan.config.performance.sequence_parallel))
+                                                                            plan.config.performance.sequence_parallel),
+                           sample_flops=SampleFlops(plan.hooks, plan.settings))
 
     @property
     def logging_rank(self) -> bool:

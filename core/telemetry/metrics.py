@@ -1,5 +1,6 @@
 """What a run reports, once per log interval, from one rank: the log line (or a progress bar on a terminal),
-the metrics file, TensorBoard (Megatron's scalar names), and throughput as tokens/s, TFLOP/s and MFU per GPU."""
+the metrics file, TensorBoard (Megatron's scalar names), and throughput as tokens/s, TFLOP/s and MFU per GPU
+(throughput.py: from what the data counted, padding left out, where it counts)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 import torch
 
 from .gc_pauses import GcPauses
+from .throughput import Interval, throughput
 from .timers import format_timers
 from .truncation import DataReport, data_parts
 
@@ -35,9 +37,11 @@ def peak_tflops(device: torch.device, override: float | None) -> float | None:
 class MetricsLogger:
     def __init__(self, options, *, total_iters: int, enabled: bool, global_batch_size: int,
                  tokens_per_iteration: int, flops_per_iteration: float | None, world_size: int, device: torch.device,
-                 timers, data_report: DataReport | None = None):
-        """`options`: the run's LoggingOptions; `enabled`: this rank logs (one rank of the run); `data_report`:
-        what --data skipped and cut, per interval."""
+                 timers, data_report: DataReport | None = None, data_start=None):
+        """`options`: the run's LoggingOptions; `enabled`: this rank logs (one rank of the run);
+        `tokens_per_iteration`, `flops_per_iteration`: the global batch's rows x seq_length, and x `model_flops` x 3
+        (the figures of data that counts nothing); `data_report`: what --data skipped and cut, per interval;
+        `data_start`: what the data had counted when this process began (a DataCounts: a resume's), or None."""
         self.options, self.total_iters, self.enabled = options, total_iters, enabled
         self.global_batch_size = global_batch_size
         self.tokens_per_iteration, self.flops_per_iteration = tokens_per_iteration, flops_per_iteration
@@ -52,12 +56,15 @@ class MetricsLogger:
         self.skipped_total = self.nan_total = self.nan_in_a_row = 0
         self.nan_stop: str | None = None  # why the NaN limit stops the run (the loop saves, then stops)
         self.data_report = data_report or DataReport(share=1.0, seq_length=None)
-        self.trained_tokens, self.trained_seconds = 0, 0.0  # the whole run's, for its closing summary
+        # the whole run's, for its closing summary: tokens trained (padding left out where the data counts it),
+        # the rows' tokens (padding included) and the training time
+        self.trained_tokens, self.trained_row_tokens, self.trained_seconds = 0, 0, 0.0
+        self._data_before = data_start  # the data's counts at the last record
         self.gc_pauses = GcPauses()
         self._reset()
 
     def _reset(self):
-        self._loss_sum = self._tokens = self._iters = 0
+        self._loss_sum = self._tokens = self._iters = self._loss_tokens = 0
         self._data_wait = 0.0
         self._start = time.perf_counter()
 
@@ -65,8 +72,11 @@ class MetricsLogger:
         """Leave `seconds` (an evaluation) out of the interval's time, so throughput counts training alone."""
         self._start += seconds
 
-    def update(self, iteration: int, result, consumed_samples: int) -> dict | None:
-        """Account one iteration (on every rank: the NaN limit and the timers are collective)."""
+    def update(self, iteration: int, result, consumed_rows: int) -> dict | None:
+        """Account one iteration (on every rank: the NaN limit and the timers are collective). `consumed_rows`:
+        the rows (global batches x their size) trained so far; the samples are the data's count where it counts
+        them (packed rows hold several), else the rows."""
+        consumed_samples = result.data.samples if result.data is not None else consumed_rows
         finite = math.isfinite(result.lm_loss) and (result.grad_norm is None or math.isfinite(result.grad_norm))
         self.nan_in_a_row = 0 if finite else self.nan_in_a_row + 1
         self.nan_total += not finite
@@ -75,6 +85,7 @@ class MetricsLogger:
             self._loss_sum += result.lm_loss * result.num_tokens
             self._tokens += result.num_tokens
         self._iters += 1
+        self._loss_tokens += result.num_tokens
         self._data_wait += getattr(result, "data_wait_s", 0.0)
         if self.tensorboard:
             self._per_iteration_scalars(iteration, result, consumed_samples)
@@ -87,18 +98,27 @@ class MetricsLogger:
         if iteration % self.options.log_interval and iteration != self.total_iters and not self.nan_stop:
             return None
         timers = self.timers.collect(self._iters)
-        record = self._record(iteration, result, consumed_samples, timers)
+        record = self._record(iteration, result, consumed_samples, consumed_rows, timers)
         self._reset()
         self.records.append(record)
         if self.enabled:
             self._emit(record, timers)
         return record
 
-    def _record(self, iteration, result, consumed_samples, timers) -> dict:
+    def _record(self, iteration, result, consumed_samples, consumed_rows, timers) -> dict:
         elapsed_ms = (time.perf_counter() - self._start) * 1000 / self._iters
-        seconds = elapsed_ms / 1000
-        self.trained_tokens += self.tokens_per_iteration * self._iters
-        self.trained_seconds += seconds * self._iters
+        seconds = elapsed_ms / 1000 * self._iters
+        data = result.data
+        if data is not None:  # the interval's counts: since the last record, or since this process began
+            data, self._data_before = data - (self._data_before or type(data)()), data
+        rates, tokens, row_tokens = throughput(
+            Interval(seconds, self._iters, self._loss_tokens, data), world_size=self.world_size,
+            global_batch_size=self.global_batch_size, seq_length=self.tokens_per_iteration // self.global_batch_size,
+            flops_per_row=self.flops_per_iteration / 3 / self.global_batch_size if self.flops_per_iteration else None,
+            peak=self.peak)
+        self.trained_tokens += tokens
+        self.trained_row_tokens += row_tokens
+        self.trained_seconds += seconds
         record = {
             "split": "train",
             "iteration": iteration,
@@ -107,14 +127,14 @@ class MetricsLogger:
             "grad_norm": result.grad_norm,
             "loss_scale": result.loss_scale,
             "consumed_samples": consumed_samples,
+            **({"consumed_rows": consumed_rows} if data is not None else {}),
             "batch_size": self.global_batch_size,
             "elapsed_ms": elapsed_ms,
-            "tokens_per_sec": self.tokens_per_iteration / seconds,
-            "tokens_per_sec_per_gpu": self.tokens_per_iteration / seconds / self.world_size,
+            **rates,
             "skipped_iterations": self.skipped_total,
             "nan_iterations": self.nan_total,
             "skipped_samples": result.skipped_samples,
-            **self.data_report.fields(result.data, iteration),
+            **self.data_report.fields(result.data, data, iteration),
             "peak_memory_gib": _peak_memory_gib(self.device),
             **_peaks_per_rank(self.device),
             **_alloc_retries(self.device),
@@ -125,10 +145,6 @@ class MetricsLogger:
         record["data_wait_share"] = record["data_wait_ms"] / elapsed_ms if elapsed_ms else 0.0
         gc_seconds, gc_passes = self.gc_pauses.take()
         record["gc_ms"], record["gc_passes"] = gc_seconds * 1000 / self._iters, gc_passes  # per iteration, interval
-        if self.flops_per_iteration:
-            record["tflops_per_gpu"] = self.flops_per_iteration / seconds / self.world_size / 1e12
-            if self.peak:
-                record["mfu"] = record["tflops_per_gpu"] / self.peak
         if timers:
             record["timers_ms"] = timers
         return record
@@ -148,8 +164,7 @@ class MetricsLogger:
                 f.write(json.dumps(record) + "\n")
         if self.tensorboard:
             samples = record["consumed_samples"]
-            for key, name in (("tokens_per_sec", "throughput/tokens-per-sec"),
-                              ("tflops_per_gpu", "throughput/tflops-per-gpu"), ("mfu", "throughput/mfu")):
+            for key, name in _SCALARS:
                 if key in record:
                     self.tensorboard.add_scalar(name, record[key], record["iteration"])
                     self.tensorboard.add_scalar(f"{name} vs samples", record[key], samples)
@@ -182,6 +197,15 @@ class MetricsLogger:
             self.tensorboard.close()
 
 
+# (record key, TensorBoard name) of the interval's throughput figures, each also "vs samples"
+_SCALARS = (("tokens_per_sec", "throughput/tokens-per-sec"),
+            ("loss_tokens_per_sec_per_gpu", "throughput/loss-tokens-per-sec-per-gpu"),
+            ("row_tokens_per_sec_per_gpu", "throughput/row-tokens-per-sec-per-gpu"),
+            ("samples_per_sec", "throughput/samples-per-sec"), ("images_per_sec", "throughput/images-per-sec"),
+            ("padding_share", "throughput/padding-share"), ("samples_per_row", "throughput/samples-per-row"),
+            ("tflops_per_gpu", "throughput/tflops-per-gpu"), ("mfu", "throughput/mfu"))
+
+
 def format_line(r: dict, total_iters: int, per: str = "GPU") -> str:
     """One log line; `per` names what the per-device figures divide by: "GPU", or "rank" for CPU processes (whose
     TFLOP/s would only mislead, so they are left to the metrics file)."""
@@ -192,11 +216,15 @@ def format_line(r: dict, total_iters: int, per: str = "GPU") -> str:
         f"iteration {r['iteration']:>6}/{total_iters}", f"consumed samples {r['consumed_samples']:>8}",
         f"elapsed ms/iter {r['elapsed_ms']:8.1f}", f"tokens/s/{per} {r['tokens_per_sec_per_gpu']:9.0f}",
     ]
+    if "padding_share" in r:  # --data: the tokens above are the samples'; this share of the rows was padding
+        parts.append(f"padding {r['padding_share']:.0%}")
     if "tflops_per_gpu" in r and per == "GPU":
         parts.append(f"TFLOP/s/GPU {r['tflops_per_gpu']:.3g}" + (f" (MFU {r['mfu']:.1%})" if "mfu" in r else ""))
     parts += [f"lr {r['lr']:.3E}", f"lm loss {number(r['lm_loss'], '.6E')}", f"grad norm {number(r['grad_norm'], '.3f')}",
               f"loss scale {r['loss_scale']:g}", f"skipped iters {r['skipped_iterations']}",
               f"nan iters {r['nan_iterations']}"]  # iterations; the data's skipped samples are data_parts'
+    if r.get("data_wait_share", 0) >= 0.01:  # the training thread waited for its micro-batches
+        parts.append(f"data wait {r['data_wait_share']:.0%}")
     if r.get("gc_ms", 0) >= 1:  # the host stalled in Python's garbage collector (see --gc-interval)
         parts.append(f"gc {r['gc_ms']:.0f} ms/iter")
     if r["peak_memory_gib"] is not None:

@@ -21,6 +21,10 @@ def summary_lines(session, first_iteration: int, seconds: float) -> list[str]:
     trained = session.iteration - first_iteration
     speed = (f", {logger.trained_tokens / logger.trained_seconds:,.0f} tokens/s"
              if logger.trained_seconds > 0 else "")
+    by_data = logger.records and logger.records[-1].get("tokens_counted") == "non-padding"
+    if speed and by_data and logger.trained_row_tokens:  # --data: the samples' tokens, not the rows'
+        padding = 1 - logger.trained_tokens / logger.trained_row_tokens
+        speed += f" not counting padding ({padding:.0%} of the rows)"
     lines = [f"mimo run: finished {counted(trained, 'iteration')} ({first_iteration + 1} to {session.iteration} of "
              f"{plan.train_iters}) in {seconds:.1f} s{speed}"]
     losses = []

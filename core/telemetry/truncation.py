@@ -13,17 +13,14 @@ class DataReport:
     def __init__(self, *, share: float, seq_length: int | None, longest_needed=lambda: 0):
         """`share`: --truncation-warning; `longest_needed()`: the longest whole sample read (tokens)."""
         self.share, self.seq_length, self.longest_needed = share, seq_length, longest_needed
-        self._last = None  # the counts at the previous record
         self._since = 0  # the first iteration of the interval
         self._warned_at: int | None = None
 
-    def fields(self, data, iteration: int) -> dict:
-        """The record's data fields: counts over the run, and what the interval since the last record cut."""
+    def fields(self, data, interval, iteration: int) -> dict:
+        """The record's data fields: `data`, the counts over the run, and what `interval` (the counts since the
+        last record, or since this process began) cut."""
         if data is None:
             return {}
-        before = self._last
-        self._last = data
-        interval = data - before if before is not None else data
         self._since, first = iteration + 1, self._since or 1
         return {"samples": data.samples, "skipped_samples": data.skipped, "skipped_unreadable": data.unreadable,
                 "skipped_unsupported": data.unsupported, "skipped_too_long": data.too_long,

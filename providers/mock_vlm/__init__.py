@@ -78,6 +78,13 @@ def model_flops(settings: MockVLMSettings):
 
 
 @hookimpl
+def sample_flops(settings: MockVLMSettings, tokens: int, image_patches: list[int]):
+    from .model import sample_flops as flops_of
+
+    return flops_of(settings, tokens, image_patches)
+
+
+@hookimpl
 def concat_encoder_inputs(settings, modality, inputs):
     from mimo.plugins.data import FixedTiles
 

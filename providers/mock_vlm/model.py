@@ -167,16 +167,35 @@ def parameter_counts(settings) -> dict[str, int]:
     return {IMAGES: vit + proj, LANGUAGE: llm}
 
 
-def forward_flops(settings) -> dict[str, float]:
-    """Forward matmul FLOPs per sample (2 per multiply-add), images weighted by how often a sample has them."""
-    def transformer(tokens, h, ffn, layers):  # qkv + projection, MLP, attention scores and context
-        return layers * (2 * tokens * (4 * h * h + 2 * h * ffn) + 4 * tokens * tokens * h)
+def _transformer(tokens, h, ffn, layers):
+    """Forward FLOPs of `layers` transformer layers over one sequence: qkv + projection, MLP, attention scores and
+    context."""
+    return layers * (2 * tokens * (4 * h * h + 2 * h * ffn) + 4 * tokens * tokens * h)
 
-    vh, h, patches = settings.vision_hidden_size, settings.hidden_size, settings.image_tokens
-    vit = 2 * patches * 3 * settings.patch_size**2 * vh + transformer(
+
+def image_flops(settings, patches: int):
+    """One image through the ViT (`patches` patches: one sequence) and the projection."""
+    vh, h = settings.vision_hidden_size, settings.hidden_size
+    vit = 2 * patches * 3 * settings.patch_size**2 * vh + _transformer(
         patches, vh, _ffn(settings, vh), settings.vision_layers)
     projection = 2 * patches * (vh * h + (h * h if settings.projection == "mlp" else 0))
-    s = settings.seq_length
-    llm = transformer(s, h, _ffn(settings, h), settings.num_layers) + 2 * s * h * settings.vocab_size
+    return vit + projection
+
+
+def language_flops(settings, tokens: int):
+    """One sequence of `tokens` through the GPT and its output layer."""
+    h = settings.hidden_size
+    return _transformer(tokens, h, _ffn(settings, h), settings.num_layers) + 2 * tokens * h * settings.vocab_size
+
+
+def forward_flops(settings) -> dict[str, float]:
+    """Forward matmul FLOPs per sample (2 per multiply-add), images weighted by how often a sample has them."""
     images = settings.image_probability * settings.images_per_sample
-    return {IMAGES: images * (vit + projection), LANGUAGE: float(llm)}
+    return {IMAGES: images * image_flops(settings, settings.image_tokens),
+            LANGUAGE: float(language_flops(settings, settings.seq_length))}
+
+
+def sample_flops(settings, tokens: int, image_patches) -> dict[str, float]:
+    """One sample of `tokens` tokens (attention within it) with images of `image_patches` patches each."""
+    return {IMAGES: float(sum(image_flops(settings, p) for p in image_patches)),
+            LANGUAGE: float(language_flops(settings, tokens))}

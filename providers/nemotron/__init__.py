@@ -151,6 +151,13 @@ def model_flops(settings: NemotronVLMSettings):
 
 
 @hookimpl
+def sample_flops(settings: NemotronVLMSettings, tokens: int, image_patches: list[int]):
+    from .flops import sample_flops as flops_of
+
+    return flops_of(settings, tokens, image_patches)
+
+
+@hookimpl
 def kernel_configs(settings: NemotronVLMSettings):
     """The family's autotuned Triton kernels and the choices recorded for them on the GPUs in kernel_configs/ (one
     JSON per GPU)."""

@@ -67,6 +67,7 @@ def test_te_path_benchmark_writes_the_record_fields(tmp_path):
                   "tflops_per_gpu", "peak_mem_gib"):
         assert record[field] is not None, field
     assert "mfu" in record and record["mfu"] is None  # a CPU has no peak FLOP/s to divide by
+    assert (record["tokens_counted"], record["flops_counted"]) == ("rows", "rows")  # synthetic: no padding
     assert (record["backend"], record["precision"], record["provider"]) == ("local", "bf16", "mock-vlm")
     assert "--recompute selective" in record["command"] and record["ms_per_iter"] > 0
     # the first iteration apart, the steady ones as min/median/max

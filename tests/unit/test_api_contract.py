@@ -260,6 +260,26 @@ def test_flops_are_checked_only_when_mimo_has_the_hook(monkeypatch):
     assert "FLOPs not reported: no implementation of 'model_flops' returned a value" in static_check(plugin()).notes
 
 
+def test_sample_flops_must_name_model_flops_modules_and_add_up_by_part():
+    from mimo.providers.mock_vlm.model import sample_flops as mock_sample_flops
+
+    def with_sample_flops(function):
+        module = plugin()
+        module.model_flops, module.sample_flops = mock_vlm.model_flops, mimo.hookimpl(function)
+        return module
+
+    assert "sample_flops" in static_check(with_sample_flops(
+        lambda settings, tokens, image_patches: mock_sample_flops(settings, tokens, image_patches))).hooks_called
+    assert failure(with_sample_flops(lambda settings, tokens, image_patches: {"language": float(tokens)})) == (
+        "sample_flops: names modules ['language'], model_flops ['images', 'language']")
+    # an image that costs more beside tokens than alone: the loop's sum of the parts would miss it
+    assert failure(with_sample_flops(lambda settings, tokens, image_patches: {
+        "language": float(tokens) * (1 + len(image_patches)), "images": float(sum(image_patches))})).startswith(
+        "sample_flops: a sample's FLOPs must be its tokens' and its images' apart (the loop adds them up)")
+    assert "sample FLOPs not reported: no implementation of 'sample_flops' returned a value" in \
+        static_check(plugin()).notes
+
+
 # -- a rule only the built model can check, through the worker as a provider's tests run it
 
 MISCOUNT = """
