@@ -6,6 +6,8 @@
 #   device call 1, carry [".whl-te"], 420 s:     bash scripts/gpu/real_data.sh install
 #   device call 2, carry [".whl"], 600 s:        bash scripts/gpu/real_data.sh run slice
 #   device call 3, carry [".whl"], 600 s:        bash scripts/gpu/real_data.sh run mid
+#   or, on a fresh machine after call 1:         bash scripts/gpu/real_data.sh first   (the slice's first iteration
+#                                                on the real-shaped data alone, 3 iterations, empty kernel cache)
 # (each call right after the one before: scripts/gpu/common.sh). The dataset is made on the machine (2000 records,
 # about 10 s on 16 cores). Results: $OUT/real_data.tgz; the summary table is the last output.
 # REAL_ITERATIONS (40) and REAL_WARMUP (10) override the defaults.
@@ -15,7 +17,7 @@ source "$(dirname "$0")/common.sh"
 case "${1:-}" in
   prepare) prepare ;;
   install) install_te ;;
-  run)
+  run|first)
     use_wheels te
     results=/tmp/mimo-gpu/real_data
     mkdir -p "$results"
@@ -23,10 +25,16 @@ case "${1:-}" in
     versions "$results/versions.txt"
     test -d /tmp/mimo-gpu/real/dataset || python3 bench/real_shaped_data.py --out /tmp/mimo-gpu/real --workers 8 \
       2>&1 | tail -12
-    timeout -k 10 540 python3 bench/real_data.py --out "$results/${2:-slice}" --data /tmp/mimo-gpu/real/dataset \
-      --cases "${2:-slice}" --iterations "${REAL_ITERATIONS:-40}" --warmup "${REAL_WARMUP:-10}" --timeout 260 \
-      2>&1 | tee -a "$results/console.log"
+    if [ "$1" = first ]; then
+      timeout -k 10 300 python3 bench/real_data.py --out "$results/first" --data /tmp/mimo-gpu/real/dataset \
+        --cases slice --only real --iterations 3 --warmup 0 --timeout 280 2>&1 | tee -a "$results/console.log"
+    else
+      timeout -k 10 540 python3 bench/real_data.py --out "$results/${2:-slice}" --data /tmp/mimo-gpu/real/dataset \
+        --cases "${2:-slice}" --iterations "${REAL_ITERATIONS:-40}" --warmup "${REAL_WARMUP:-10}" --timeout 260 \
+        2>&1 | tee -a "$results/console.log"
+    fi
+    cp /tmp/mimo-gpu/kernel-cache/kernel_configs.json "$results/" 2>/dev/null  # the choices autotuned here
     tar czf "$OUT/real_data.tgz" --exclude='trace_*' -C /tmp/mimo-gpu real_data 2>/dev/null
     ;;
-  *) echo "usage: real_data.sh prepare | install | run [slice|mid]"; exit 2 ;;
+  *) echo "usage: real_data.sh prepare | install | run [slice|mid] | first"; exit 2 ;;
 esac
