@@ -1,0 +1,57 @@
+"""Data for the Qwen3.5 family: synthetic caption-like text (the language model alone, until the vision tower feeds
+images).
+
+Each of `num_classes` classes has a fixed caption of CAPTION_TOKENS random tokens. A sample is its class's marker
+token followed by the caption, repeated to fill `seq_length`: the first caption token is predictable only from
+the marker, the rest from the caption seen so far, so the loss falls as the model learns the captions and to
+copy. Sample `i` depends only on (seed, i), so every layout reads the same global batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mimo.errors import UsageError
+
+from .settings import Qwen35Settings
+
+_TASK_SEED = 1234  # the task (captions) is fixed; the run's seed picks the samples
+CAPTION_TOKENS = 16
+
+
+def captions(s: Qwen35Settings) -> torch.Tensor:
+    """[num_classes, CAPTION_TOKENS] caption ids, above the class markers (ids 0 .. num_classes - 1)."""
+    gen = torch.Generator().manual_seed(_TASK_SEED)
+    return torch.randint(s.num_classes, s.vocab_size, (s.num_classes, CAPTION_TOKENS), generator=gen)
+
+
+def sample(s: Qwen35Settings, task: torch.Tensor, seed: int, index: int) -> torch.Tensor:
+    """seq_length + 1 token ids: the class marker, then its caption repeated."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    label = int(torch.randint(s.num_classes, (1,), generator=gen))
+    repeats = s.seq_length // CAPTION_TOKENS + 1
+    return torch.cat([torch.tensor([label]), task[label].repeat(repeats)])[: s.seq_length + 1]
+
+
+def collate(s: Qwen35Settings, rows: list[torch.Tensor]) -> dict:
+    tokens = torch.stack(rows)
+    input_ids, labels = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    return {
+        "input_ids": input_ids, "labels": labels, "loss_mask": torch.ones(labels.shape),
+        # text positions; with images, Qwen's 3-D positions [3, B, S] (layers.InterleavedMRoPE takes both)
+        "position_ids": torch.arange(s.seq_length).expand_as(input_ids).contiguous(),
+        "modality_inputs": {},
+    }
+
+
+def synthetic_batches(s: Qwen35Settings, ctx):
+    task = captions(s)
+    for indices in ctx.sample_indices():
+        yield collate(s, [sample(s, task, ctx.seed, i) for i in indices])
+
+
+def data_provider(s: Qwen35Settings, ctx):
+    if ctx.data_path:
+        raise UsageError("the qwen3.5-vl providers train on synthetic text only for now (no --data yet: it comes "
+                         "with the vision tower and Qwen's chat template); leave --data out")
+    return synthetic_batches(s, ctx)

@@ -1,0 +1,56 @@
+"""Hugging Face checkpoints of the Qwen3.5 family for the provider's hooks: a whole
+`Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` folder (`--pretrained HF_DIR`, `mimo ckpt
+import-hf HF_DIR`), or the language model alone (`qwen3_5_text`, `qwen3_5_moe_text`: `--pretrained-llm DIR`).
+
+    model.language_model.*, lm_head.weight    the language model    language_model.*    (hf/qwen3_5.py)
+    model.visual.*                            the vision tower      (not read yet: the vision tower's own map)
+"""
+
+from __future__ import annotations
+
+from mimo import LANGUAGE, module_prefix
+from mimo.errors import UsageError
+from mimo.plugins.kit.tensor_map import TensorMap
+
+from . import qwen3_5
+from ..settings import Qwen35Settings
+
+VLM_TYPES = ("qwen3_5", "qwen3_5_moe")
+LANGUAGE_PREFIX = module_prefix(LANGUAGE)
+VISION_PREFIX = "model.visual."
+
+
+def _text_config(hf_config: dict) -> dict:
+    text = dict(hf_config.get("text_config") or {})
+    if not text:
+        raise UsageError(f"Hugging Face config model_type={hf_config.get('model_type')!r} has no text_config")
+    # transformers reads the VLM's tie_word_embeddings (top level) for the output layer
+    text.setdefault("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))
+    return text
+
+
+def hf_settings(hf_config: dict, part: str) -> dict | None:
+    model_type = hf_config.get("model_type")
+    if part == "language":
+        return qwen3_5.config_fields(hf_config) if model_type in qwen3_5.TEXT_TYPES else None
+    if part == "model" and model_type in qwen3_5.TEXT_TYPES:
+        raise UsageError(f"Hugging Face config model_type={model_type!r} is only the language model of a Qwen3.5 "
+                         f"VLM: give it as a part (mimo run --pretrained-llm DIR, or mimo ckpt import-hf --llm DIR "
+                         f"OUT)")
+    if part != "model" or model_type not in VLM_TYPES:
+        return None
+    fields = qwen3_5.config_fields(_text_config(hf_config))
+    if hf_config.get("image_token_id") is not None:
+        fields["image_token_id"] = hf_config["image_token_id"]
+    return fields
+
+
+def hf_tensor_map(settings: Qwen35Settings, hf_config: dict, part: str) -> TensorMap | None:
+    model_type = hf_config.get("model_type")
+    if part == "language" and model_type in qwen3_5.TEXT_TYPES:
+        return qwen3_5.tensor_map(vars(settings), "model.").prefixed(LANGUAGE_PREFIX, "")
+    if part == "model" and model_type in VLM_TYPES:
+        tmap = qwen3_5.tensor_map(vars(settings), "model.language_model.").prefixed(LANGUAGE_PREFIX, "")
+        tmap.ignored += (VISION_PREFIX,)  # the vision tower has no map yet: its weights are not read
+        return tmap
+    return None

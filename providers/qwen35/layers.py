@@ -1,0 +1,121 @@
+"""The two places where Qwen3.5's maths differs from megatron-core's modules, as the smallest subclasses that keep
+megatron-core's parameters and checkpoint keys.
+
+* `InterleavedMRoPE`: megatron-core's MultimodalRotaryEmbedding lays the temporal, height and width frequencies out
+  in contiguous sections (Qwen2-VL); Qwen3.5 interleaves them (T H W T H W ..., the last section's leftover
+  frequencies temporal). Text positions ([B, S], every axis alike) or 3-D ones ([3, B, S], from image grids).
+* `LocalGatedDeltaNet`: megatron-core's GatedDeltaNet refuses to be built without flash-linear-attention and runs
+  its kernels in the forward; this one runs the same function in PyTorch (its causal convolution, megatron-core's
+  torch chunked gated delta rule), on any device, packed (THD) sequences one after another.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, common as gdn_common, torch_chunk_gated_delta_rule
+
+
+class InterleavedMRoPE(MultimodalRotaryEmbedding):
+    """Rotary frequencies per token from `position_ids` [B, S] (text) or [3, B, S] (temporal, height, width):
+    frequency j follows the height position when j % 3 == 1 and j < 3 * sections[1], the width position when
+    j % 3 == 2 and j < 3 * sections[2], the temporal one otherwise. Returns [S, B, 1, rotated dims] as megatron-core's
+    rotary embeddings do (per token, so packed THD rows take it as it is)."""
+
+    def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None) -> torch.Tensor:
+        if position_ids.dim() == 2:
+            position_ids = position_ids.unsqueeze(0).expand(3, -1, -1)
+        positions = position_ids.to(device=self.inv_freq.device, dtype=torch.float32)
+        if self.seq_len_interpolation_factor is not None:
+            positions = positions / self.seq_len_interpolation_factor
+        freqs = positions[..., None] * self.inv_freq  # [3, B, S, pairs]
+        axis = torch.zeros(freqs.shape[-1], dtype=torch.long, device=freqs.device)
+        for dim in (1, 2):
+            axis[dim: 3 * mrope_section[dim]: 3] = dim
+        freqs = freqs.gather(0, axis.expand(1, *freqs.shape[1:-1], -1)).squeeze(0)  # [B, S, pairs]
+        emb = torch.cat((freqs, freqs), dim=-1)  # rotate-half layout: [f, f]
+        emb = emb.transpose(0, 1)[:, :, None, :].contiguous()  # [S, B, 1, 2 * pairs]
+        if cp_group is None:
+            cp_group = self.cp_group
+        if cp_group is not None and cp_group.size() > 1:
+            from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+
+            emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
+        return emb
+
+
+@contextlib.contextmanager
+def _without_fla_check():
+    """_GDNBase.__init__ raises ImportError when flash-linear-attention is missing; only its forward needs it."""
+    before = gdn_common.HAVE_FLA
+    gdn_common.HAVE_FLA = True
+    try:
+        yield
+    finally:
+        gdn_common.HAVE_FLA = before
+
+
+def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """flash-linear-attention's (and transformers') l2norm, in fp32."""
+    x = x.float()
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class LocalGatedDeltaNet(GatedDeltaNet):
+    """megatron-core's GatedDeltaNet (same parameters, same names) computed in PyTorch. Tensor parallelism as
+    megatron-core's (heads split over TP); no context parallelism and no decoding context (megatron-core's module
+    has none either)."""
+
+    def __init__(self, *args, **kwargs):
+        with _without_fla_check():
+            super().__init__(*args, **kwargs)
+        if self.cp_size > 1:
+            raise ValueError("the local gated delta net has no context parallelism: --llm-cp 1, or backend te")
+
+    def _setup_variant_attrs(self):
+        super()._setup_variant_attrs()
+        self.gated_delta_rule = torch_chunk_gated_delta_rule  # flash-linear-attention's kernel otherwise
+
+    def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,
+                sequence_len_offset=None, *, inference_params=None, **kwargs):
+        if inference_context is not None or inference_params is not None:
+            raise NotImplementedError("the gated delta net layers do not decode with an inference context yet")
+        seq_len, batch, _ = hidden_states.shape
+        qkvzba, _ = self.in_proj(hidden_states)  # [s, b, local q k v z beta alpha]
+        qkvzba = qkvzba.transpose(0, 1)  # [b, s, ...]
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            # packed samples are independent sequences: each starts with an empty state and convolution window
+            bounds = packed_seq_params.cu_seqlens_q_padded
+            bounds = packed_seq_params.cu_seqlens_q if bounds is None else bounds
+            lengths = torch.diff(bounds.cpu()).tolist()
+            padding = seq_len - sum(lengths)
+            mixed = [self._mix(part) for part in qkvzba.split(lengths + ([padding] if padding else []), dim=1)]
+            out, gate = (torch.cat(parts, dim=1) for parts in zip(*mixed))
+        else:
+            out, gate = self._mix(qkvzba)
+        norm_out = self._gated_norm_and_a2a(out, gate, None, batch, seq_len, packed_seq_params)
+        return self.out_proj(norm_out)
+
+    def _mix(self, qkvzba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One run of independent sequences [b, s, in_proj out] -> the gated delta rule's output and the output
+        gate (z), both [b, s, heads, dv]."""
+        batch, seq_len = qkvzba.shape[:2]
+        qkv, gate, beta, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
+        conv = F.conv1d(qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, padding=self.conv_kernel_dim - 1,
+                        groups=self.conv_dim_local_tp)[..., :seq_len]
+        qkv = self.act_fn(conv).transpose(1, 2)
+        query, key, value = torch.split(qkv, [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp], -1)
+        query = query.reshape(batch, seq_len, -1, self.key_head_dim)
+        key = key.reshape(batch, seq_len, -1, self.key_head_dim)
+        value = value.reshape(batch, seq_len, -1, self.value_head_dim)
+        if self.use_qk_l2norm:
+            query, key = l2_normalized(query), l2_normalized(key)
+        repeat = self.num_value_heads // self.num_key_heads
+        if repeat > 1:  # each query/key head serves `repeat` consecutive value heads
+            query, key = query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
+        g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
+        out, _ = self.gated_delta_rule(query, key, value, g=g, beta=beta)
+        return out.to(qkv.dtype), gate.reshape(batch, seq_len, -1, self.value_head_dim)

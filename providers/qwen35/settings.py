@@ -1,0 +1,98 @@
+"""The settings of the Qwen3.5 family: one dataclass; the variants differ only in defaults (see `VARIANTS` in
+`__init__.py`). The defaults are the released 9B-style dense model's language model (transformers'
+`Qwen3_5TextConfig` defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from mimo import setting
+
+IMAGES = "images"  # the modality slot the vision tower fills (providers/qwen35/vision.py)
+LAYER_SYMBOLS = {"G": "gated delta net (linear attention)", "*": "full attention"}
+# layer_types entries of transformers' config <-> the pattern's symbols
+HF_LAYER_TYPES = {"linear_attention": "G", "full_attention": "*"}
+SIZE = {"minimum": 1}
+
+
+def interleaved_pattern(num_layers: int, full_attention_interval: int = 4) -> str:
+    """transformers' default layer_types: every `full_attention_interval`-th layer is full attention."""
+    return "".join("*" if (i + 1) % full_attention_interval == 0 else "G" for i in range(num_layers))
+
+
+@dataclass
+class Qwen35Settings:
+    # -- kernels
+    backend: Literal["auto", "te", "local"] = setting(
+        "auto", "te: transformer-engine layers and flash-linear-attention's gated delta rule; local: plain "
+                "megatron-core/PyTorch modules (any device); auto: te when both are installed and a GPU is visible")
+
+    # -- language model: a hybrid of gated delta net (linear attention) and gated full attention layers
+    layer_pattern: str = setting(interleaved_pattern(32), "one symbol per layer: G gated delta net (linear "
+                                                          "attention), * full attention")
+    hidden_size: int = setting(4096, "hidden size of the language model", **SIZE)
+    num_attention_heads: int = setting(16, "query heads of the full attention layers", **SIZE)
+    num_query_groups: int = setting(4, "key/value heads of the full attention layers", **SIZE,
+                                    divides="num_attention_heads")
+    kv_channels: int = setting(256, "head dimension of the full attention layers", **SIZE)
+    rotary_percent: float = setting(0.25, "share of each attention head's dimensions rotated (partial RoPE)",
+                                    minimum=0.0, maximum=1.0)
+    rotary_base: float = setting(10_000_000.0, "RoPE base (rope_theta)", minimum=1.0)
+    mrope_section: tuple[int, ...] = setting(
+        (11, 11, 10), "rotary frequencies given to the temporal, height and width position, interleaved "
+                      "(T H W T H W ...); they sum to the rotated dimensions / 2")
+    linear_num_key_heads: int = setting(16, "query/key heads of the gated delta net layers", **SIZE,
+                                        divides="linear_num_value_heads")
+    linear_num_value_heads: int = setting(32, "value heads of the gated delta net layers", **SIZE)
+    linear_key_head_dim: int = setting(128, "query/key head dimension of the gated delta net layers", **SIZE)
+    linear_value_head_dim: int = setting(128, "value head dimension of the gated delta net layers", **SIZE)
+    linear_conv_kernel: int = setting(4, "causal convolution width of the gated delta net layers", **SIZE)
+    ffn_hidden_size: int = setting(12288, "hidden size of the dense SwiGLU MLP (num_experts 0)", **SIZE)
+    num_experts: int = setting(0, "routed experts of every layer's MoE MLP; 0: a dense MLP", minimum=0)
+    moe_router_topk: int = setting(8, "experts each token is routed to (softmax over the top k)", **SIZE)
+    moe_ffn_hidden_size: int = setting(512, "hidden size of each routed expert (SwiGLU)", **SIZE)
+    moe_shared_expert_intermediate_size: int = setting(
+        512, "hidden size of the shared expert (SwiGLU, scaled by a sigmoid gate per token)", **SIZE)
+    moe_aux_loss_coeff: float = setting(0.001, "coefficient of the load-balancing loss", minimum=0.0)
+    norm_epsilon: float = setting(1e-6, "epsilon of every RMSNorm", minimum=0.0)
+    tie_word_embeddings: bool = setting(False, "the output layer shares the embedding's weight")
+    vocab_size: int = setting(248320, "vocabulary size", **SIZE)
+    seq_length: int = setting(4096, "tokens per sample", **SIZE)
+    init_method_std: float = setting(0.02, "standard deviation of the initial weights", minimum=0.0)
+    dropout: float = setting(0.0, "hidden and attention dropout", minimum=0.0, maximum=1.0)
+
+    image_token_id: int | None = setting(
+        None, "image placeholder token (Qwen3.5's <|image_pad|> is 248056; default: vocab_size - 1)", minimum=0)
+
+    # -- synthetic data
+    num_classes: int = setting(16, "synthetic data: caption classes; a sample is a class's caption after a "
+                                   "prompt naming the class", **SIZE)
+
+    def __post_init__(self):
+        bad = sorted(set(self.layer_pattern) - set(LAYER_SYMBOLS))
+        if not self.layer_pattern or bad:
+            raise ValueError(f"layer_pattern {self.layer_pattern!r} must be made of G (gated delta net) and "
+                             f"* (full attention)" + (f"; it has {bad}" if bad else ""))
+        self.mrope_section = tuple(self.mrope_section)  # YAML gives a list
+        rotary_pairs = int(self.kv_channels * self.rotary_percent) // 2
+        if len(self.mrope_section) != 3 or min(self.mrope_section) < 0 or sum(self.mrope_section) != rotary_pairs:
+            raise ValueError(f"mrope_section {list(self.mrope_section)} must be 3 sizes (temporal, height, width) "
+                             f"summing to kv_channels x rotary_percent / 2 = {rotary_pairs}")
+        if self.num_experts and self.moe_router_topk > self.num_experts:
+            raise ValueError(f"moe_router_topk {self.moe_router_topk} must be at most num_experts "
+                             f"{self.num_experts}")
+        if self.image_token_id is not None and self.image_token_id >= self.vocab_size:
+            raise ValueError(f"image_token_id {self.image_token_id} is outside the vocabulary of {self.vocab_size}")
+        if self.seq_length < 2:
+            raise ValueError(f"seq_length {self.seq_length} leaves no token to predict: 2 or more")
+
+    # -- derived quantities
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_pattern)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
