@@ -5,8 +5,8 @@ megatron-core's parameters and checkpoint keys.
   in contiguous sections (Qwen2-VL); Qwen3.5 interleaves them (T H W T H W ..., the last section's leftover
   frequencies temporal). Text positions ([B, S], every axis alike) or 3-D ones ([3, B, S], from image grids).
 * `LocalGatedDeltaNet`: megatron-core's GatedDeltaNet refuses to be built without flash-linear-attention and runs
-  its kernels in the forward; this one runs the same function in PyTorch (its causal convolution, megatron-core's
-  torch chunked gated delta rule), on any device, packed (THD) sequences one after another.
+  its kernels in the forward; this one runs the same function in PyTorch (the causal convolution, the chunked
+  gated delta rule of delta_rule.py), on any device, packed (THD) sequences one after another.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet, common as gdn_common, torch_chunk_gated_delta_rule
+from megatron.core.ssm.gated_delta_net import GatedDeltaNet, common as gdn_common
+
+from .delta_rule import chunk_gated_delta_rule
 
 
 class InterleavedMRoPE(MultimodalRotaryEmbedding):
@@ -77,7 +79,7 @@ class LocalGatedDeltaNet(GatedDeltaNet):
 
     def _setup_variant_attrs(self):
         super()._setup_variant_attrs()
-        self.gated_delta_rule = torch_chunk_gated_delta_rule  # flash-linear-attention's kernel otherwise
+        self.gated_delta_rule = chunk_gated_delta_rule  # flash-linear-attention's kernel otherwise
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,
                 sequence_len_offset=None, *, inference_params=None, **kwargs):
@@ -117,5 +119,5 @@ class LocalGatedDeltaNet(GatedDeltaNet):
         if repeat > 1:  # each query/key head serves `repeat` consecutive value heads
             query, key = query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
         g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
-        out, _ = self.gated_delta_rule(query, key, value, g=g, beta=beta)
+        out = self.gated_delta_rule(query, key, value, g, beta)
         return out.to(qkv.dtype), gate.reshape(batch, seq_len, -1, self.value_head_dim)
