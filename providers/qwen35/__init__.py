@@ -58,7 +58,7 @@ def model_shape(settings: Qwen35Settings):
 
     s, counts = settings, parameter_counts(settings)
     return {LANGUAGE: ModuleShape(s.num_layers, s.hidden_size, s.num_attention_heads,
-                                  num_query_groups=s.num_query_groups, num_experts=s.num_experts,
+                                  num_query_groups=s.num_query_groups, num_experts=s.num_experts or None,
                                   vocab_size=s.vocab_size, num_parameters=counts.total,
                                   num_active_parameters=counts.active)}
 

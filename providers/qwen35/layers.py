@@ -4,6 +4,10 @@ megatron-core's parameters and checkpoint keys.
 * `InterleavedMRoPE`: megatron-core's MultimodalRotaryEmbedding lays the temporal, height and width frequencies out
   in contiguous sections (Qwen2-VL); Qwen3.5 interleaves them (T H W T H W ..., the last section's leftover
   frequencies temporal). Text positions ([B, S], every axis alike) or 3-D ones ([3, B, S], from image grids).
+* `HeadNorm`, `Qwen35GatedDeltaNet`: the gated delta net's output norm normalizes each value head with one weight
+  the TP ranks share while each holds other heads, so its gradient is a sum over them; megatron-core's
+  GatedDeltaNet leaves it unsummed without sequence parallelism (the ranks' copies drift apart). The norm sums it
+  in its backward and multiplies by `w` (Qwen's RMSNormGated), not by megatron-core's `1 + w`.
 * `LocalGatedDeltaNet`: megatron-core's GatedDeltaNet refuses to be built without flash-linear-attention and runs
   its kernels in the forward; this one runs the same function in PyTorch (the causal convolution, the chunked
   gated delta rule of delta_rule.py), on any device, packed (THD) sequences one after another.
@@ -17,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, common as gdn_common
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+from mimo.plugins.kit.local_norms import RMSNorm, rms_norm
 
 from .delta_rule import chunk_gated_delta_rule
 
@@ -49,6 +56,30 @@ class InterleavedMRoPE(MultimodalRotaryEmbedding):
         return emb
 
 
+class HeadNorm(RMSNorm):
+    """RMSNorm of one value head (`weight` as it is, not zero-centered) whose weight gradient is summed over the
+    tensor-parallel group `tp_group` (set by the gated delta net that owns it)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5):
+        super().__init__(config, hidden_size, eps, zero_centered_gamma=False)
+        self.weight.sequence_parallel = False  # summed here, never again by megatron-core's finalize
+        self.tp_group = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight
+        if self.tp_group is not None and self.tp_group.size() > 1:
+            weight = copy_to_tensor_model_parallel_region(weight, group=self.tp_group)  # backward: all-reduce
+        return rms_norm(x, weight, self.eps, False)
+
+
+class Qwen35GatedDeltaNet(GatedDeltaNet):
+    """megatron-core's GatedDeltaNet whose output norm (a HeadNorm) sums its gradient over the TP group."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.out_norm.tp_group = self.tp_group
+
+
 @contextlib.contextmanager
 def _without_fla_check():
     """_GDNBase.__init__ raises ImportError when flash-linear-attention is missing; only its forward needs it."""
@@ -66,7 +97,7 @@ def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
-class LocalGatedDeltaNet(GatedDeltaNet):
+class LocalGatedDeltaNet(Qwen35GatedDeltaNet):
     """megatron-core's GatedDeltaNet (same parameters, same names) computed in PyTorch. Tensor parallelism as
     megatron-core's (heads split over TP); no context parallelism and no decoding context (megatron-core's module
     has none either)."""

@@ -6,8 +6,7 @@ the mixer's first linear (`linear_qkv`, `in_proj`) and, in dense layers, the MLP
 transformer-engine fuses them; `local` builds the same layers from megatron-core's local pieces and mimo's kit
 (SDPA attention, the fused norm-linear and zero-centered RMSNorm with TE's names), so both backends share every
 parameter name. The norms store `w` and apply `1 + w` (`layernorm_zero_centered_gamma`), as Qwen's do, except the
-gated delta net's output norm, which applies `w` (Qwen's RMSNormGated): it is always `RMSNorm(zero_centered_gamma=
-False)`.
+gated delta net's output norm, which applies `w` (Qwen's RMSNormGated): it is always the package's `HeadNorm`.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 from megatron.core.extensions import transformer_engine as te
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
-from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules, HAVE_FLA
+from megatron.core.ssm.gated_delta_net import GatedDeltaNetSubmodules, HAVE_FLA
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -31,10 +30,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from mimo.plugins import SDPAttention
 from mimo.plugins.kit.local_norms import LayerNormColumnParallelLinear, RMSNorm
 
-from .layers import LocalGatedDeltaNet
+from .layers import HeadNorm, LocalGatedDeltaNet, Qwen35GatedDeltaNet
 
-# the gated delta net's output norm: Qwen's RMSNormGated multiplies by its weight, not by 1 + weight
-OUTPUT_NORM = ModuleSpec(module=RMSNorm, params={"zero_centered_gamma": False})
 
 
 def te_available() -> bool:
@@ -59,7 +56,7 @@ def _pieces(backend: str) -> dict:
     if backend == "te":
         return dict(norm_linear=te.TELayerNormColumnParallelLinear, column=te.TEColumnParallelLinear,
                     row=te.TERowParallelLinear, attention=te.TEDotProductAttention, norm=te.TENorm,
-                    delta_net=GatedDeltaNet)
+                    delta_net=Qwen35GatedDeltaNet)
     return dict(norm_linear=LayerNormColumnParallelLinear, column=ColumnParallelLinear, row=RowParallelLinear,
                 attention=SDPAttention, norm=RMSNorm, delta_net=LocalGatedDeltaNet)
 
@@ -67,7 +64,7 @@ def _pieces(backend: str) -> dict:
 def _mixer(symbol: str, p: dict) -> ModuleSpec:
     if symbol == "G":
         return ModuleSpec(module=p["delta_net"], submodules=GatedDeltaNetSubmodules(
-            in_proj=p["norm_linear"], out_norm=OUTPUT_NORM, out_proj=p["row"]))
+            in_proj=p["norm_linear"], out_norm=HeadNorm, out_proj=p["row"]))
     # attention_output_gate (config) makes linear_qkv also emit a sigmoid gate per query head
     return ModuleSpec(module=SelfAttention, params={"attn_mask_type": AttnMaskType.causal},
                       submodules=SelfAttentionSubmodules(linear_qkv=p["norm_linear"], core_attention=p["attention"],
