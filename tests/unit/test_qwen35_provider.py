@@ -1,0 +1,125 @@
+"""The qwen3.5-vl providers (providers/qwen35/): registered through the `mimo.providers` entry point and built on the
+public plugin API alone; the local gated delta net's chunked rule against the recurrence it computes; packed (THD)
+rows computing each sample as if alone; settings refused in one line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tomllib
+
+import pytest
+import torch
+
+from helpers import REPO, world_of_one
+from mimo.plugins.settings import build_settings
+
+
+def test_the_package_is_a_provider_entry_point_like_any_third_party():
+    entry_points = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]["mimo.providers"]
+    assert entry_points["qwen35"] == "mimo.providers.qwen35"
+    from mimo.providers import qwen35
+
+    names = [p.name for p in qwen35.register_providers()]
+    assert {"qwen3.5-vl-tiny", "qwen3.5-vl-moe-tiny", "qwen3.5-vl-27b", "qwen3.5-vl-35b-a3b"} <= set(names)
+
+
+def test_the_package_imports_no_mimo_core():
+    """Every module of the package imported (megatron-core included): mimo.core never loads."""
+    code = ("import importlib, pkgutil, sys\n"
+            "import mimo.providers.qwen35 as package\n"
+            "for info in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
+            "    importlib.import_module(info.name)\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith('mimo.providers.qwen35'))\n"
+            "assert 'mimo.providers.qwen35.model' in loaded and 'mimo.providers.qwen35.hf.vlm' in loaded, loaded\n"
+            "print(sorted(m for m in sys.modules if m == 'mimo.core' or m.startswith('mimo.core.')))\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "[]", result.stdout
+
+
+def _recurrence(q, k, v, g, beta):
+    """The gated delta rule step by step: S = e^g S + beta k (v - S^T k)^T, o = S^T q / sqrt(dk)."""
+    b, s, h, dk = k.shape
+    state = torch.zeros(b, h, dk, v.shape[-1], dtype=torch.float64)
+    out = []
+    for t in range(s):
+        kt, vt, qt = k[:, t].double(), v[:, t].double(), q[:, t].double() * dk ** -0.5
+        state = state * g[:, t].double().exp()[..., None, None]
+        delta = beta[:, t].double()[..., None] * (vt - torch.einsum("bhkv,bhk->bhv", state, kt))
+        state = state + torch.einsum("bhk,bhv->bhkv", kt, delta)
+        out.append(torch.einsum("bhkv,bhk->bhv", state, qt))
+    return torch.stack(out, dim=1)
+
+
+@pytest.mark.parametrize("length", [5, 64, 150])
+def test_the_chunked_rule_computes_the_recurrence(length):
+    from mimo.providers.qwen35.delta_rule import chunk_gated_delta_rule
+
+    gen = torch.Generator().manual_seed(length)
+    q, k = (torch.nn.functional.normalize(torch.randn(2, length, 3, 8, generator=gen), dim=-1) for _ in range(2))
+    v = torch.randn(2, length, 3, 6, generator=gen)
+    g, beta = -torch.rand(2, length, 3, generator=gen) * 3, torch.rand(2, length, 3, generator=gen)
+    got = chunk_gated_delta_rule(q, k, v, g, beta, chunk=16)
+    assert got.shape == v.shape and torch.allclose(got.double(), _recurrence(q, k, v, g, beta), atol=1e-5)
+
+
+def _tiny_model(**overrides):
+    from megatron.core.transformer.spec_utils import build_module
+
+    from mimo.core.config import LayoutOptions
+    from mimo.core.parallel import topology
+    from mimo.core.run.launch import seed_everything
+    from mimo.plugins import BuildContext
+    from mimo.providers import qwen35
+
+    settings = qwen35.Qwen35Settings(**{**qwen35.TINY, "backend": "local", **overrides})
+    parallelism = topology.plan(LayoutOptions(), 1, qwen35.model_shape(settings), micro_batch_size=1)
+    topo = topology.build(parallelism, backend="gloo")
+    seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
+    ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
+    return build_module(qwen35.build_language_model(settings, ctx)).eval()
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["exact", "padded places"])
+def test_a_packed_row_computes_each_sample_as_if_alone(padded):
+    """Two samples in one THD row (positions restarting): the gated delta net starts each with an empty state and
+    convolution window, attention stays within each, so the logits are each sample's own."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    lengths, places = [11, 17], ([16, 24] if padded else [11, 17])
+    gen = torch.Generator().manual_seed(0)
+    samples = [torch.randint(0, 264, (1, n), generator=gen) for n in places]
+    cu = torch.tensor([0, lengths[0], sum(lengths)], dtype=torch.int32)
+    cu_places = torch.tensor([0, places[0], sum(places)], dtype=torch.int32)
+    packed = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu.clone(),
+                             cu_seqlens_q_padded=cu_places if padded else None,
+                             cu_seqlens_kv_padded=cu_places.clone() if padded else None,
+                             max_seqlen_q=max(places), max_seqlen_kv=max(places))
+    with world_of_one(), torch.no_grad():
+        model = _tiny_model()
+        row = torch.cat(samples, dim=1)
+        positions = torch.cat([torch.arange(n) for n in places])[None]
+        got = model(row, position_ids=positions, attention_mask=None, packed_seq_params=packed)
+        start = 0
+        for sample, n, place in zip(samples, lengths, places):
+            alone = model(sample[:, :n], position_ids=torch.arange(n)[None], attention_mask=None)
+            assert torch.allclose(got[:, start:start + n], alone, atol=1e-5), (n, place)
+            start += place
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("mrope_section=[4,1,1]", "mrope_section [4, 1, 1] must be 3 sizes (temporal, height, width) summing to "
+                              "kv_channels x rotary_percent / 2 = 4"),
+    ("layer_pattern=GG-G", "layer_pattern 'GG-G' must be made of G (gated delta net) and * (full attention); it has "
+                           "['-']"),
+    ("num_experts=2", "moe_router_topk 8 must be at most num_experts 2"),
+])
+def test_settings_that_cannot_be_built_are_one_line(setting, message):
+    from mimo.errors import UsageError
+    from mimo.providers import qwen35
+
+    tiny = next(p for p in qwen35.VARIANTS if p.name == "qwen3.5-vl-tiny")
+    with pytest.raises(UsageError) as err:
+        build_settings(tiny, [setting])
+    assert message in str(err.value) and "\n" not in str(err.value)
