@@ -16,6 +16,8 @@ megatron-core's parameters and checkpoint keys.
 from __future__ import annotations
 
 import contextlib
+import math
+import zlib
 
 import torch
 import torch.nn.functional as F
@@ -73,11 +75,55 @@ class HeadNorm(RMSNorm):
 
 
 class Qwen35GatedDeltaNet(GatedDeltaNet):
-    """megatron-core's GatedDeltaNet whose output norm (a HeadNorm) sums its gradient over the TP group."""
+    """megatron-core's GatedDeltaNet whose output norm (a HeadNorm) sums its gradient over the TP group, and whose
+    weights start from the same values in every layout: in_proj, the convolution, the decay and out_proj drawn whole
+    (`layout_free_draw`), then this TP rank's heads of each section taken. megatron-core draws a TP rank's rows of
+    in_proj as one block of the whole q k v z beta alpha stack, and the convolution per rank."""
 
     def __init__(self, *args, **kwargs):
+        # nn.Conv1d draws its (per-rank) initial weights from the generator the module's later layers draw from:
+        # rewound, so that their weights do not depend on the layout either (every weight here is redrawn below)
+        generator = torch.get_rng_state()
         super().__init__(*args, **kwargs)
+        torch.set_rng_state(generator)
         self.out_norm.tp_group = self.tp_group
+
+    def reset_parameters(self):
+        super().reset_parameters()  # dt_bias to ones
+        if not self.config.perform_initialization:
+            return
+        tp, rank, key = self.tp_size, self.pg_collection.tp.rank(), f"layer {self.layer_number}"
+        heads = self.num_value_heads
+        in_proj = [self.qk_dim, self.qk_dim, self.v_dim, self.v_dim, heads, heads]  # q k v z beta alpha
+        with torch.no_grad():
+            weight = layout_free_draw((sum(in_proj), self.hidden_size), f"{key} in_proj",
+                                      lambda t, g: t.normal_(0.0, self.config.init_method_std, generator=g))
+            self.in_proj.weight.copy_(rank_rows(weight, in_proj, tp, rank))
+            bound = 1 / math.sqrt(self.conv_kernel_dim)  # nn.Conv1d's kaiming-uniform bound (fan-in: the kernel)
+            bound = bound if self.conv_init is None else self.conv_init
+            conv = layout_free_draw((self.conv_dim, 1, self.conv_kernel_dim), f"{key} conv1d",
+                                    lambda t, g: t.uniform_(-bound, bound, generator=g))
+            self.conv1d.weight.copy_(rank_rows(conv, in_proj[:3], tp, rank))
+            decay = layout_free_draw((heads,), f"{key} A", lambda t, g: t.uniform_(*self.A_init_range, generator=g))
+            self.A_log.copy_(rank_rows(decay.log(), [heads], tp, rank))
+            std = getattr(self.config.output_layer_init_method, "keywords", {}).get("std", self.config.init_method_std)
+            out = layout_free_draw((self.v_dim, self.hidden_size), f"{key} out_proj",
+                                   lambda t, g: t.normal_(0.0, std, generator=g))  # transposed: its input columns
+            self.out_proj.weight.copy_(rank_rows(out, [self.v_dim], tp, rank).T)
+
+
+def layout_free_draw(shape, key: str, fill) -> torch.Tensor:
+    """A whole (global) fp32 tensor filled by `fill(tensor, generator)` from a generator seeded by the module's
+    seed (the default generator's, which every rank of the module shares) and `key`: the same values whatever the
+    parallel layout, pipeline stage or construction order."""
+    seed = (torch.initial_seed() * 1_000_003 + zlib.crc32(key.encode())) % (1 << 63)
+    return fill(torch.empty(shape), torch.Generator().manual_seed(seed))
+
+
+def rank_rows(tensor: torch.Tensor, sections: list[int], tp: int, rank: int) -> torch.Tensor:
+    """This TP rank's rows of a column-parallel weight whose rows are `sections` each split over TP (megatron's
+    layout: every rank holds its share of each section, one after another)."""
+    return torch.cat([part.chunk(tp)[rank] for part in tensor.split(sections)])
 
 
 @contextlib.contextmanager

@@ -26,6 +26,18 @@ def test_tiny_trains_and_its_loss_falls(tmp_path):
     assert records[-1]["lm_loss"] < 0.9 * records[0]["lm_loss"], [r["lm_loss"] for r in records]
 
 
+def test_the_initial_weights_do_not_depend_on_the_layout(tmp_path):
+    """megatron-core gives a TP rank one block of the gated delta net's q k v z beta alpha rows (not its share of
+    each) and draws the convolution per rank: the provider draws them whole and slices, so TP 2 starts where one
+    rank does."""
+    common = ("--train-iters", "2", "--log-interval", "1")
+    one = train(tmp_path, "one", "qwen3.5-vl-tiny", *common)
+    two = train(tmp_path, "two", "qwen3.5-vl-tiny", *common, "--nproc-per-node", "2", "--llm-tp", "2",
+                "--encoder-tp", "2")
+    assert two[0]["lm_loss"] == pytest.approx(one[0]["lm_loss"], rel=1e-6)
+    assert two[0]["grad_norm"] == pytest.approx(one[0]["grad_norm"], rel=2e-6)
+
+
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_a_split_model_trains_as_a_whole_one_from_hugging_face_weights(tmp_path, moe):
     """Dense: TP 2 against one rank. MoE (whose layers need sequence parallelism under TP, which the CPU's torch
