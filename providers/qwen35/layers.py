@@ -1,5 +1,5 @@
-"""The two places where Qwen3.5's maths differs from megatron-core's modules, as the smallest subclasses that keep
-megatron-core's parameters and checkpoint keys.
+"""Where Qwen3.5 needs more than megatron-core's modules give, as the smallest subclasses that keep megatron-core's
+parameters and checkpoint keys.
 
 * `InterleavedMRoPE`: megatron-core's MultimodalRotaryEmbedding lays the temporal, height and width frequencies out
   in contiguous sections (Qwen2-VL); Qwen3.5 interleaves them (T H W T H W ..., the last section's leftover
@@ -7,7 +7,8 @@ megatron-core's parameters and checkpoint keys.
 * `HeadNorm`, `Qwen35GatedDeltaNet`: the gated delta net's output norm normalizes each value head with one weight
   the TP ranks share while each holds other heads, so its gradient is a sum over them; megatron-core's
   GatedDeltaNet leaves it unsummed without sequence parallelism (the ranks' copies drift apart). The norm sums it
-  in its backward and multiplies by `w` (Qwen's RMSNormGated), not by megatron-core's `1 + w`.
+  in its backward and multiplies by `w` (Qwen's RMSNormGated), not by megatron-core's `1 + w`. The layer's weights
+  are drawn whole and sliced per TP rank, so they start alike in every layout.
 * `LocalGatedDeltaNet`: megatron-core's GatedDeltaNet refuses to be built without flash-linear-attention and runs
   its kernels in the forward; this one runs the same function in PyTorch (the causal convolution, the chunked
   gated delta rule of delta_rule.py), on any device, packed (THD) sequences one after another.
@@ -21,6 +22,7 @@ import zlib
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, common as gdn_common
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
@@ -52,8 +54,6 @@ class InterleavedMRoPE(MultimodalRotaryEmbedding):
         if cp_group is None:
             cp_group = self.cp_group
         if cp_group is not None and cp_group.size() > 1:
-            from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
-
             emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
         return emb
 

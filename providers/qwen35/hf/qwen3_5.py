@@ -123,7 +123,8 @@ def _mixer(symbol: str, f: Mapping) -> dict:
                   "self_attention.in_proj.weight.z": Src("linear_attn.in_proj_z.weight"),
                   "self_attention.in_proj.weight.beta": Src("linear_attn.in_proj_b.weight"),
                   "self_attention.in_proj.weight.alpha": Src("linear_attn.in_proj_a.weight"),
-                  "self_attention.A_log": Src("linear_attn.A_log"), "self_attention.dt_bias": Src("linear_attn.dt_bias"),
+                  "self_attention.A_log": Src("linear_attn.A_log"),
+                  "self_attention.dt_bias": Src("linear_attn.dt_bias"),
                   "self_attention.out_norm.weight": Src("linear_attn.norm.weight"),
                   "self_attention.out_proj.weight": Src("linear_attn.out_proj.weight")})
         t.update({f"self_attention.conv1d.weight.{part}": Src("linear_attn.conv1d.weight", spec.rows)
