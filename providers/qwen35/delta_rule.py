@@ -12,11 +12,13 @@ CHUNK = 64
 
 
 def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                           chunk: int = CHUNK) -> torch.Tensor:
+                           chunk: int = CHUNK, state: torch.Tensor | None = None):
     """q, k [B, S, H, dk] (L2-normalized, one per value head), v [B, S, H, dv], g (log decay, <= 0) and beta
     [B, S, H] -> the output [B, S, H, dv] in q's dtype, computed in fp32, the state starting at zero:
-    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(dk)."""
-    dtype, length = q.dtype, q.shape[1]
+    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = S_t^T q_t / sqrt(dk).
+    With `state` ([B, H, dk, dv], decoding) it starts there instead, and (output, final state) is returned."""
+    dtype, length, initial = q.dtype, q.shape[1], state
+    chunk = min(chunk, length)  # one token (decoding): a chunk of one
     q, k, v, g, beta = (x.transpose(1, 2).float() for x in (q, k, v, g, beta))  # heads first
     q = q * q.shape[-1] ** -0.5
     pad = (chunk - length % chunk) % chunk
@@ -36,11 +38,11 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     attn = q @ k.transpose(-1, -2) * decay  # within the chunk, causal (decay is 0 above the diagonal)
     q_decayed = q * g.exp().unsqueeze(-1)
     k_to_end = k * (g[..., -1:] - g).exp().unsqueeze(-1)
-    state = q.new_zeros(b, h, dk, v.shape[-1])
+    state = q.new_zeros(b, h, dk, v.shape[-1]) if initial is None else initial.float()
     out = []
     for i in range(total // chunk):
         u = values[:, :, i] - k_decayed[:, :, i] @ state
         out.append(q_decayed[:, :, i] @ state + attn[:, :, i] @ u)
         state = state * g[:, :, i, -1, None, None].exp() + k_to_end[:, :, i].transpose(-1, -2) @ u
-    out = torch.stack(out, dim=2).reshape(b, h, total, -1)[:, :, :length]
-    return out.transpose(1, 2).to(dtype)
+    out = torch.stack(out, dim=2).reshape(b, h, total, -1)[:, :, :length].transpose(1, 2).to(dtype)
+    return out if initial is None else (out, state)

@@ -22,6 +22,7 @@ import zlib
 
 import torch
 import torch.nn.functional as F
+from megatron.core.inference.utils import InferenceMode
 from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, common as gdn_common
@@ -29,6 +30,7 @@ from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel
 
 from mimo.plugins.kit.local_norms import RMSNorm, rms_norm
 
+from . import delta_decode
 from .delta_rule import chunk_gated_delta_rule
 
 
@@ -36,7 +38,14 @@ class InterleavedMRoPE(MultimodalRotaryEmbedding):
     """Rotary frequencies per token from `position_ids` [B, S] (text) or [3, B, S] (temporal, height, width):
     frequency j follows the height position when j % 3 == 1 and j < 3 * sections[1], the width position when
     j % 3 == 2 and j < 3 * sections[2], the temporal one otherwise. Returns [S, B, 1, rotated dims] as megatron-core's
-    rotary embeddings do (per token, so packed THD rows take it as it is)."""
+    rotary embeddings do (per token, so packed THD rows take it as it is).
+
+    Decoding (`context`, a static inference context its model sets, under InferenceMode): megatron-core's attention
+    rotates the cached keys of every position so far, so the frequencies of the earlier calls are kept and these
+    appended."""
+
+    context = None
+    _kept = None
 
     def forward(self, position_ids: torch.Tensor, mrope_section, cp_group=None) -> torch.Tensor:
         if position_ids.dim() == 2:
@@ -55,6 +64,12 @@ class InterleavedMRoPE(MultimodalRotaryEmbedding):
             cp_group = self.cp_group
         if cp_group is not None and cp_group.size() > 1:
             emb = get_pos_emb_on_this_cp_rank(emb, 0, cp_group)
+        context = self.context
+        if context is not None and InferenceMode.is_active() and context.is_static_batching():
+            offset = context.sequence_len_offset
+            if offset:
+                emb = torch.cat([self._kept[:offset], emb])
+            self._kept = emb
         return emb
 
 
@@ -145,8 +160,8 @@ def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 class LocalGatedDeltaNet(Qwen35GatedDeltaNet):
     """megatron-core's GatedDeltaNet (same parameters, same names) computed in PyTorch. Tensor parallelism as
-    megatron-core's (heads split over TP); no context parallelism and no decoding context (megatron-core's module
-    has none either)."""
+    megatron-core's (heads split over TP); no context parallelism. Decodes with an inference context, which
+    megatron-core's module does not."""
 
     def __init__(self, *args, **kwargs):
         with _without_fla_check():
@@ -160,12 +175,16 @@ class LocalGatedDeltaNet(Qwen35GatedDeltaNet):
 
     def forward(self, hidden_states, attention_mask=None, inference_context=None, packed_seq_params=None,
                 sequence_len_offset=None, *, inference_params=None, **kwargs):
-        if inference_context is not None or inference_params is not None:
-            raise NotImplementedError("the gated delta net layers do not decode with an inference context yet")
+        """As megatron-core's. Under megatron-core's InferenceMode with a static inference context (a context alone
+        changes nothing, as for its Mamba layers) the prompt leaves its convolution columns and rule state in the
+        context and later calls continue from them (delta_decode.py)."""
+        context = inference_context if inference_context is not None else inference_params
         seq_len, batch, _ = hidden_states.shape
         qkvzba, _ = self.in_proj(hidden_states)  # [s, b, local q k v z beta alpha]
         qkvzba = qkvzba.transpose(0, 1)  # [b, s, ...]
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+        if context is not None and InferenceMode.is_active():
+            out, gate = self._mix(qkvzba, delta_decode.cached_state(self, context, batch, packed_seq_params))
+        elif packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             # packed samples are independent sequences: each starts with an empty state and convolution window
             bounds = packed_seq_params.cu_seqlens_q_padded
             bounds = packed_seq_params.cu_seqlens_q if bounds is None else bounds
@@ -178,13 +197,16 @@ class LocalGatedDeltaNet(Qwen35GatedDeltaNet):
         norm_out = self._gated_norm_and_a2a(out, gate, None, batch, seq_len, packed_seq_params)
         return self.out_proj(norm_out)
 
-    def _mix(self, qkvzba: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _mix(self, qkvzba: torch.Tensor, state=None) -> tuple[torch.Tensor, torch.Tensor]:
         """One run of independent sequences [b, s, in_proj out] -> the gated delta rule's output and the output
-        gate (z), both [b, s, heads, dv]."""
+        gate (z), both [b, s, heads, dv]; from and into a decoding `state` (delta_decode.DeltaNetState) if given."""
         batch, seq_len = qkvzba.shape[:2]
         qkv, gate, beta, alpha = torch.split(qkvzba, self.feat_dim_split, dim=-1)
-        conv = F.conv1d(qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias, padding=self.conv_kernel_dim - 1,
-                        groups=self.conv_dim_local_tp)[..., :seq_len]
+        if state is not None:
+            conv = state.convolve(qkv.transpose(1, 2), self.conv1d)
+        else:
+            conv = F.conv1d(qkv.transpose(1, 2), self.conv1d.weight, self.conv1d.bias,
+                            padding=self.conv_kernel_dim - 1, groups=self.conv_dim_local_tp)[..., :seq_len]
         qkv = self.act_fn(conv).transpose(1, 2)
         query, key, value = torch.split(qkv, [self.qk_dim_local_tp, self.qk_dim_local_tp, self.v_dim_local_tp], -1)
         query = query.reshape(batch, seq_len, -1, self.key_head_dim)
@@ -196,5 +218,9 @@ class LocalGatedDeltaNet(Qwen35GatedDeltaNet):
         if repeat > 1:  # each query/key head serves `repeat` consecutive value heads
             query, key = query.repeat_interleave(repeat, dim=2), key.repeat_interleave(repeat, dim=2)
         g, beta = self._compute_g_and_beta(self.A_log, self.dt_bias, alpha, beta)
-        out = self.gated_delta_rule(query, key, value, g, beta)
+        if state is not None:
+            out, final = self.gated_delta_rule(query, key, value, g, beta, state=state.rule)
+            state.rule.copy_(final)
+        else:
+            out = self.gated_delta_rule(query, key, value, g, beta)
         return out.to(qkv.dtype), gate.reshape(batch, seq_len, -1, self.value_head_dim)

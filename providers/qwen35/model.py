@@ -36,6 +36,15 @@ class Qwen35LanguageModel(InPlaceCrossEntropy, GPTModel):
             rotary_interleaved=config.rotary_interleaved, rotary_base=kwargs.get("rotary_base", 10000),
             cp_group=self.pg_collection.cp)
 
+    def forward(self, *args, inference_context=None, inference_params=None, **kwargs):
+        # decoding: the rotary module keeps the frequencies of the positions so far (InterleavedMRoPE)
+        self.rotary_pos_emb.context = inference_context if inference_context is not None else inference_params
+        try:
+            return super().forward(*args, inference_context=inference_context, inference_params=inference_params,
+                                   **kwargs)
+        finally:
+            self.rotary_pos_emb.context = None
+
 
 def transformer_fields(s: Qwen35Settings) -> dict:
     """The TransformerConfig fields of the language model's shape and numerics."""

@@ -123,3 +123,28 @@ def test_settings_that_cannot_be_built_are_one_line(setting, message):
     with pytest.raises(UsageError) as err:
         build_settings(tiny, [setting])
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("prompt", [2, 9])  # shorter than the convolution's window, and longer
+def test_decoding_with_an_inference_context_equals_the_whole_sequence(prompt):
+    """The prompt, then one token at a time with megatron-core's static inference context: the gated delta net
+    continues its convolution and rule state, attention its cache with the MRoPE frequencies so far; every call's
+    logits equal those of the whole sequence at once."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.inference.utils import InferenceMode
+
+    tokens = torch.randint(0, 264, (1, prompt + 6), generator=torch.Generator().manual_seed(prompt))
+    positions = torch.arange(tokens.shape[1])[None]
+    with world_of_one(), torch.no_grad():
+        model = _tiny_model()
+        whole = model(tokens, position_ids=positions, attention_mask=None)
+        context = StaticInferenceContext(1, 32)
+        with InferenceMode.active():
+            steps = [model(tokens[:, :prompt], position_ids=positions[:, :prompt], attention_mask=None,
+                           inference_context=context, runtime_gather_output=True)[:, -1]]
+            context.increment_sequence_len_offset(prompt)
+            for t in range(prompt, tokens.shape[1]):
+                steps.append(model(tokens[:, t:t + 1], position_ids=positions[:, t:t + 1], attention_mask=None,
+                                   inference_context=context, runtime_gather_output=True)[:, -1])
+                context.increment_sequence_len_offset(1)
+    torch.testing.assert_close(torch.stack(steps, dim=1), whole[:, prompt - 1:], rtol=1e-5, atol=1e-5)
