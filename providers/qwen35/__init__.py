@@ -83,6 +83,13 @@ def data_provider(settings: Qwen35Settings, ctx):
 
 
 @hookimpl
+def prompt_format(settings: Qwen35Settings):
+    from .data import prompt_format as format_of
+
+    return format_of(settings)
+
+
+@hookimpl
 def lora_targets(settings: Qwen35Settings):
     """The attention and gated delta net projections and the MLPs (routed and shared experts in MoE models)."""
     mlp = ["experts", "shared_experts"] if settings.is_moe else ["linear_fc1", "linear_fc2"]

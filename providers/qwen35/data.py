@@ -50,6 +50,25 @@ def synthetic_batches(s: Qwen35Settings, ctx):
         yield collate(s, [sample(s, task, ctx.seed, i) for i in indices])
 
 
+def prompt_format(s: Qwen35Settings):
+    """Text prompts for `mimo generate` (images come with the vision tower's image mode): the `tokenizer_path`
+    tokenizer, else UTF-8 bytes, in the plain template (Qwen's chat template comes with mimo's Hugging Face chat
+    templates)."""
+    from mimo import PromptFormat
+    from mimo.plugins.data import PLAIN, ByteTokenizer, load_hf_tokenizer
+
+    if s.tokenizer_path is not None:
+        tokenizer = load_hf_tokenizer(s.tokenizer_path, special_tokens=PLAIN.special_tokens)
+        needed, what = tokenizer.vocab_size, f"the tokenizer at {s.tokenizer_path}"
+    else:
+        tokenizer = ByteTokenizer(vocab_size=max(s.vocab_size, 1), special_tokens=PLAIN.special_tokens)
+        needed, what = ByteTokenizer(special_tokens=PLAIN.special_tokens).vocab_size, "UTF-8 bytes"
+    if needed > s.vocab_size:
+        raise UsageError(f"{what} take {needed} token ids, more than vocab_size {s.vocab_size}: --set "
+                         f"vocab_size={needed} or more, or --set tokenizer_path=DIR")
+    return PromptFormat(tokenizer, PLAIN)
+
+
 def data_provider(s: Qwen35Settings, ctx):
     if ctx.data_path:
         raise UsageError("the qwen3.5-vl providers train on synthetic text only for now (no --data yet: it comes "

@@ -62,6 +62,9 @@ class Qwen35Settings:
     init_method_std: float = setting(0.02, "standard deviation of the initial weights", minimum=0.0)
     dropout: float = setting(0.0, "hidden and attention dropout", minimum=0.0, maximum=1.0)
 
+    tokenizer_path: str | None = setting(
+        None, "local Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json; vocab_size must hold its "
+              "ids) for generation; default: UTF-8 bytes, which needs vocab_size >= 260")
     image_token_id: int | None = setting(
         None, "image placeholder token (Qwen3.5's <|image_pad|> is 248056; default: vocab_size - 1)", minimum=0)
 
