@@ -59,13 +59,14 @@ def prompt_format(s: Qwen35Settings):
 
     if s.tokenizer_path is not None:
         tokenizer = load_hf_tokenizer(s.tokenizer_path, special_tokens=PLAIN.special_tokens)
-        needed, what = tokenizer.vocab_size, f"the tokenizer at {s.tokenizer_path}"
+        what = f"the tokenizer at {s.tokenizer_path}"
     else:
-        tokenizer = ByteTokenizer(vocab_size=max(s.vocab_size, 1), special_tokens=PLAIN.special_tokens)
-        needed, what = ByteTokenizer(special_tokens=PLAIN.special_tokens).vocab_size, "UTF-8 bytes"
-    if needed > s.vocab_size:
-        raise UsageError(f"{what} take {needed} token ids, more than vocab_size {s.vocab_size}: --set "
-                         f"vocab_size={needed} or more, or --set tokenizer_path=DIR")
+        tokenizer, what = ByteTokenizer(special_tokens=PLAIN.special_tokens), "UTF-8 bytes"
+    if tokenizer.vocab_size > s.vocab_size:
+        raise UsageError(f"{what} take {tokenizer.vocab_size} token ids, more than vocab_size {s.vocab_size}: --set "
+                         f"vocab_size={tokenizer.vocab_size} or more, or --set tokenizer_path=DIR")
+    if s.tokenizer_path is None:  # sized to the vocabulary, as the output layer is
+        tokenizer = ByteTokenizer(vocab_size=s.vocab_size, special_tokens=PLAIN.special_tokens)
     return PromptFormat(tokenizer, PLAIN)
 
 

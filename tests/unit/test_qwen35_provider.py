@@ -148,3 +148,26 @@ def test_decoding_with_an_inference_context_equals_the_whole_sequence(prompt):
                                    inference_context=context, runtime_gather_output=True)[:, -1])
                 context.increment_sequence_len_offset(1)
     torch.testing.assert_close(torch.stack(steps, dim=1), whole[:, prompt - 1:], rtol=1e-5, atol=1e-5)
+
+
+def test_generation_refuses_a_vocabulary_too_small_for_its_tokenizer_in_one_line():
+    from mimo.errors import UsageError
+    from mimo.providers import qwen35
+
+    settings = qwen35.Qwen35Settings(**{**qwen35.TINY, "vocab_size": 200})
+    with pytest.raises(UsageError, match="^UTF-8 bytes take 260 token ids, more than vocab_size 200: --set "):
+        qwen35.prompt_format(settings)
+
+
+def test_both_backends_build_the_same_layer_kinds():
+    """te swaps each local piece for transformer-engine's (spec level: no GPU here); the rest is shared."""
+    from mimo.providers.qwen35 import specs
+
+    for experts in (0, 4):
+        local, te = (specs.layer_specs("G*", backend, experts) for backend in ("local", "te"))
+        for a, b in zip(local, te):
+            assert a.module is b.module and type(a.submodules) is type(b.submodules)
+            mixer_a, mixer_b = a.submodules.self_attention, b.submodules.self_attention
+            assert issubclass(mixer_a.module, mixer_b.module)  # LocalGatedDeltaNet < Qwen35GatedDeltaNet
+            if experts:
+                assert a.submodules.pre_mlp_layernorm is not b.submodules.pre_mlp_layernorm
