@@ -20,16 +20,19 @@ VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hi
               temporal_patch_size=2, spatial_merge_size=2)
 
 
-def reference_vlm(moe: bool = False, text: dict | None = None):
+def reference_vlm(moe: bool = False, text: dict | None = None, tied: bool = False):
     """A random Qwen3.5 VLM in fp32 whose every tensor is away from its initial value: the zero-centered norms
-    (1 + w), the gated delta net's output norm (w), A_log and dt_bias all matter, so mixing them up shows."""
+    (1 + w), the gated delta net's output norm (w), A_log and dt_bias all matter, so mixing them up shows.
+    `tied`: the output layer is the embedding (Qwen3.5's smallest models)."""
     import transformers
 
     if moe:
-        config = transformers.Qwen3_5MoeConfig(text_config=text or MOE_TEXT, vision_config=VISION, **TOKENS)
+        config = transformers.Qwen3_5MoeConfig(text_config=text or MOE_TEXT, vision_config=VISION,
+                                               tie_word_embeddings=tied, **TOKENS)
         cls = transformers.Qwen3_5MoeForConditionalGeneration
     else:
-        config = transformers.Qwen3_5Config(text_config=text or TEXT, vision_config=VISION, **TOKENS)
+        config = transformers.Qwen3_5Config(text_config=text or TEXT, vision_config=VISION, tie_word_embeddings=tied,
+                                            **TOKENS)
         cls = transformers.Qwen3_5ForConditionalGeneration
     torch.manual_seed(0)
     model = cls(config).eval()
@@ -48,7 +51,7 @@ def reference_vlm(moe: bool = False, text: dict | None = None):
     return model
 
 
-def save_reference(folder, moe: bool = False, text: dict | None = None):
-    model = reference_vlm(moe, text)
+def save_reference(folder, moe: bool = False, text: dict | None = None, tied: bool = False):
+    model = reference_vlm(moe, text, tied)
     model.save_pretrained(folder, max_shard_size="300KB")
     return model, folder

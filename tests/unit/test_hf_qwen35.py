@@ -55,12 +55,13 @@ def _max_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got - want).abs().max() / want.abs().max()).item()
 
 
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_mimo_computes_the_reference_logits(tmp_path, moe):
-    reference, folder = save_reference(tmp_path, moe)
+@pytest.mark.parametrize("moe, tied", [(False, False), (True, False), (False, True)], ids=["dense", "moe", "tied"])
+def test_mimo_computes_the_reference_logits(tmp_path, moe, tied):
+    reference, folder = save_reference(tmp_path, moe, tied=tied)
     hf_config = safetensors_io.read_config(folder)
     fields = qwen35.hf_settings(hf_config=hf_config, part="model")
     assert fields["layer_pattern"] == "GG*G" and fields["num_experts"] == (4 if moe else 0)
+    assert fields["tie_word_embeddings"] == tied
     input_ids = torch.randint(0, 264, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         want = reference(input_ids=input_ids).logits

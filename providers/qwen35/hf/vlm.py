@@ -24,8 +24,8 @@ def _text_config(hf_config: dict) -> dict:
     text = dict(hf_config.get("text_config") or {})
     if not text:
         raise UsageError(f"Hugging Face config model_type={hf_config.get('model_type')!r} has no text_config")
-    # transformers reads the VLM's tie_word_embeddings (top level) for the output layer
-    text.setdefault("tie_word_embeddings", hf_config.get("tie_word_embeddings", False))
+    # the VLM's own tie_word_embeddings (top level) ties its lm_head, whatever text_config says
+    text["tie_word_embeddings"] = hf_config.get("tie_word_embeddings", False)
     return text
 
 
