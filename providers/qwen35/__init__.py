@@ -129,3 +129,17 @@ def hf_tensor_map(settings: Qwen35Settings, hf_config: dict, part: str):
     from .hf.vlm import hf_tensor_map as tensor_map
 
     return tensor_map(settings, hf_config, part)
+
+
+@hookimpl
+def hf_export_check(settings: Qwen35Settings):
+    from .hf.vlm import hf_export_check as check
+
+    return check(settings)
+
+
+@hookimpl
+def hf_export(settings: Qwen35Settings):
+    from .hf.vlm import hf_export as export
+
+    return export(settings)

@@ -138,3 +138,41 @@ def test_an_unsupported_config_value_is_one_line_naming_the_field(field, value):
 def test_a_text_model_folder_given_as_a_whole_model_is_told_to_come_as_a_part():
     with pytest.raises(UsageError, match="--pretrained-llm DIR"):
         qwen35.hf_settings(hf_config={**TEXT, "model_type": "qwen3_5_text"}, part="model")
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_export_writes_the_language_model_transformers_loads_bit_for_bit(tmp_path, moe):
+    """The provider's hf_export: config.json and the map of the language model as a Qwen3_5ForCausalLM folder;
+    from a model loaded out of a VLM folder, every text tensor comes back bit for bit, and transformers' causal LM
+    loaded from the export computes the VLM's logits."""
+    import transformers
+
+    from mimo.core.checkpoint.hf_load import global_tensors
+    from mimo.plugins.kit.tensor_map import to_hf
+
+    reference, folder = save_reference(tmp_path / "vlm", moe)
+    hf_config = safetensors_io.read_config(folder)
+    input_ids = torch.randint(0, 264, (1, 30), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = reference(input_ids=input_ids).logits
+    with world_of_one():
+        settings, model = _language_model(qwen35.hf_settings(hf_config=hf_config, part="model"))
+        with FolderSource(folder) as source:
+            load_into(model, [(_unprefixed(qwen35.hf_tensor_map(settings=settings, hf_config=hf_config,
+                                                                  part="model")), source)], ALONE)
+        export = qwen35.hf_export(settings=settings)
+        assert qwen35.hf_export_check(settings=settings) == {}
+        tensors = to_hf(_unprefixed(export.tensors), global_tensors(model, ALONE))
+    with FolderSource(folder) as source:
+        for name, tensor in tensors.items():
+            original = "lm_head.weight" if name == "lm_head.weight" else "model.language_model." + name[len("model."):]
+            assert torch.equal(tensor, source.read(original)), name
+    safetensors_io.save(tmp_path / "export", tensors, export.config)
+    cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
+    reloaded = cls.from_pretrained(tmp_path / "export").eval()
+    fields, back = (qwen35.hf_settings(hf_config=c, part=p) for c, p in ((hf_config, "model"), (export.config,
+                                                                                                 "language")))
+    assert {k: v for k, v in fields.items() if k != "image_token_id"} == back  # the same model
+    with torch.no_grad():
+        got = reloaded(input_ids=input_ids).logits
+    assert _max_relative_error(got, want) <= MAX_RELATIVE_ERROR

@@ -145,18 +145,48 @@ def _mixer(symbol: str, f: Mapping) -> dict:
             "self_attention.linear_proj.weight": Src("self_attn.o_proj.weight")}
 
 
-def _swiglu(prefix: str) -> dict:
-    return {"linear_fc1.weight": Cat((Src(f"{prefix}gate_proj.weight"), Src(f"{prefix}up_proj.weight"))),
+def _swiglu(prefix: str, ffn: int) -> dict:
+    gate, up = _rows(f"{prefix}gate_proj.weight", 0, ffn), _rows(f"{prefix}up_proj.weight", 0, ffn)
+    return {"linear_fc1.weight": Cat((gate, up)),
             "linear_fc2.weight": Src(f"{prefix}down_proj.weight")}
 
 
 def _mlp(f: Mapping) -> dict:
     if not f["num_experts"]:
         return {"mlp.linear_fc1.layer_norm_weight": Src("post_attention_layernorm.weight"),
-                **{f"mlp.{k}": v for k, v in _swiglu("mlp.").items()}}
-    experts = [_swiglu(f"mlp.experts.{e}.") for e in range(f["num_experts"])]
+                **{f"mlp.{k}": v for k, v in _swiglu("mlp.", f["ffn_hidden_size"]).items()}}
+    experts = [_swiglu(f"mlp.experts.{e}.", f["moe_ffn_hidden_size"]) for e in range(f["num_experts"])]
     return {"pre_mlp_layernorm.weight": Src("post_attention_layernorm.weight"),
             "mlp.router.weight": Src("mlp.gate.weight"),
             **{f"mlp.experts.experts.{k}": Stack(tuple(e[k] for e in experts)) for k in experts[0]},
-            **{f"mlp.shared_experts.{k}": v for k, v in _swiglu("mlp.shared_expert.").items()},
+            **{f"mlp.shared_experts.{k}": v
+               for k, v in _swiglu("mlp.shared_expert.", f["moe_shared_expert_intermediate_size"]).items()},
             "mlp.shared_experts.gate_weight": Src("mlp.shared_expert_gate.weight")}
+
+
+def text_config(s) -> dict:
+    """The `Qwen3_5ForCausalLM` (or MoE) config.json of settings `s`: what transformers reads back as the same
+    model (config_fields of it gives `s`'s fields)."""
+    moe = s.num_experts > 0
+    config = dict(
+        model_type=TEXT_TYPES[int(moe)], architectures=["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"],
+        vocab_size=s.vocab_size, hidden_size=s.hidden_size, num_hidden_layers=s.num_layers,
+        layer_types=[next(t for t, c in HF_LAYER_TYPES.items() if c == symbol) for symbol in s.layer_pattern],
+        num_attention_heads=s.num_attention_heads, num_key_value_heads=s.num_query_groups, head_dim=s.kv_channels,
+        linear_num_key_heads=s.linear_num_key_heads, linear_num_value_heads=s.linear_num_value_heads,
+        linear_key_head_dim=s.linear_key_head_dim, linear_value_head_dim=s.linear_value_head_dim,
+        linear_conv_kernel_dim=s.linear_conv_kernel, rms_norm_eps=s.norm_epsilon, hidden_act="silu",
+        attention_bias=False, attention_dropout=s.dropout, initializer_range=s.init_method_std,
+        tie_word_embeddings=s.tie_word_embeddings, max_position_embeddings=max(s.seq_length, 32768),
+        rope_parameters={"rope_type": "default", "rope_theta": s.rotary_base,
+                         "partial_rotary_factor": s.rotary_percent, "mrope_section": list(s.mrope_section),
+                         "mrope_interleaved": True},
+    )
+    if moe:
+        config.update(num_experts=s.num_experts, num_experts_per_tok=s.moe_router_topk,
+                      moe_intermediate_size=s.moe_ffn_hidden_size,
+                      shared_expert_intermediate_size=s.moe_shared_expert_intermediate_size,
+                      router_aux_loss_coef=s.moe_aux_loss_coeff)
+    else:
+        config["intermediate_size"] = s.ffn_hidden_size
+    return config

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from mimo import LANGUAGE, module_prefix
 from mimo.errors import UsageError
-from mimo.plugins.kit.tensor_map import TensorMap
+from mimo.plugins.kit.tensor_map import HFExport, TensorMap
 
 from . import qwen3_5
 from ..settings import Qwen35Settings
@@ -54,3 +54,21 @@ def hf_tensor_map(settings: Qwen35Settings, hf_config: dict, part: str) -> Tenso
         tmap.ignored += (VISION_PREFIX,)  # the vision tower has no map yet: its weights are not read
         return tmap
     return None
+
+
+# ------------------------------------------------------------------------------------------------------ export
+
+
+def hf_export_check(settings: Qwen35Settings) -> dict:
+    """Every setting is a Qwen3.5 text config's: nothing refused."""
+    return {}
+
+
+def hf_export(settings: Qwen35Settings) -> HFExport:
+    """The language model as a `Qwen3_5ForCausalLM` (or `Qwen3_5MoeForCausalLM`) folder, which transformers loads
+    and `--pretrained-llm` reads back; the whole VLM folder comes with the vision tower's map."""
+    tmap = qwen3_5.tensor_map(vars(settings), "model.").prefixed(LANGUAGE_PREFIX, "")
+    config = qwen3_5.text_config(settings)
+    note = (f"the language model alone, as a {config['architectures'][0]} folder (the vision tower is not exported "
+            f"yet); tokenizer files are not written")
+    return HFExport(config, tmap, notes=[note])
