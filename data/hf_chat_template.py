@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Sequence
 
@@ -277,11 +276,7 @@ def _roles(messages: list[dict]) -> str:
 def load_hf_chat_template(folder: str | Path, image: ImageMarkers) -> HFChatTemplate:
     """The chat template of the Hugging Face folder `folder` (UsageError, one line, when it has none, transformers is
     not installed, or it cannot render a question and its answer)."""
-    return _load(str(folder), image)
-
-
-@lru_cache(maxsize=8)
-def _load(folder: str, image: ImageMarkers) -> HFChatTemplate:
+    folder = str(folder)
     source = template_source(folder)
     if source is None:
         raise UsageError(f"tokenizer folder {folder} has no chat template ({JINJA_FILE}, or chat_template in "
