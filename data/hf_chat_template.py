@@ -172,15 +172,16 @@ class HFChatTemplate:
         if self.tagged:
             return self._render(messages, add_generation_prompt=False, track=True)
         text = self._render(messages, add_generation_prompt=False)[0]
-        spans = []
+        spans, answers = [], 0
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
+            answers += 1
             before = self._render(messages[:i], add_generation_prompt=True)[0]
             upto = text if i == len(messages) - 1 else self._render(messages[: i + 1], add_generation_prompt=False)[0]
             if not (upto.startswith(before) and text.startswith(upto)):
                 raise ValueError(f"the chat template of {self.folder} renders the conversation before answer "
-                                 f"{len(spans) + 1} differently once the answer follows, so the answer cannot be told "
+                                 f"{answers} differently once the answer follows, so the answer cannot be told "
                                  f"apart: mark the answers with {{% generation %}} tags in the template")
             start, end = len(before), len(upto)
             while start < end and upto[start].isspace():
@@ -273,28 +274,27 @@ def _roles(messages: list[dict]) -> str:
     return ", ".join(m["role"] for m in messages) or "no turns"
 
 
-def load_hf_chat_template(folder: str | Path, image: ImageMarkers) -> HFChatTemplate:
+def load_hf_chat_template(folder: str | Path, image: ImageMarkers, instead: str = "NAME") -> HFChatTemplate:
     """The chat template of the Hugging Face folder `folder` (UsageError, one line, when it has none, transformers is
-    not installed, or it cannot render a question and its answer)."""
+    not installed, or it cannot render a question and its answer; `instead`: the hand-written template it offers)."""
     folder = str(folder)
+    hint = f"choose a hand-written one with --set chat_template={instead}"
     source = template_source(folder)
     if source is None:
         raise UsageError(f"tokenizer folder {folder} has no chat template ({JINJA_FILE}, or chat_template in "
-                         f"{CONFIG_FILE}): choose a hand-written one with --set chat_template=NAME")
+                         f"{CONFIG_FILE}): {hint}")
     try:
         import transformers.utils.chat_template_utils  # noqa: F401
     except ImportError:
         raise UsageError(f"the chat template of {folder} is rendered by transformers, which this install lacks: "
-                         f"pip install 'mimo[hf]', or choose a hand-written one with --set chat_template=NAME"
-                         ) from None
+                         f"pip install 'mimo[hf]', or {hint}") from None
     named = _special_tokens_of(Path(folder))[0]
     template = HFChatTemplate(folder, source, image, tuple((k, v) for k, v in named.items() if v is not None))
     probe = [{"role": "user", "content": "Is it red?"}, {"role": "assistant", "content": _PROBE_ANSWER}]
     try:
         text, spans = template._text_and_answers(probe)
     except ValueError as err:
-        raise UsageError(f"{err}: fix the template, or choose a hand-written one with --set chat_template=NAME"
-                         ) from None
+        raise UsageError(f"{err}: fix the template, or {hint}") from None
     answer = "".join(text[a:b] for a, b in spans)
     if _PROBE_ANSWER not in answer:
         raise UsageError(f"the chat template of {folder} trains no assistant answer: a user question and an assistant "
@@ -311,5 +311,5 @@ def select_chat_template(name: str, tokenizer_path: str | None, *, default: str,
                          "is set: --set tokenizer_path=DIR (a Hugging Face tokenizer folder with a chat template)")
     if name == TOKENIZER or (name == AUTO and tokenizer_path is not None and Path(tokenizer_path).is_dir()
                              and template_source(tokenizer_path) is not None):
-        return load_hf_chat_template(tokenizer_path, image)
+        return load_hf_chat_template(tokenizer_path, image, instead=default)
     return chat_template(default if name == AUTO else name)

@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from mimo.data import Turn, load_hf_tokenizer
+from mimo.data import HFTokenizer, Turn, load_hf_tokenizer
 from mimo.data.conversation import IMAGE
 from mimo.data.hf_chat_template import (
     HFChatTemplate, ImageMarkers, load_hf_chat_template, select_chat_template, template_source,
@@ -152,6 +152,8 @@ def test_ids_and_trained_tokens_match_transformers_apply_chat_template(tmp_path,
     else:
         out = hf.apply_chat_template(messages, tokenize=True, return_dict=True)
     assert rendered.tokens == list(out["input_ids"])
+    wrapped = chat.render(turns, [], HFTokenizer(hf, image_token="<|image_pad|>"))  # a transformers tokenizer
+    assert (wrapped.tokens, wrapped.trained) == (rendered.tokens, rendered.trained)
     prompt = chat.generation_prompt(turns[:-1], [], tok)
     assert prompt == list(hf.apply_chat_template(messages[:-1], add_generation_prompt=True, tokenize=True,
                                                  return_dict=True)["input_ids"])
@@ -246,3 +248,19 @@ def test_without_transformers_the_template_is_refused_naming_the_install(tmp_pat
     with pytest.raises(UsageError, match=r"rendered by transformers, which this install lacks: pip install "
                                          r"'mimo\[hf\]'"):
         load_hf_chat_template(folder, QWEN_IMAGE)
+
+
+def test_the_task_encoder_learns_the_answers_of_a_folders_template(tmp_path, backend):
+    import torch
+
+    from mimo.data import ByteTokenizer, ChatSample, ConversationTaskEncoder, FixedTiles
+
+    chat, tok = loaded(tmp_path, backend, CHATML)
+    encoder = ConversationTaskEncoder(tok, template=chat, seq_length=256, image_mode=FixedTiles(16, 8))
+    sample = ChatSample(__key__="c", __restore_key__=(), turns=CHAT, images=[torch.rand(3, 20, 30)])
+    encoded = encoder.encode_sample(sample)
+    learned = encoded.labels[encoded.loss_mask > 0].tolist()
+    assert tok.decode(learned, skip_special_tokens=False) == "A red circle.<|im_end|>The square is blue.<|im_end|>"
+    assert int((encoded.tokens == tok.image_token_id).sum()) == encoded.images[0].num_tokens
+    with pytest.raises(ValueError, match="needs a Hugging Face tokenizer"):
+        ConversationTaskEncoder(ByteTokenizer(), template=chat, seq_length=64)
