@@ -52,22 +52,27 @@ def synthetic_batches(s: Qwen35Settings, ctx):
 
 def prompt_format(s: Qwen35Settings):
     """Text prompts for `mimo generate` (images come with the vision tower's image mode): the `tokenizer_path`
-    tokenizer, else UTF-8 bytes, in the plain template (Qwen's chat template comes with mimo's Hugging Face chat
-    templates)."""
+    tokenizer, else UTF-8 bytes, in the `chat_template` setting's template (a Qwen folder's own ChatML template
+    where it has one)."""
     from mimo import PromptFormat
-    from mimo.plugins.data import PLAIN, ByteTokenizer, load_hf_tokenizer
+    from mimo.plugins.data import ByteTokenizer, ImageMarkers, load_hf_tokenizer, select_chat_template
 
+    # Qwen's template writes <|vision_start|><|image_pad|><|vision_end|>: the placeholder is repeated in place
+    template = select_chat_template(s.chat_template, s.tokenizer_path, default="plain",
+                                    image=ImageMarkers("<|image_pad|>"))
     if s.tokenizer_path is not None:
-        tokenizer = load_hf_tokenizer(s.tokenizer_path, special_tokens=PLAIN.special_tokens)
+        tokenizer = load_hf_tokenizer(s.tokenizer_path, image_token="<|image_pad|>",
+                                      special_tokens=template.special_tokens)
         what = f"the tokenizer at {s.tokenizer_path}"
     else:
-        tokenizer, what = ByteTokenizer(special_tokens=PLAIN.special_tokens), "UTF-8 bytes"
+        tokenizer, what = ByteTokenizer(special_tokens=template.special_tokens), "UTF-8 bytes"
     if tokenizer.vocab_size > s.vocab_size:
         raise UsageError(f"{what} take {tokenizer.vocab_size} token ids, more than vocab_size {s.vocab_size}: --set "
                          f"vocab_size={tokenizer.vocab_size} or more, or --set tokenizer_path=DIR")
     if s.tokenizer_path is None:  # sized to the vocabulary, as the output layer is
-        tokenizer = ByteTokenizer(vocab_size=s.vocab_size, special_tokens=PLAIN.special_tokens)
-    return PromptFormat(tokenizer, PLAIN)
+        tokenizer = ByteTokenizer(vocab_size=s.vocab_size, special_tokens=template.special_tokens)
+    template.check_tokenizer(tokenizer)
+    return PromptFormat(tokenizer, template)
 
 
 def data_provider(s: Qwen35Settings, ctx):

@@ -65,6 +65,10 @@ class Qwen35Settings:
     tokenizer_path: str | None = setting(
         None, "local Hugging Face tokenizer folder (tokenizer.json, tokenizer_config.json; vocab_size must hold its "
               "ids) for generation; default: UTF-8 bytes, which needs vocab_size >= 260")
+    chat_template: Literal["auto", "tokenizer", "plain"] = setting(
+        "auto", "prompt format: tokenizer, the tokenizer folder's own Jinja template (Qwen's ChatML, images as "
+                "<|vision_start|><|image_pad|><|vision_end|>); plain: no turn markers; auto: the folder's own where "
+                "it has one, else plain")
     image_token_id: int | None = setting(
         None, "image placeholder token (Qwen3.5's <|image_pad|> is 248056; default: vocab_size - 1)", minimum=0)
 

@@ -13,6 +13,7 @@ import torch
 
 from helpers import REPO, world_of_one
 from mimo.plugins.settings import build_settings
+from test_hf_chat_template import CHATML, backend, folder_with  # noqa: F401 (backend: a byte-level BPE fixture)
 
 
 def test_the_package_is_a_provider_entry_point_like_any_third_party():
@@ -171,3 +172,21 @@ def test_both_backends_build_the_same_layer_kinds():
             assert issubclass(mixer_a.module, mixer_b.module)  # LocalGatedDeltaNet < Qwen35GatedDeltaNet
             if experts:
                 assert a.submodules.pre_mlp_layernorm is not b.submodules.pre_mlp_layernorm
+
+
+def test_generation_prompts_in_a_qwen_folders_own_chat_template(tmp_path, backend):
+    """chat_template=auto with a tokenizer folder that has Qwen's ChatML Jinja template: prompts render in it (the
+    generation prompt opens the assistant's turn, which <|im_end|> ends); without a folder, the plain template."""
+    from mimo.data.conversation import Turn
+    from mimo.data.prompts import Prompt, encode
+    from mimo.providers import qwen35
+
+    folder = folder_with(tmp_path, backend, "qwen", CHATML)
+    settings = qwen35.Qwen35Settings(**{**qwen35.TINY, "vocab_size": 400, "tokenizer_path": str(folder)})
+    fmt = qwen35.prompt_format(settings)
+    assert fmt.template.answer_end == "<|im_end|>"
+    encoded = encode(Prompt([Turn("user", ("What colour is the circle?",))], []), fmt)
+    text = fmt.tokenizer.decode(encoded.input_ids[0].tolist(), skip_special_tokens=False)
+    assert text == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat colour is "
+                    "the circle?<|im_end|>\n<|im_start|>assistant\n")
+    assert qwen35.prompt_format(qwen35.Qwen35Settings(**qwen35.TINY)).template.name == "plain"
