@@ -1,5 +1,5 @@
 """Data for the Qwen3.5 family: synthetic caption-like text (the language model alone, until the vision tower feeds
-images).
+images), and the prompt format generation renders prompts in.
 
 Each of `num_classes` classes has a fixed caption of CAPTION_TOKENS random tokens. A sample is its class's marker
 token followed by the caption, repeated to fill `seq_length`: the first caption token is predictable only from
@@ -78,5 +78,5 @@ def prompt_format(s: Qwen35Settings):
 def data_provider(s: Qwen35Settings, ctx):
     if ctx.data_path:
         raise UsageError("the qwen3.5-vl providers train on synthetic text only for now (no --data yet: it comes "
-                         "with the vision tower and Qwen's chat template); leave --data out")
+                         "with the vision tower's image mode); leave --data out")
     return synthetic_batches(s, ctx)

@@ -135,9 +135,15 @@ def test_an_unsupported_config_value_is_one_line_naming_the_field(field, value):
     assert "\n" not in str(err.value) and f"{field}={value!r}" in str(err.value)
 
 
-def test_a_text_model_folder_given_as_a_whole_model_is_told_to_come_as_a_part():
-    with pytest.raises(UsageError, match="--pretrained-llm DIR"):
-        qwen35.hf_settings(hf_config={**TEXT, "model_type": "qwen3_5_text"}, part="model")
+def test_a_text_model_folder_reads_as_the_whole_model_while_there_is_no_vision_tower():
+    """What export-hf writes (a Qwen3_5ForCausalLM folder) reads back as `--pretrained`: the same settings as the
+    language-model part, and the same map."""
+    config = {**TEXT, "model_type": "qwen3_5_text"}
+    fields = qwen35.hf_settings(hf_config=config, part="model")
+    assert fields == qwen35.hf_settings(hf_config=config, part="language") and fields["layer_pattern"] == "GG*G"
+    settings = Qwen35Settings(**fields)
+    whole, part = (qwen35.hf_tensor_map(settings=settings, hf_config=config, part=p) for p in ("model", "language"))
+    assert whole.tensors == part.tensors and "language_model.embedding.word_embeddings.weight" in whole.tensors
 
 
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])

@@ -1,6 +1,7 @@
 """Hugging Face checkpoints of the Qwen3.5 family for the provider's hooks: a whole
 `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` folder (`--pretrained HF_DIR`, `mimo ckpt
-import-hf HF_DIR`), or the language model alone (`qwen3_5_text`, `qwen3_5_moe_text`: `--pretrained-llm DIR`).
+import-hf HF_DIR`), or the language model alone (`qwen3_5_text`, `qwen3_5_moe_text`: `--pretrained-llm DIR`, and
+`--pretrained DIR` while the provider builds no vision tower; what `mimo ckpt export-hf` writes).
 
     model.language_model.*, lm_head.weight    the language model    language_model.*    (hf/qwen3_5.py)
     model.visual.*                            the vision tower      (not read yet: the vision tower's own map)
@@ -34,9 +35,9 @@ def hf_settings(hf_config: dict, part: str) -> dict | None:
     if part == "language":
         return qwen3_5.config_fields(hf_config) if model_type in qwen3_5.TEXT_TYPES else None
     if part == "model" and model_type in qwen3_5.TEXT_TYPES:
-        raise UsageError(f"Hugging Face config model_type={model_type!r} is only the language model of a Qwen3.5 "
-                         f"VLM: give it as a part (mimo run --pretrained-llm DIR, or mimo ckpt import-hf --llm DIR "
-                         f"OUT)")
+        # the language model alone is the whole model while the provider builds no vision tower (and what
+        # hf_export writes): a Qwen3_5ForCausalLM folder reads as `--pretrained` too
+        return qwen3_5.config_fields(hf_config)
     if part != "model" or model_type not in VLM_TYPES:
         return None
     fields = qwen3_5.config_fields(_text_config(hf_config))
@@ -47,7 +48,7 @@ def hf_settings(hf_config: dict, part: str) -> dict | None:
 
 def hf_tensor_map(settings: Qwen35Settings, hf_config: dict, part: str) -> TensorMap | None:
     model_type = hf_config.get("model_type")
-    if part == "language" and model_type in qwen3_5.TEXT_TYPES:
+    if part in ("language", "model") and model_type in qwen3_5.TEXT_TYPES:
         return qwen3_5.tensor_map(vars(settings), "model.").prefixed(LANGUAGE_PREFIX, "")
     if part == "model" and model_type in VLM_TYPES:
         tmap = qwen3_5.tensor_map(vars(settings), "model.language_model.").prefixed(LANGUAGE_PREFIX, "")
