@@ -203,7 +203,8 @@ class Qwen35VisionTower(MegatronModule):
 
     def _position_embeddings(self, grids, packed: PackedGrids, device) -> torch.Tensor:
         """The learned grid resampled to every patch: 4 weighted rows of `pos_embed` each, in fp32."""
-        sizes = torch.tensor([(h, w) for t, h, w in grids for _ in range(t * h * w)]).view(-1, 2)
+        grid = torch.tensor(grids).view(-1, 3)
+        sizes = grid[:, 1:].repeat_interleave(grid.prod(-1), dim=0)  # each patch's (grid_h, grid_w)
         h_taps, h_weights = position_taps(packed.rows, sizes[:, 0], self.side)
         w_taps, w_weights = position_taps(packed.cols, sizes[:, 1], self.side)
         index = (h_taps[:, :, None] * self.side + w_taps[:, None, :]).flatten(1).to(device)
