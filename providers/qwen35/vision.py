@@ -146,6 +146,13 @@ def packed_grids(grids: list[tuple[int, int, int]], merge: int) -> PackedGrids:
     return PackedGrids(cu, max(lengths), torch.cat(rows), torch.cat(cols))
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting for the GPU (a copy from pageable memory would)."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def position_taps(index: torch.Tensor, size: torch.Tensor, side: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The two taps into a `side`-long table, and their weights, of positions `index` on axes of `size`:
     bilinear with the corners aligned (transformers' closed form, computed the same way in fp32)."""
@@ -180,8 +187,8 @@ class Qwen35VisionTower(MegatronModule):
             config.init_method(self.patch_embed.weight)
             config.init_method(self.pos_embed.weight)
         quarter = head_dim // 2
-        self.register_buffer("inv_freq", 1.0 / rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float)
-                                                              / quarter), persistent=False)
+        # fp32 on the host, no buffer: a bf16 run's module cast would round the frequencies
+        self.inv_freq = 1.0 / rope_theta ** (torch.arange(0, quarter, 2, dtype=torch.float) / quarter)
         self.decoder = TransformerBlock(config=config, spec=transformer_layer_spec, post_layer_norm=False,
                                         pg_collection=pg_collection)
 
@@ -207,16 +214,16 @@ class Qwen35VisionTower(MegatronModule):
         sizes = grid[:, 1:].repeat_interleave(grid.prod(-1), dim=0)  # each patch's (grid_h, grid_w)
         h_taps, h_weights = position_taps(packed.rows, sizes[:, 0], self.side)
         w_taps, w_weights = position_taps(packed.cols, sizes[:, 1], self.side)
-        index = (h_taps[:, :, None] * self.side + w_taps[:, None, :]).flatten(1).to(device)
-        weights = (h_weights[:, :, None] * w_weights[:, None, :]).flatten(1).to(device)
+        index = to_device((h_taps[:, :, None] * self.side + w_taps[:, None, :]).flatten(1), device)
+        weights = to_device((h_weights[:, :, None] * w_weights[:, None, :]).flatten(1), device)
         return (self.pos_embed(index).float() * weights[:, :, None]).sum(1)
 
     def _rotary(self, packed: PackedGrids, device) -> torch.Tensor:
         """[patches, 1, 1, head_dim] angles: (row, column, row, column) frequencies, one row per packed token
         (megatron-core then rotates each image's tokens by their own rows)."""
-        inv = self.inv_freq.to(device)
-        rows = packed.rows.to(device).float()[:, None] * inv
-        cols = packed.cols.to(device).float()[:, None] * inv
+        inv = to_device(self.inv_freq, device)
+        rows = to_device(packed.rows, device).float()[:, None] * inv
+        cols = to_device(packed.cols, device).float()[:, None] * inv
         return torch.cat([rows, cols, rows, cols], dim=-1)[:, None, None, :]
 
 

@@ -173,6 +173,19 @@ def test_the_modality_trains_end_to_end(settings, ctx):
     assert not missing
 
 
+def test_rotary_angles_stay_fp32_when_the_tower_is_cast(settings, ctx):
+    """The loop casts each module to the run's dtype (module.to(bf16)): the rotary frequencies are no buffer it
+    would round."""
+    from mimo.providers.qwen35.vision import packed_grids
+
+    tower = build_module(tower_spec(settings, ctx, IMAGES))
+    packed = packed_grids([(1, 16, 40)], settings.spatial_merge_size)
+    before = tower._rotary(packed, "cpu")
+    tower.to(torch.bfloat16)
+    after = tower._rotary(packed, "cpu")
+    assert after.dtype == torch.float32 and torch.equal(after, before)
+
+
 def test_a_grid_that_does_not_match_the_rows_is_refused(converted):
     tower, _ = converted
     with pytest.raises(ValueError, match="pixel_values has 10 patch rows, grid_thw"):
