@@ -73,8 +73,9 @@ class Qwen35VisionSettings:
         2304, "learned position embeddings of the vision tower: a square grid (2304 = 48 x 48) resampled to each "
               "image's patch grid", minimum=1)
     vision_rope_theta: float = setting(10000.0, "base of the vision tower's 2-D rotary embedding", minimum=1.0)
-    vision_out_hidden_size: int = setting(
-        3584, "output size of the patch merger: the LLM's hidden size", minimum=1)
+    vision_out_hidden_size: int | None = setting(
+        None, "output size of the patch merger, the LLM's hidden size (default: the settings' hidden_size)",
+        minimum=1)
     patch_size: int = setting(16, "vision patch size in pixels", minimum=1)
     temporal_patch_size: int = setting(2, "frames in one patch (an image is repeated over them)", minimum=1)
     spatial_merge_size: int = setting(
@@ -95,8 +96,19 @@ class Qwen35VisionSettings:
         if math.isqrt(self.vision_position_embeddings) ** 2 != self.vision_position_embeddings:
             raise ValueError(f"vision_position_embeddings {self.vision_position_embeddings} is no square grid "
                              f"(48 * 48 = 2304, ...)")
+        llm = getattr(self, "hidden_size", None)  # the provider's settings, which inherit these
+        if self.vision_out_hidden_size is None and llm is None:
+            raise ValueError("vision_out_hidden_size: give the patch merger's output size (the LLM's hidden size)")
+        if None not in (self.vision_out_hidden_size, llm) and self.vision_out_hidden_size != llm:
+            raise ValueError(f"vision_out_hidden_size {self.vision_out_hidden_size} differs from hidden_size {llm}: "
+                             f"the merged image tokens are the LLM's inputs")
         self.image_mean, self.image_std = tuple(self.image_mean), tuple(self.image_std)
         self.image_mode()  # the image settings' own checks
+
+    @property
+    def vision_output_size(self) -> int:
+        """The patch merger's output size: vision_out_hidden_size, else the LLM's hidden_size."""
+        return self.vision_out_hidden_size or self.hidden_size
 
     def image_mode(self) -> GridImages:
         """The data path's image mode for these settings."""
@@ -286,7 +298,7 @@ def merger_spec(s: Qwen35VisionSettings, ctx, module: str, init_method_std: floa
     merged = s.vision_hidden_size * s.spatial_merge_size ** 2
     config = ctx.transformer_config(
         # No attention: the head count only has to suit the encoder grid's TP, like the tower's.
-        module, num_layers=1, hidden_size=s.vision_out_hidden_size, ffn_hidden_size=merged,
+        module, num_layers=1, hidden_size=s.vision_output_size, ffn_hidden_size=merged,
         num_attention_heads=s.vision_heads, add_bias_linear=True, activation_func=F.gelu, gated_linear_unit=False,
         bias_activation_fusion=False, normalization="LayerNorm", layernorm_epsilon=LAYERNORM_EPSILON,
         init_method_std=init_method_std)

@@ -27,7 +27,8 @@ def test_tensor_parallel_tower_matches_the_reference(tmp_path):
     model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=TINY_TEXT, vision_config=TINY_VISION)).eval()
     _randomize(model.model.visual, seed=0)
     model.save_pretrained(tmp_path / "hf")
-    mode = Qwen35VisionSettings(patch_size=4, min_pixels=16 * 16, max_pixels=64 * 64).image_mode()
+    mode = Qwen35VisionSettings(patch_size=4, min_pixels=16 * 16, max_pixels=64 * 64,
+                                vision_out_hidden_size=48).image_mode()
     gen = torch.Generator().manual_seed(1)
     inputs = mode.collate([mode.process(torch.rand(3, h, w, generator=gen)) for h, w in IMAGE_SIZES])
     with torch.no_grad():

@@ -225,10 +225,26 @@ def test_config_values_the_tower_cannot_express_are_refused(checkpoint, field, v
         hf_vision.config_fields({**vision, field: value})
 
 
-@pytest.mark.parametrize("fields, message", [
-    (dict(vision_hidden_size=24, vision_heads=4), "multiple of 4"),
-    (dict(vision_position_embeddings=60), "no square grid"),
+@dataclasses.dataclass
+class WithLanguageModel(Qwen35VisionSettings):
+    """A provider's settings, which inherit the vision fields."""
+
+    hidden_size: int = 64
+
+
+@pytest.mark.parametrize("cls, fields, message", [
+    (Qwen35VisionSettings, dict(vision_hidden_size=24, vision_heads=4, vision_out_hidden_size=64), "multiple of 4"),
+    (Qwen35VisionSettings, dict(vision_position_embeddings=60, vision_out_hidden_size=64), "no square grid"),
+    (Qwen35VisionSettings, dict(), "vision_out_hidden_size: give the patch merger's output size"),
+    (WithLanguageModel, dict(vision_out_hidden_size=48), "vision_out_hidden_size 48 differs from hidden_size 64"),
+    (WithLanguageModel, dict(min_pixels=4096, max_pixels=1024), "min_pixels 4096 is over max_pixels 1024"),
 ])
-def test_settings_the_tower_cannot_build_are_refused(fields, message):
+def test_settings_the_tower_cannot_build_are_refused(cls, fields, message):
     with pytest.raises(ValueError, match=message):
-        Qwen35VisionSettings(**fields)
+        cls(**fields)
+
+
+def test_the_merger_follows_the_language_models_hidden_size():
+    assert WithLanguageModel().vision_output_size == 64
+    assert WithLanguageModel(vision_out_hidden_size=64).vision_output_size == 64
+    assert hf_vision.vision_config(WithLanguageModel())["out_hidden_size"] == 64

@@ -82,7 +82,7 @@ def test_the_pil_processor_differs_by_its_own_resize_only():
 def test_the_qwen_defaults_give_the_references_grid(size):
     """Qwen3.5's own processor settings (16-pixel patches merged 2 x 2, 256^2 to 4096^2 pixels): the grid of
     transformers' smart_resize, for sizes too large to process here."""
-    mode = Qwen35VisionSettings().image_mode()
+    mode = Qwen35VisionSettings(vision_out_hidden_size=4096).image_mode()
     assert (mode.patch_size, mode.merge_size, mode.min_pixels, mode.max_pixels) == (16, 2, 256 ** 2, 4096 ** 2)
     assert mode.resized_size(*size) == reference_smart_resize(*size, factor=32, min_pixels=256 ** 2,
                                                               max_pixels=4096 ** 2)

@@ -106,7 +106,7 @@ def vision_config(s) -> dict:
                 hidden_act=HF_ACTIVATIONS[s.vision_activation], intermediate_size=s.vision_intermediate_size,
                 num_heads=s.vision_heads, in_channels=3, patch_size=s.patch_size,
                 spatial_merge_size=s.spatial_merge_size, temporal_patch_size=s.temporal_patch_size,
-                out_hidden_size=s.vision_out_hidden_size, num_position_embeddings=s.vision_position_embeddings,
+                out_hidden_size=s.vision_output_size, num_position_embeddings=s.vision_position_embeddings,
                 rope_parameters={"rope_type": "axial", "rope_theta": s.vision_rope_theta})
 
 
