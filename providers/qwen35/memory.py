@@ -139,5 +139,6 @@ def module_memory(s: Qwen35Settings) -> dict[str, ModuleMemory]:
     output = ml.output(s.vocab_size, h, kernels=k, fused_loss=k.te and te_extras_enabled())
     if s.tie_word_embeddings:  # the output layer reads the embedding's weight: only the final norm is its own
         output = LayerMemory(output.kind, Weights(replicated=h), output.kept, output.working)
-    return {IMAGES: vision_memory(s), LANGUAGE: ModuleMemory(layers=tuple(kinds[c] for c in s.layer_pattern), tokens_per_sample=s.seq_length,
-                                   first=ml.embedding(s.vocab_size, h), last=output)}
+    language = ModuleMemory(layers=tuple(kinds[c] for c in s.layer_pattern), tokens_per_sample=s.seq_length,
+                            first=ml.embedding(s.vocab_size, h), last=output)
+    return {IMAGES: vision_memory(s), LANGUAGE: language}
