@@ -159,7 +159,8 @@ def merge_modality_inputs(inputs: Iterable[Mapping[str, Mapping[str, Mapping[str
     return out
 
 
-# A micro-batch's per-row tensors `[b, s]`, stacked on dim 0 when lanes merge.
+# A micro-batch's per-row tensors `[b, s]` (position_ids may have axes in front: `[A, b, s]`), stacked on the rows'
+# dimension when lanes merge.
 ROW_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "attention_mask")
 
 
@@ -186,8 +187,8 @@ def merge_lane_batches(batches: Iterable[Mapping[str, Any]]) -> dict:
         if not all(present):
             raise ValueError(f"key {key!r} is missing from lanes {[i for i, p in enumerate(present) if not p]}")
         rows = [b[key] for b in batches]
-        rows = [torch.nn.functional.pad(r, (0, width - r.shape[1])) if r.shape[1] < width else r for r in rows]
-        merged[key] = torch.cat(rows, dim=0)
+        rows = [torch.nn.functional.pad(r, (0, width - r.shape[-1])) if r.shape[-1] < width else r for r in rows]
+        merged[key] = torch.cat(rows, dim=-2)
     merged["modality_inputs"] = merge_modality_inputs(b.get("modality_inputs") for b in batches)
     packing = [b.get("packing_kwargs") for b in batches]
     if any(p is not None for p in packing):

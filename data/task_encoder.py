@@ -5,7 +5,9 @@ many placeholders as the vision encoder emits tokens for it; the image mode (`Fi
 images.py) decides how many and what the encoder's input is.
 
 Batches are dicts: `input_ids`, `labels`, `loss_mask`, `position_ids` as `[B, S]` tensors and `modality_inputs`
-`{modality: {encoder name: encoder input}}` (empty when no sample of the batch has an image). Optionally
+`{modality: {encoder name: encoder input}}` (empty when no sample of the batch has an image). A `positions` hook
+makes each sample's positions instead of `0 .. L-1`: `[A, L]` for A position axes (Qwen's multimodal RoPE: 3,
+temporal, height, width), and the batch's `position_ids` are then `[A, B, S]`. Optionally
 (`pack_sequences=True`, with energon's `packing_buffer_size`), several samples share one row of `seq_length`
 tokens, the B rows are laid end to end as one `[1, B * S]` row (megatron-core's THD format takes batch 1), and
 the batch carries `packing_kwargs` for MimoModel (THD cu_seqlens; positions restart per sample). With a
@@ -45,7 +47,7 @@ class EncodedSample(Sample):
     labels: torch.Tensor
     #: `[L]` 1.0 where `labels` is a text token to learn
     loss_mask: torch.Tensor
-    #: `[L]` position of each token within its own sample
+    #: `[L]` position of each token within its own sample (`[A, L]` from a `positions` hook with A axes)
     position_ids: torch.Tensor
     #: the sample's images, in placeholder order
     images: list
@@ -75,6 +77,13 @@ def tombstone(sample, record: SkipRecord) -> EncodedSample:
                          __sources__=get("__sources__", None), **fields)
 
 
+def continued(position_ids: torch.Tensor, extra: int) -> torch.Tensor:
+    """`extra` positions after `position_ids` ([L] or [A, L]), on every axis from its largest last value + 1 (0
+    after none): what padding after a sample takes."""
+    last = int(position_ids[..., -1].max()) + 1 if position_ids.numel() else 0
+    return torch.arange(last, last + extra, dtype=torch.long).expand(*position_ids.shape[:-1], extra)
+
+
 def is_tombstone(sample) -> bool:
     return not sample.seqlens and bool(getattr(sample, "dropped", None))
 
@@ -96,13 +105,16 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         image_token_budget: with packing, the image placeholders one row may carry (None: no bound but the row's);
             the loop sets it from the memory plan (`DataContext.pack_image_tokens`), and a sample whose own images
             take more is skipped as too long.
+        positions: a sample's positions from its tokens `[L]` and processed images: `[L]` or `[A, L]` (A axes, e.g.
+            a multimodal RoPE's temporal, height and width); None: `0 .. L-1`. Called per sample, so packed rows
+            restart them per sample; padding continues a row's last sample from its largest last position.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, seq_length: int, image_mode: ImageMode | None = None,
                  encoder_name: str = "vit", modality: str = "images",
                  min_text_tokens: int = 1,
                  pad_to_longest: bool = False, pad_multiple: int = 1, pack_sequences: bool = False,
-                 segment_multiple: int = 1, image_token_budget: int | None = None):
+                 segment_multiple: int = 1, image_token_budget: int | None = None, positions=None):
         super().__init__()
         if seq_length < 2:
             raise ValueError(f"seq_length must be >= 2, got {seq_length}")
@@ -124,6 +136,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         self.pack_sequences = pack_sequences
         self.segment_multiple = segment_multiple
         self.image_token_budget = image_token_budget
+        self.positions = positions
 
     # -- per sample ---------------------------------------------------------------------------------------------
 
@@ -206,11 +219,11 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         out.needed_tokens = whole
         return out
 
-    @staticmethod
-    def _encoded(sample, tokens, labels, loss_mask, images: list) -> EncodedSample:
+    def _encoded(self, sample, tokens, labels, loss_mask, images: list) -> EncodedSample:
         """One sample's row, keeping the sample's key and restore key (an energon Sample or a raw dict)."""
-        fields = dict(tokens=tokens, labels=labels, loss_mask=loss_mask,
-                      position_ids=torch.arange(len(tokens), dtype=torch.long), images=images,
+        positions = torch.arange(len(tokens), dtype=torch.long) if self.positions is None else \
+            self.positions(tokens, images).long()
+        fields = dict(tokens=tokens, labels=labels, loss_mask=loss_mask, position_ids=positions, images=images,
                       seqlens=[len(tokens)], image_counts=[len(images)])
         if isinstance(sample, Sample):
             return EncodedSample.derive_from(sample, **fields)
@@ -274,7 +287,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         # each sample but the last padded to its place (the row's tail pads the last one, in `batch`)
         rows = [self._padded_tail(s) for s in good[:-1]] + [(s.tokens, s.labels, s.loss_mask, s.position_ids)
                                                               for s in good[-1:]]
-        tokens, labels, loss_mask, position_ids = (torch.cat(parts) for parts in zip(*rows))
+        tokens, labels, loss_mask, position_ids = (torch.cat(parts, dim=-1) for parts in zip(*rows))
         return EncodedSample(
             __key__=",".join(s.__key__ for s in good),
             __restore_key__=(),
@@ -297,10 +310,9 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         if not extra:
             return sample.tokens, sample.labels, sample.loss_mask, sample.position_ids
         pad = torch.full((extra,), self.tokenizer.pad_id, dtype=sample.tokens.dtype)
-        last = int(sample.position_ids[-1]) + 1
         return (torch.cat([sample.tokens, pad]), torch.cat([sample.labels, pad.to(sample.labels.dtype)]),
                 torch.cat([sample.loss_mask, sample.loss_mask.new_zeros(extra)]),
-                torch.cat([sample.position_ids, torch.arange(last, last + extra, dtype=sample.position_ids.dtype)]))
+                torch.cat([sample.position_ids, continued(sample.position_ids, extra)], dim=-1))
 
     # -- batching -----------------------------------------------------------------------------------------------
 
@@ -319,7 +331,9 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         input_ids = torch.full((b, s), tok.pad_id, dtype=torch.long)
         labels = torch.full((b, s), tok.pad_id, dtype=torch.long)
         loss_mask = torch.zeros((b, s), dtype=torch.float32)
-        position_ids = torch.arange(s, dtype=torch.long).repeat(b, 1)
+        # position axes: [B, S], or [A, B, S] where a positions hook gives A of them
+        axes = next((x.position_ids.shape[:-1] for x in samples if x.position_ids.numel()), ())
+        position_ids = torch.arange(s, dtype=torch.long).repeat(*axes, b, 1)
         for i, sample in enumerate(samples):
             n = len(sample.tokens)
             if n > s:
@@ -327,11 +341,10 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
             input_ids[i, :n] = sample.tokens
             labels[i, :n] = sample.labels
             loss_mask[i, :n] = sample.loss_mask
-            if self.pack_sequences:
-                position_ids[i, :n] = sample.position_ids
+            if self.pack_sequences or self.positions is not None:
+                position_ids[..., i, :n] = sample.position_ids
                 # padding continues the row's last sequence (it is that sequence's padded tail in packing_kwargs)
-                last = int(sample.position_ids[-1]) + 1 if n else 0
-                position_ids[i, n:] = torch.arange(last, last + s - n)
+                position_ids[..., i, n:] = continued(sample.position_ids, s - n)
         out = {"input_ids": input_ids, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids,
                "modality_inputs": {}}
         images = [im for sample in samples for im in sample.images]
@@ -340,7 +353,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         if self.pack_sequences:
             # megatron-core's THD path takes the packed batch as one row (batch 1), sequences laid end to end
             for key in ("input_ids", "labels", "loss_mask", "position_ids"):
-                out[key] = out[key].reshape(1, b * s)
+                out[key] = out[key].reshape(*out[key].shape[:-2], 1, b * s)
             out["packing_kwargs"] = self._packing_kwargs(samples, s)
         return out
 

@@ -45,8 +45,10 @@ def data_provider(settings, ctx):
     (an iterator with the optional capabilities the loop uses: resumable state, data counts, ...), or a plain
     iterator or generator, which the loop wraps as a DataSource with no capability.
 
-    A micro-batch is a dict: input_ids, labels, loss_mask, position_ids as [micro_batch_size, seq] tensors, and
-    modality_inputs {modality: {encoder: {argument: tensor}}} for the samples' images.
+    A micro-batch is a dict: input_ids, labels, loss_mask, position_ids as [micro_batch_size, seq] tensors (position_ids
+    may have position axes in front, [axes, micro_batch_size, seq]: a multimodal RoPE's temporal, height and width
+    positions, which the loop passes to the language model as they are), and modality_inputs {modality: {encoder:
+    {argument: tensor}}} for the samples' images.
 
     With `--data` (`ctx.data_path`), read that dataset (`ctx.energon_loader`, `mimo.plugins.data`) or raise
     `mimo.errors.UsageError`; never fall back to other data.

@@ -70,14 +70,16 @@ def check_micro_batch(batch, rows: int, encoders: dict[str, Encoder], vocab_size
         raise ContractError("data_provider", f"{where} lacks {missing} (has {sorted(batch)})")
     for key in TEXT_KEYS:
         value = batch[key]
-        if not isinstance(value, torch.Tensor) or value.dim() != 2:
-            raise ContractError("data_provider", f"{where}: {key} must be a [micro_batch_size, seq] tensor, got "
-                                                 f"{_shape(value)}")
-        if value.shape[0] != rows:
-            raise ContractError("data_provider", f"{where}: {key} has {value.shape[0]} rows but the DataContext "
+        # position_ids may carry position axes in front: [A, micro_batch_size, seq] (multimodal RoPE's 3)
+        dims = (2, 3) if key == "position_ids" else (2,)
+        if not isinstance(value, torch.Tensor) or value.dim() not in dims:
+            shape = "[micro_batch_size, seq] tensor" + (" (or [axes, micro_batch_size, seq])" if len(dims) > 1 else "")
+            raise ContractError("data_provider", f"{where}: {key} must be a {shape}, got {_shape(value)}")
+        if value.shape[-2] != rows:
+            raise ContractError("data_provider", f"{where}: {key} has {value.shape[-2]} rows but the DataContext "
                                                  f"asked for {rows} samples (one per index of ctx.sample_indices())")
-        seq_length = seq_length or value.shape[1]
-        if value.shape[1] != seq_length:
+        seq_length = seq_length or value.shape[-1]
+        if value.shape[-1] != seq_length:
             raise ContractError("data_provider", f"{where}: {key} is {tuple(value.shape)}, other tensors have "
                                                  f"sequence length {seq_length}")
         if key in INTEGER_KEYS and value.is_floating_point():

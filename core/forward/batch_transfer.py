@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 # Encoder arguments that describe the batch rather than feed a kernel: they stay on the host, where the encoder
-# reads them without waiting for the GPU (mimo.plugins.data's dynamic-resolution images).
-HOST_ARGUMENTS = ("imgs_sizes",)
+# reads them without waiting for the GPU (mimo.plugins.data's dynamic-resolution images; an image grid's `grid_thw`,
+# transformers' name, which Qwen's vision tower reads).
+HOST_ARGUMENTS = ("imgs_sizes", "grid_thw")
 
 
 def to_device(value, device: torch.device, float_dtype: torch.dtype):

@@ -53,3 +53,23 @@ def parameter_counts(s: Qwen35Settings) -> Count:
     embeddings = s.vocab_size * h * (1 if s.tie_word_embeddings else 2) + h  # and the final norm
     return Count(embeddings + mixers + s.num_layers * per_mlp.total,
                  embeddings + mixers + s.num_layers * per_mlp.active)
+
+
+def vision_tower(s: Qwen35Settings) -> int:
+    """The patch embedding (a Conv3d's weight and bias), the learned position grid, and each block: two LayerNorms,
+    fused qkv and output projection with biases, the MLP with biases."""
+    h, ffn = s.vision_hidden_size, s.vision_intermediate_size
+    embed = h * 3 * s.temporal_patch_size * s.patch_size ** 2 + h + s.vision_position_embeddings * h
+    block = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * ffn + ffn) + (ffn * h + h)
+    return embed + s.vision_depth * block
+
+
+def patch_merger(s: Qwen35Settings) -> int:
+    """The LayerNorm per patch, fc1 over a merged block (m^2 patches side by side) and fc2 to the LLM's width."""
+    merged = s.vision_hidden_size * s.spatial_merge_size ** 2
+    return 2 * s.vision_hidden_size + (merged * merged + merged) + (merged * s.vision_output_size
+                                                                    + s.vision_output_size)
+
+
+def vision_count(s: Qwen35Settings) -> int:
+    return vision_tower(s) + patch_merger(s)

@@ -1,4 +1,5 @@
-"""Forward FLOPs per sample (2 per multiply-add) of the language model, for the loop's TFLOP/s and MFU.
+"""Forward FLOPs per sample (2 per multiply-add) of the vision tower and the language model, for the loop's TFLOP/s
+and MFU.
 
 Counted: every matrix multiply a token passes through (active experts only, the router, the shared expert and its
 gate), attention scores and context over the whole sequence (Megatron's convention), and in the gated delta net
@@ -9,10 +10,12 @@ across chunks the state reads and updates). `sample_flops` is the same for one s
 
 from __future__ import annotations
 
+import math
+
 from mimo import LANGUAGE
 
 from .counts import swiglu
-from .settings import Qwen35Settings
+from .settings import IMAGES, Qwen35Settings
 
 CHUNK = 64  # the chunk of megatron-core's (and flash-linear-attention's) chunked gated delta rule
 
@@ -53,9 +56,34 @@ def language(s: Qwen35Settings, tokens: int | None = None) -> float:
     return float(tokens * per_token)
 
 
+def image(s: Qwen35Settings, patches: float, patches_sq: float | None = None) -> float:
+    """One image of `patches` patches through the tower (patch embedding, blocks with attention within the image:
+    `patches_sq` is E[patches^2] for an expectation) and the patch merger (per merged token)."""
+    h, ffn, m2 = s.vision_hidden_size, s.vision_intermediate_size, s.spatial_merge_size ** 2
+    patches_sq = patches * patches if patches_sq is None else patches_sq
+    embed = 2 * 3 * s.temporal_patch_size * s.patch_size ** 2 * h * patches
+    blocks = s.vision_depth * (2 * (4 * h * h + 2 * h * ffn) * patches + 4 * h * patches_sq)
+    merged = h * m2
+    merger = 2 * (merged * merged + merged * s.vision_output_size) * patches / m2
+    return embed + blocks + merger
+
+
+def mean_image(s: Qwen35Settings) -> float:
+    """An image of the synthetic data (data.py): its area log-uniform between min_pixels and the largest image, so
+    E[patches] and E[patches^2] of that draw (grid rounding left out)."""
+    from .data import largest_image_area
+
+    lo, hi = s.min_pixels / s.patch_size ** 2, largest_image_area(s) / s.patch_size ** 2
+    if hi <= lo:
+        return image(s, lo)
+    span = math.log(hi / lo)
+    return image(s, (hi - lo) / span, (hi * hi - lo * lo) / (2 * span))
+
+
 def forward_flops(s: Qwen35Settings) -> dict[str, float]:
-    return {LANGUAGE: language(s)}
+    return {IMAGES: s.images_per_sample * mean_image(s), LANGUAGE: language(s)}
 
 
 def sample_flops(s: Qwen35Settings, tokens: int, image_patches) -> dict[str, float]:
-    return {LANGUAGE: language(s, tokens)}
+    """One sample of `tokens` LLM tokens whose images the tower reads as `image_patches` patches each."""
+    return {IMAGES: float(sum(image(s, p) for p in image_patches)), LANGUAGE: language(s, tokens)}

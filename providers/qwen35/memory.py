@@ -4,6 +4,7 @@ is its weights and what it keeps per token without recomputation; full recomputa
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,7 +13,7 @@ from mimo.plugins.kit import memory_layers as ml
 from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from .counts import swiglu
-from .settings import Qwen35Settings
+from .settings import IMAGES, Qwen35Settings
 from .specs import resolve_backend
 
 CHUNK = 64  # the gated delta rule's chunk
@@ -104,6 +105,33 @@ def layer(mixer: Part, mlp: Part, h: int) -> LayerMemory:
                        stacked_experts=mlp.stacked_experts, **extra)
 
 
+def vision_memory(s: Qwen35Settings) -> ModuleMemory:
+    """The tower's blocks (ViT layers; mimo's SDPA module on packed images copies the attention output, and the
+    tower runs megatron-core's local modules on either backend), the patch embedding with the position grid
+    first, the patch merger last. A sample's patches: at most max_pixels' of one image and as many as its
+    placeholders (which fit the sequence) hold."""
+    from .data import largest_image_area
+
+    vh, heads, m2 = s.vision_hidden_size, s.vision_heads, s.spatial_merge_size ** 2
+    k = ml.Kernels(fp32_norm=True, attention_copy=True)
+    block = ml.transformer(vh, heads, heads, vh // heads, s.vision_intermediate_size, k, bias=True, rope=True,
+                           kind="vision block")
+    row = 3 * s.temporal_patch_size * s.patch_size ** 2
+    first = LayerMemory("patch embedding", Weights(replicated=row * vh + vh + s.vision_position_embeddings * vh),
+                        lambda mode, v: TokenBytes(replicated=row * v + 2 * vh * v))
+    merged = vh * m2
+    # per patch: the norm's input and output, then fc1's output and GELU's (a merged token's share)
+    last = LayerMemory("patch merger", Weights(tp=merged * merged + merged * s.vision_output_size,
+                                               replicated=2 * vh + merged + s.vision_output_size),
+                       lambda mode, v: TokenBytes(replicated=2 * vh * v + ml.STATS, tp=2 * vh * v))
+    patches = min(s.max_pixels // s.patch_size ** 2, s.seq_length * m2)
+    lo, hi = s.min_pixels, max(largest_image_area(s), s.min_pixels)  # the synthetic areas: log-uniform
+    mean = s.images_per_sample * (hi - lo) / math.log(hi / lo) / s.patch_size ** 2 if hi > lo else \
+        s.images_per_sample * lo / s.patch_size ** 2
+    return ModuleMemory(layers=(block,) * s.vision_depth, tokens_per_sample=patches, first=first, last=last,
+                        mean_tokens_per_sample=mean or None, tokens_per_image_token=float(m2))
+
+
 def module_memory(s: Qwen35Settings) -> dict[str, ModuleMemory]:
     k, h = kernels(s), s.hidden_size
     mlp = moe(s, k) if s.is_moe else swiglu_mlp(s, k)
@@ -111,5 +139,6 @@ def module_memory(s: Qwen35Settings) -> dict[str, ModuleMemory]:
     output = ml.output(s.vocab_size, h, kernels=k, fused_loss=k.te and te_extras_enabled())
     if s.tie_word_embeddings:  # the output layer reads the embedding's weight: only the final norm is its own
         output = LayerMemory(output.kind, Weights(replicated=h), output.kept, output.working)
-    return {LANGUAGE: ModuleMemory(layers=tuple(kinds[c] for c in s.layer_pattern), tokens_per_sample=s.seq_length,
-                                   first=ml.embedding(s.vocab_size, h), last=output)}
+    language = ModuleMemory(layers=tuple(kinds[c] for c in s.layer_pattern), tokens_per_sample=s.seq_length,
+                            first=ml.embedding(s.vocab_size, h), last=output)
+    return {IMAGES: vision_memory(s), LANGUAGE: language}

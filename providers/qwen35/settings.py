@@ -1,6 +1,7 @@
 """The settings of the Qwen3.5 family: one dataclass; the variants differ only in defaults (see `VARIANTS` in
 `__init__.py`). The defaults are the released 9B-style dense model's language model (transformers'
-`Qwen3_5TextConfig` defaults)."""
+`Qwen3_5TextConfig` defaults) and transformers' vision tower (`Qwen35VisionSettings`, whose fields these inherit:
+the vision tower's first, then the language model's)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ from typing import Literal
 
 from mimo import setting
 
+from .vision import Qwen35VisionSettings
+
 IMAGES = "images"  # the modality slot the vision tower fills (providers/qwen35/vision.py)
+ENCODER = "visual"  # the tower's name in it (transformers': model.visual): modality_submodules.images.encoders.visual
 LAYER_SYMBOLS = {"G": "gated delta net (linear attention)", "*": "full attention"}
 # layer_types entries of transformers' config <-> the pattern's symbols
 HF_LAYER_TYPES = {"linear_attention": "G", "full_attention": "*"}
@@ -22,7 +26,7 @@ def interleaved_pattern(num_layers: int, full_attention_interval: int = 4) -> st
 
 
 @dataclass
-class Qwen35Settings:
+class Qwen35Settings(Qwen35VisionSettings):
     # -- kernels
     backend: Literal["auto", "te", "local"] = setting(
         "auto", "te: transformer-engine layers and flash-linear-attention's gated delta rule; local: plain "
@@ -73,10 +77,14 @@ class Qwen35Settings:
         None, "image placeholder token (Qwen3.5's <|image_pad|> is 248056; default: vocab_size - 1)", minimum=0)
 
     # -- synthetic data
-    num_classes: int = setting(16, "synthetic data: caption classes; a sample is a class's caption after a "
-                                   "prompt naming the class", **SIZE)
+    num_classes: int = setting(16, "synthetic data: caption classes; a sample is an image of its class's pattern "
+                                   "(or, without images, a token naming the class), then the class's caption",
+                               **SIZE)
+    images_per_sample: int = setting(1, "synthetic data: images of the class's pattern before each caption; 0: "
+                                        "text only (the language model alone learns)", minimum=0)
 
     def __post_init__(self):
+        super().__post_init__()  # the vision tower's and the images' checks
         bad = sorted(set(self.layer_pattern) - set(LAYER_SYMBOLS))
         if not self.layer_pattern or bad:
             raise ValueError(f"layer_pattern {self.layer_pattern!r} must be made of G (gated delta net) and "
@@ -103,3 +111,8 @@ class Qwen35Settings:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def image_token(self) -> int:
+        """The image placeholder's id: image_token_id, else the vocabulary's last id."""
+        return self.vocab_size - 1 if self.image_token_id is None else self.image_token_id

@@ -1,8 +1,10 @@
 """Hugging Face Qwen3.5 <-> the qwen3.5-vl providers' language model (providers/qwen35/hf/), proven against
 transformers' reference implementation: tiny random `Qwen3_5ForConditionalGeneration` and
 `Qwen3_5MoeForConditionalGeneration` models (both layer kinds: gated delta net and gated full attention) are saved
-(sharded), loaded through the provider's hf_settings / hf_tensor_map hooks into mimo's language model (local
-backend, fp32) by the per-rank loader, and both compute the same teacher-forced logits of text token ids."""
+(sharded), their language model loaded through the provider's hf_settings / hf_tensor_map hooks (part
+"language", `--pretrained-llm`) into mimo's language model (local backend, fp32) by the per-rank loader, and both
+compute the same teacher-forced logits of text token ids. The whole VLM, images included, and its export:
+test_hf_qwen35_vlm.py."""
 
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from mimo.plugins.kit.safetensors_io import FolderSource
 from mimo.providers import qwen35
 from mimo.providers.qwen35 import Qwen35Settings
 from mimo.providers.qwen35.counts import parameter_counts
-from qwen35_models import MOE_TEXT, TEXT, save_reference
+from qwen35_models import TEXT, TOKENS, VISION, save_reference
 
 ALONE = {"dp_cp_group": None}
 MAX_RELATIVE_ERROR = 1e-4  # of the logits, relative to their largest magnitude
@@ -59,7 +61,7 @@ def _max_relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def test_mimo_computes_the_reference_logits(tmp_path, moe, tied):
     reference, folder = save_reference(tmp_path, moe, tied=tied)
     hf_config = safetensors_io.read_config(folder)
-    fields = qwen35.hf_settings(hf_config=hf_config, part="model")
+    fields = qwen35.hf_settings(hf_config=hf_config, part="language")
     assert fields["layer_pattern"] == "GG*G" and fields["num_experts"] == (4 if moe else 0)
     assert fields["tie_word_embeddings"] == tied
     input_ids = torch.randint(0, 264, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -67,7 +69,7 @@ def test_mimo_computes_the_reference_logits(tmp_path, moe, tied):
         want = reference(input_ids=input_ids).logits
     with world_of_one():
         settings, model = _language_model(fields)
-        tmap = _unprefixed(qwen35.hf_tensor_map(settings=settings, hf_config=hf_config, part="model"))
+        tmap = _unprefixed(qwen35.hf_tensor_map(settings=settings, hf_config=hf_config, part="language"))
         with FolderSource(folder) as source:
             check_folder("the folder", tmap, source)
             read, initial, errors = load_into(model, [(tmap, source)], ALONE)
@@ -135,50 +137,20 @@ def test_an_unsupported_config_value_is_one_line_naming_the_field(field, value):
     assert "\n" not in str(err.value) and f"{field}={value!r}" in str(err.value)
 
 
-def test_a_text_model_folder_reads_as_the_whole_model_while_there_is_no_vision_tower():
-    """What export-hf writes (a Qwen3_5ForCausalLM folder) reads back as `--pretrained`: the same settings as the
-    language-model part, and the same map."""
+def test_a_text_model_folder_is_the_language_model_and_a_vlm_folder_each_part():
+    """A Qwen3_5ForCausalLM folder has no vision tower: `--pretrained-llm` reads it, `--pretrained` (the whole VLM)
+    does not. A VLM folder gives each part its own keys: the language model's, the vision tower's and merger's."""
     config = {**TEXT, "model_type": "qwen3_5_text"}
-    fields = qwen35.hf_settings(hf_config=config, part="model")
-    assert fields == qwen35.hf_settings(hf_config=config, part="language") and fields["layer_pattern"] == "GG*G"
-    settings = Qwen35Settings(**fields)
-    whole, part = (qwen35.hf_tensor_map(settings=settings, hf_config=config, part=p) for p in ("model", "language"))
-    assert whole.tensors == part.tensors and "language_model.embedding.word_embeddings.weight" in whole.tensors
-
-
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_export_writes_the_language_model_transformers_loads_bit_for_bit(tmp_path, moe):
-    """The provider's hf_export: config.json and the map of the language model as a Qwen3_5ForCausalLM folder;
-    from a model loaded out of a VLM folder, every text tensor comes back bit for bit, and transformers' causal LM
-    loaded from the export computes the VLM's logits."""
-    import transformers
-
-    from mimo.core.checkpoint.hf_load import global_tensors
-    from mimo.plugins.kit.tensor_map import to_hf
-
-    reference, folder = save_reference(tmp_path / "vlm", moe)
-    hf_config = safetensors_io.read_config(folder)
-    input_ids = torch.randint(0, 264, (1, 30), generator=torch.Generator().manual_seed(4))
-    with torch.no_grad():
-        want = reference(input_ids=input_ids).logits
-    with world_of_one():
-        settings, model = _language_model(qwen35.hf_settings(hf_config=hf_config, part="model"))
-        with FolderSource(folder) as source:
-            load_into(model, [(_unprefixed(qwen35.hf_tensor_map(settings=settings, hf_config=hf_config,
-                                                                  part="model")), source)], ALONE)
-        export = qwen35.hf_export(settings=settings)
-        assert qwen35.hf_export_check(settings=settings) == {}
-        tensors = to_hf(_unprefixed(export.tensors), global_tensors(model, ALONE))
-    with FolderSource(folder) as source:
-        for name, tensor in tensors.items():
-            original = "lm_head.weight" if name == "lm_head.weight" else "model.language_model." + name[len("model."):]
-            assert torch.equal(tensor, source.read(original)), name
-    safetensors_io.save(tmp_path / "export", tensors, export.config)
-    cls = transformers.Qwen3_5MoeForCausalLM if moe else transformers.Qwen3_5ForCausalLM
-    reloaded = cls.from_pretrained(tmp_path / "export").eval()
-    fields, back = (qwen35.hf_settings(hf_config=c, part=p) for c, p in ((hf_config, "model"), (export.config,
-                                                                                                 "language")))
-    assert {k: v for k, v in fields.items() if k != "image_token_id"} == back  # the same model
-    with torch.no_grad():
-        got = reloaded(input_ids=input_ids).logits
-    assert _max_relative_error(got, want) <= MAX_RELATIVE_ERROR
+    assert qwen35.hf_settings(hf_config=config, part="model") is None
+    fields = qwen35.hf_settings(hf_config=config, part="language")
+    assert fields["layer_pattern"] == "GG*G"
+    vlm = {"model_type": "qwen3_5", "text_config": {**TEXT, "model_type": "qwen3_5_text"},
+           "vision_config": {**VISION, "model_type": "qwen3_5_vision"}, **TOKENS}
+    whole = qwen35.hf_settings(hf_config=vlm, part="model")
+    assert whole == {**fields, **qwen35.hf_settings(hf_config=vlm, part="vision")}
+    settings = Qwen35Settings(**whole)
+    maps = {p: qwen35.hf_tensor_map(settings=settings, hf_config=vlm, part=p) for p in ("model", "language", "vision")}
+    assert all(k.startswith("language_model.") for k in maps["language"].tensors)
+    assert all(k.startswith("modality_submodules.images.") for k in maps["vision"].tensors)
+    assert maps["model"].tensors == {**maps["language"].tensors, **maps["vision"].tensors}
+    assert "modality_submodules.images.input_projections.0.encoder.linear_fc1.weight" in maps["vision"].tensors

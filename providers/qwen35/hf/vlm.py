@@ -1,24 +1,34 @@
 """Hugging Face checkpoints of the Qwen3.5 family for the provider's hooks: a whole
 `Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration` folder (`--pretrained HF_DIR`, `mimo ckpt
-import-hf HF_DIR`), or the language model alone (`qwen3_5_text`, `qwen3_5_moe_text`: `--pretrained-llm DIR`, and
-`--pretrained DIR` while the provider builds no vision tower; what `mimo ckpt export-hf` writes).
+import-hf HF_DIR`, and what `mimo ckpt export-hf` writes), its language model alone (`--pretrained-llm`: the VLM
+folder, or a `qwen3_5_text` / `qwen3_5_moe_text` `Qwen3_5ForCausalLM` one) or its vision tower alone
+(`--pretrained-vision`: a VLM folder).
 
-    model.language_model.*, lm_head.weight    the language model    language_model.*    (hf/qwen3_5.py)
-    model.visual.*                            the vision tower      (not read yet: the vision tower's own map)
+    model.language_model.*, lm_head.weight  the language model  language_model.*                     (qwen3_5.py)
+    model.visual.* but merger.*             the vision tower    modality_submodules.images.encoders.visual.*
+    model.visual.merger.*                   the patch merger    modality_submodules.images.input_projections.0.*
+
+The image processor's fields (pixels, normalization) are not in config.json: an import keeps the settings' (Qwen's
+processor defaults); an export writes them as preprocessor_config.json.
 """
 
 from __future__ import annotations
+
+import json
 
 from mimo import LANGUAGE, module_prefix
 from mimo.errors import UsageError
 from mimo.plugins.kit.tensor_map import HFExport, TensorMap
 
-from . import qwen3_5
-from ..settings import Qwen35Settings
+from . import qwen3_5, vision
+from ..settings import ENCODER, IMAGES, Qwen35Settings
 
 VLM_TYPES = ("qwen3_5", "qwen3_5_moe")
 LANGUAGE_PREFIX = module_prefix(LANGUAGE)
+ENCODER_PREFIX = f"{module_prefix(IMAGES)}encoders.{ENCODER}."
+MERGER_PREFIX = f"{module_prefix(IMAGES)}input_projections.0."
 VISION_PREFIX = "model.visual."
+TEXT_PREFIX = "model.language_model."
 
 
 def _text_config(hf_config: dict) -> dict:
@@ -30,30 +40,53 @@ def _text_config(hf_config: dict) -> dict:
     return text
 
 
-def hf_settings(hf_config: dict, part: str) -> dict | None:
-    model_type = hf_config.get("model_type")
-    if part == "language":
-        return qwen3_5.config_fields(hf_config) if model_type in qwen3_5.TEXT_TYPES else None
-    if part == "model" and model_type in qwen3_5.TEXT_TYPES:
-        # the language model alone is the whole model while the provider builds no vision tower (and what
-        # hf_export writes): a Qwen3_5ForCausalLM folder reads as `--pretrained` too
-        return qwen3_5.config_fields(hf_config)
-    if part != "model" or model_type not in VLM_TYPES:
-        return None
-    fields = qwen3_5.config_fields(_text_config(hf_config))
+def _vision_fields(hf_config: dict) -> dict:
+    fields = vision.config_fields(hf_config.get("vision_config") or {})
     if hf_config.get("image_token_id") is not None:
         fields["image_token_id"] = hf_config["image_token_id"]
     return fields
 
 
+def hf_settings(hf_config: dict, part: str) -> dict | None:
+    model_type = hf_config.get("model_type")
+    if part == "language":
+        if model_type in qwen3_5.TEXT_TYPES:
+            return qwen3_5.config_fields(hf_config)
+        return qwen3_5.config_fields(_text_config(hf_config)) if model_type in VLM_TYPES else None
+    if model_type not in VLM_TYPES:
+        return None  # a text model's folder has no vision tower: --pretrained-llm reads it
+    if part == "vision":
+        return _vision_fields(hf_config)
+    if part != "model":
+        return None
+    return {**qwen3_5.config_fields(_text_config(hf_config)), **_vision_fields(hf_config)}
+
+
+def _language_map(settings: Qwen35Settings, text_prefix: str) -> TensorMap:
+    return qwen3_5.tensor_map(vars(settings), text_prefix).prefixed(LANGUAGE_PREFIX, "")
+
+
+def _vision_map(settings: Qwen35Settings) -> TensorMap:
+    return vision.tower_map(settings).prefixed(ENCODER_PREFIX, VISION_PREFIX).merged(
+        vision.merger_map(settings).prefixed(MERGER_PREFIX, VISION_PREFIX))
+
+
 def hf_tensor_map(settings: Qwen35Settings, hf_config: dict, part: str) -> TensorMap | None:
     model_type = hf_config.get("model_type")
-    if part in ("language", "model") and model_type in qwen3_5.TEXT_TYPES:
-        return qwen3_5.tensor_map(vars(settings), "model.").prefixed(LANGUAGE_PREFIX, "")
-    if part == "model" and model_type in VLM_TYPES:
-        tmap = qwen3_5.tensor_map(vars(settings), "model.language_model.").prefixed(LANGUAGE_PREFIX, "")
-        tmap.ignored += (VISION_PREFIX,)  # the vision tower has no map yet: its weights are not read
+    if part == "language" and model_type in qwen3_5.TEXT_TYPES:
+        return _language_map(settings, "model.")
+    if model_type not in VLM_TYPES:
+        return None
+    if part == "language":
+        tmap = _language_map(settings, TEXT_PREFIX)
+        tmap.ignored += (VISION_PREFIX,)
         return tmap
+    if part == "vision":
+        tmap = _vision_map(settings)
+        tmap.ignored += (TEXT_PREFIX, "lm_head.", "mtp.")
+        return tmap
+    if part == "model":
+        return _language_map(settings, TEXT_PREFIX).merged(_vision_map(settings))
     return None
 
 
@@ -61,15 +94,33 @@ def hf_tensor_map(settings: Qwen35Settings, hf_config: dict, part: str) -> Tenso
 
 
 def hf_export_check(settings: Qwen35Settings) -> dict:
-    """Every setting is a Qwen3.5 text config's: nothing refused."""
+    """Every setting is a Qwen3.5 VLM config's: nothing refused."""
     return {}
 
 
+def vlm_config(s: Qwen35Settings) -> dict:
+    """The `Qwen3_5ForConditionalGeneration` (or MoE) config.json of settings `s`: what transformers reads back as
+    the same model (hf_settings of it gives `s`'s fields)."""
+    from ..tokens import image_token_id
+
+    text = qwen3_5.text_config(s)
+    text.pop("architectures")
+    text.pop("tie_word_embeddings")
+    moe = s.num_experts > 0
+    vision_config = vision.vision_config(s)
+    vision_config["model_type"] = "qwen3_5_moe_vision" if moe else "qwen3_5_vision"
+    return dict(model_type=VLM_TYPES[int(moe)],
+                architectures=["Qwen3_5MoeForConditionalGeneration" if moe else "Qwen3_5ForConditionalGeneration"],
+                text_config=text, vision_config=vision_config, image_token_id=image_token_id(s),
+                tie_word_embeddings=s.tie_word_embeddings)
+
+
 def hf_export(settings: Qwen35Settings) -> HFExport:
-    """The language model as a `Qwen3_5ForCausalLM` (or `Qwen3_5MoeForCausalLM`) folder, which transformers loads
-    and `--pretrained-llm` reads back; the whole VLM folder comes with the vision tower's map."""
-    tmap = qwen3_5.tensor_map(vars(settings), "model.").prefixed(LANGUAGE_PREFIX, "")
-    config = qwen3_5.text_config(settings)
-    note = (f"the language model alone, as a {config['architectures'][0]} folder (the vision tower is not exported "
-            f"yet); tokenizer files are not written")
-    return HFExport(config, tmap, notes=[note])
+    """The whole VLM as a `Qwen3_5ForConditionalGeneration` (or MoE) folder, which transformers loads and
+    `--pretrained` reads back, with the image processor's preprocessor_config.json."""
+    tmap = _language_map(settings, TEXT_PREFIX).merged(_vision_map(settings))
+    config = vlm_config(settings)
+    files = {"preprocessor_config.json": json.dumps(vision.processor_config(settings), indent=2) + "\n"}
+    note = (f"a {config['architectures'][0]} folder with the image processor's settings; tokenizer files are not "
+            f"written")
+    return HFExport(config, tmap, files=files, notes=[note])
