@@ -75,8 +75,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(world: int, shapes: dict, context_parallel: bool = False) -> list[LayoutOptions]:
-    """Every layout of `world` ranks the shapes allow; LLM CP > 1 where `context_parallel`."""
+def candidates(world: int, shapes: dict) -> list[LayoutOptions]:
+    """Every layout of `world` ranks the shapes allow, CP among them (Layout.check then holds each to the rules a
+    layout given to `mimo plan` is held to: whether the run's sequence, packing and graphs let CP split it)."""
     llm = shapes[topology.LANGUAGE]
     experts = llm.num_experts or 0
     encoder = next((s for n, s in shapes.items() if n != topology.LANGUAGE), None)
@@ -92,7 +93,7 @@ def candidates(world: int, shapes: dict, context_parallel: bool = False) -> list
             for etp in encoder_tps:
                 for pp in pps:
                     # colocated, and on the LLM's own ranks (the bridge sends to CP ranks: core/forward/cp_bridge.py)
-                    cps = _divisors(llm_ranks // (tp * pp)) if context_parallel else [1]
+                    cps = _divisors(llm_ranks // (tp * pp))
                     for ep in ([e for e in _divisors(experts) if (llm_ranks // pp) % e == 0] if experts else [1]):
                         out += [LayoutOptions(encoder_ranks=k, encoder_tp=etp, llm_tp=tp, llm_pp=pp, llm_ep=ep,
                                               llm_cp=cp) for cp in cps]
@@ -120,7 +121,7 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
     is_moe = bool(plan.shapes[topology.LANGUAGE].num_experts)
     found = []
     accepted: dict = {}  # (LLM TP, CP, SP) -> whether the provider builds its modules so split
-    for layout in candidates(world, plan.shapes, context_parallel=True):
+    for layout in candidates(world, plan.shapes):
         sp = config.performance.sequence_parallel or (is_moe and layout.llm_tp > 1)
         run = dataclasses.replace(config, layout=layout, performance=dataclasses.replace(
             config.performance, sequence_parallel=sp))
