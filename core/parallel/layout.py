@@ -45,6 +45,7 @@ class Features:
     pack_sequences: bool = False  # packed (THD) rows from --data
     cuda_graphs: bool = False
     device: str = "auto"
+    gpu_only: tuple[str, ...] = ()  # the options given that need a GPU, as typed (run/plan.gpu_only_options)
 
 
 @dataclass(frozen=True)
@@ -82,13 +83,15 @@ class Layout:
         return cls(parallelism, shapes, features, options, world_size)
 
     @classmethod
-    def of_run(cls, config, world_size: int, shapes: dict[str, ModuleShape], seq_length: int | None) -> Layout:
-        """The layout of a RunConfig's options (`seq_length`: the provider's settings')."""
+    def of_run(cls, config, world_size: int, shapes: dict[str, ModuleShape], seq_length: int | None,
+               gpu_only: tuple[str, ...] = ()) -> Layout:
+        """The layout of a RunConfig's options (`seq_length`: the provider's settings'; `gpu_only`: the options
+        given that need a GPU)."""
         perf = config.performance
         features = Features(micro_batch_size=config.training.micro_batch_size,
                             sequence_parallel=perf.sequence_parallel, seq_length=seq_length,
                             pack_sequences=config.data.data is not None and config.data.pack_sequences,
-                            cuda_graphs=perf.cuda_graphs, device=config.training.device)
+                            cuda_graphs=perf.cuda_graphs, device=config.training.device, gpu_only=gpu_only)
         return cls.plan(config.layout, world_size, shapes, features)
 
     def replaced(self, **options) -> Layout:
@@ -166,6 +169,8 @@ class Layout:
         explicit --device cpu: a plan made on a CPU host with --device auto may be for GPUs."""
         if self.features.device != "cpu":
             return
+        if self.features.gpu_only:
+            raise UsageError(f"{self.features.gpu_only[0]} needs a GPU; this run is on the CPU")
         if self.features.sequence_parallel:
             raise UsageError("--sequence-parallel needs transformer-engine's norms, which need a GPU: drop it on the "
                              "CPU (an LLM with experts then keeps --llm-tp 1 and splits them with --llm-ep)")

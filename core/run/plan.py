@@ -85,8 +85,8 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     t = config.training
     if world_size is None:
         world_size = launch.world_size(config.launch)  # a launcher's world (torchrun, srun), or the options
-    _refuse_gpu_only_on_cpu(config)
-    layout = Layout.of_run(config, world_size, shapes, getattr(settings, "seq_length", None)).check()
+    layout = Layout.of_run(config, world_size, shapes, getattr(settings, "seq_length", None),
+                           tuple(gpu_only_options(config))).check()  # --device cpu: the GPU-only options too
     parallelism = layout.parallelism
     unknown = sorted(set(config.performance.recompute_modes()) - set(shapes) - {"*"})
     if unknown:
@@ -133,14 +133,6 @@ def gpu_only_options(config: RunConfig) -> list[str]:
     if config.logging.memory_snapshot_dir is not None:  # the GPU allocator's history
         given.append("--memory-snapshot-dir")
     return given
-
-
-def _refuse_gpu_only_on_cpu(config: RunConfig) -> None:
-    """What a --device cpu run's workers would refuse (or fail at) after start-up, said by the plan (docs/cpu.md);
-    the layout's own (sequence parallelism, expert TP) are Layout.check's. Only for an explicit --device cpu: a plan
-    made on a CPU host with --device auto may be for GPUs."""
-    if config.training.device == "cpu" and (gpu_only := gpu_only_options(config)):
-        raise UsageError(f"{gpu_only[0]} needs a GPU; this run is on the CPU")
 
 
 def _check_chosen_iterations(logging, train_iters: int) -> None:

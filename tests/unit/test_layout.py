@@ -77,6 +77,10 @@ def test_rows_split_over_two_chunks_per_cp_rank_and_tp_under_sequence_parallelis
     (3, DENSE, Features(micro_batch_size=1), {"encoder_ranks": 2},
      "--micro-batch-size 1 cannot be split over the 2 encoder ranks that feed each LLM lane: use a multiple of 2"),
     (2, DENSE, Features(), {"encoder_ranks": 2}, "--encoder-ranks 2 must leave ranks for the LLM"),
+    # on the CPU the options that need a GPU come after the grid's own rules, before the layout's device rules
+    (2, DENSE, Features(device="cpu", gpu_only=("--fp8",)), {"llm_tp": 3}, "--llm-tp 3 does not fit 2 ranks"),
+    (2, DENSE, Features(device="cpu", gpu_only=("--fp8",), sequence_parallel=True), {"llm_tp": 2, "encoder_tp": 2},
+     "--fp8 needs a GPU; this run is on the CPU"),
 ])
 def test_every_rule_of_a_layout_is_its_checks_one_line(world, shapes, features, options, message):
     layout = Layout.plan(LayoutOptions(**options), world, shapes, features)
