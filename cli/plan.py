@@ -132,9 +132,10 @@ def print_plan(summary: dict, as_json: bool) -> None:
                   f"{counted(summary['num_microbatches'], 'micro-batch')} x "
                   f"{counted(summary['micro_batch_size'], 'sample')} x "
                   f"{counted(summary['llm_data_parallel_lanes'], 'LLM lane')}"
-                  f"{_encoder_pass(summary)}; "
-                  f"{counted(summary['train_iters'], 'iteration')}. " + ("Layout valid." if summary["valid"] else
-                                                              "Layout does not fit."))
+                  f"{_encoder_pass(summary)}; {counted(summary['train_iters'], 'iteration')}.")
+    # the verdict on a line of its own: at 80 columns the line above wraps, and a verdict split over two lines
+    # reads as neither
+    console.print("Layout valid." if summary["valid"] else "Layout does not fit.")
 
 
 def _flop_split(flops: dict[str, float]) -> str:

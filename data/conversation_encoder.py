@@ -33,8 +33,8 @@ class ConversationTaskEncoder(MultimodalTaskEncoder):
     """`MultimodalTaskEncoder` for captions, VQA, interleaved documents, text and multi-turn chat.
 
     Args (besides `MultimodalTaskEncoder`'s):
-        template: the chat template (`chat_template.NEMOTRON`, `PLAIN`, ...); its markers must be single tokens
-            of the tokenizer.
+        template: the chat template (`chat_template.NEMOTRON`, `PLAIN`, ..., or a tokenizer folder's own,
+            `hf_chat_template.HFChatTemplate`); its markers must be single tokens of the tokenizer.
         reader: who reads the data, for the message that refuses a dataset (e.g. the provider's name).
     """
 

@@ -65,7 +65,10 @@ def turn_lengths(encoder, view: SampleView) -> list[int] | None:
     counts, lengths = iter(view.image_tokens), []
     for turn in view.turns:
         mine = [next(counts) for part in turn.parts if isinstance(part, ImageSlot)]
-        lengths.append(len(template.render([turn], mine, encoder.tokenizer).tokens))
+        try:
+            lengths.append(len(template.render([turn], mine, encoder.tokenizer).tokens))
+        except ValueError:  # a tokenizer's own template may refuse a turn alone (e.g. an answer with no question)
+            return None
     return lengths if sum(lengths) == view.needed_tokens else None
 
 

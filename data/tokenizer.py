@@ -4,7 +4,8 @@ tokenizer object one already has.
 
 The interface (`Tokenizer`): `encode(text) -> list[int]` (no special tokens added; a chat template's markers such
 as `<|im_start|>` become their one id), `decode(ids) -> str`, `vocab_size`, `pad_id`, `bos_id`, `eos_id`,
-`image_token_id`.
+`image_token_id`. The Hugging Face ones also give each token's characters (`encode_with_offsets`), which a
+folder's own chat template needs (`hf_chat_template.py`).
 """
 
 from __future__ import annotations
@@ -118,6 +119,11 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=False))
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` and each one's characters [start, end) in it (a fast tokenizer's offsets)."""
+        encoding = self.hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoding["input_ids"]), [tuple(o) for o in encoding["offset_mapping"]]
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
@@ -159,6 +165,11 @@ class HFFastTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text, add_special_tokens=False).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of `text` and each one's characters [start, end) in it (a chat template's trained spans)."""
+        encoding = self.backend.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

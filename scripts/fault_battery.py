@@ -154,18 +154,26 @@ def kills(out: Path, ref: dict, count: int, rng: random.Random) -> list[dict]:
             stage = rng.choice(STAGES)
             how = f"SIGKILL at {stage} of iteration {at}"
             code, run = mimo(where / "killed", *run_args, env={"MIMO_FAULT_KILL_AT": f"{stage}@{at}"})
-        left = tracked(save)
+        left = resumes_from(save)
         resume_code, resumed = mimo(where / "resumed", *run_args, "--metrics-file", str(metrics))
         after = losses(metrics)
         expected = {i: v for i, v in ref.items() if i > (left or 0)}
         diff = max((abs(after[i] - v) for i, v in expected.items() if i in after), default=None)
         ok = resume_code == 0 and after == expected and tracked(save) == ITERS
-        cases.append({"part": "kill", "case": how, "killed_exit": code, "tracker_after_kill": left,
+        cases.append({"part": "kill", "case": how, "killed_exit": code, "resumes_from_after_kill": left,
                       "resumed_iterations": sorted(after), "max_loss_difference": diff, "ok": ok,
                       "problem": None if ok else resumed.err.read_text()[-500:] or f"losses {after} vs {expected}"})
-        print(f"kill {k}: {how}: tracker {left}, resumed {len(after)} iterations, max difference {diff}: "
+        print(f"kill {k}: {how}: resumes from {left}, resumed {len(after)} iterations, max difference {diff}: "
               f"{'ok' if ok else 'FAILED'}", flush=True)
     return cases
+
+
+def resumes_from(save: Path) -> int | None:
+    """What a resume loads after a kill: the tracker's iteration, or a newer complete checkpoint of its run that
+    the kill left uncommitted (its common.pt written, the tracker not moved: the resume moves the tracker up)."""
+    from mimo.core.checkpoint.save_dir import survey
+
+    return survey(save).resumes
 
 
 def corrupt(out: Path, only: set[str] | None = None) -> list[dict]:
@@ -339,7 +347,7 @@ def table(cases: list[dict], seconds: float) -> str:
     rows = ["| part | case | outcome | ok |", "| --- | --- | --- | --- |"]
     for c in cases:
         if c["part"] == "kill":
-            outcome = (f"tracker {c['tracker_after_kill']} after the kill; resumed iterations "
+            outcome = (f"resumes from {c['resumes_from_after_kill']} after the kill; resumed iterations "
                        f"{c['resumed_iterations'][0] if c['resumed_iterations'] else '-'}-{ITERS}, largest loss "
                        f"difference {c['max_loss_difference']}")
         elif c["part"] == "worker":

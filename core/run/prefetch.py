@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from mimo.data.read_ahead import pinned
 from mimo.plugins import DataSource
 from mimo.plugins.data_source import as_data_source
 
@@ -44,7 +45,7 @@ class Prefetcher(DataSource):
     def _fill(self, source: DataSource) -> None:
         try:
             for item in source:
-                self._queue.put(_pinned(item) if self._pin else item)
+                self._queue.put(pinned(item) if self._pin else item)
                 if self._stop.is_set():
                     return
             self._queue.put(_END)
@@ -70,16 +71,6 @@ class Prefetcher(DataSource):
         if isinstance(item, _Failure):
             raise item.error
         return item
-
-
-def _pinned(value):
-    if isinstance(value, torch.Tensor):
-        return value.pin_memory() if value.device.type == "cpu" else value
-    if isinstance(value, dict):
-        return {k: _pinned(v) for k, v in value.items()}
-    if type(value) in (list, tuple):
-        return type(value)(_pinned(v) for v in value)
-    return value
 
 
 def read_ahead(source: DataSource, depth: int, device: torch.device) -> DataSource:

@@ -141,9 +141,10 @@ class NemotronVLMSettings:
         None, "local Hugging Face tokenizer folder (tokenizer.json and tokenizer_config.json naming eos_token; "
               "vocab_size must hold its ids): tokenizes --data (default: UTF-8 bytes, which needs vocab_size >= 264) "
               "and gives the image token and the synthetic captions' tokens")
-    chat_template: Literal["nemotron", "plain"] = _setting(
-        "nemotron", "--data: prompt format (nemotron: the Nemotron VL models' ChatML turns and <img> tags; plain: "
-                    "no turn markers)")
+    chat_template: Literal["auto", "tokenizer", "nemotron", "plain"] = _setting(
+        "auto", "--data: prompt format (auto: the tokenizer_path folder's own Jinja chat template where it has one, "
+                "else nemotron; tokenizer: that folder's template, which needs transformers (the hf extra); "
+                "nemotron: the Nemotron VL models' ChatML turns and <img> tags; plain: no turn markers)")
     shuffle_buffer: int = _setting(100, "--data: energon's sample shuffle buffer (0: none; shards still shuffle)",
                                    minimum=0)
     image_token_id: int | None = _setting(None, "image placeholder token (default: the tokenizer's <image>, "

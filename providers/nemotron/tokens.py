@@ -1,6 +1,6 @@
-"""The image placeholder token and the tokenizers: a Hugging Face tokenizer folder (its tokenizer.json read with the
-`tokenizers` library, local files only, with the chat template's markers), or UTF-8 bytes for `--data` when none
-is set."""
+"""The image placeholder token, the chat template and the tokenizers: a Hugging Face tokenizer folder (its
+tokenizer.json read with the `tokenizers` library, local files only, with the chat template's markers; its own
+Jinja chat template where it has one), or UTF-8 bytes for `--data` when none is set."""
 
 from __future__ import annotations
 
@@ -18,9 +18,13 @@ def load_tokenizer(path: str, special_tokens: tuple[str, ...] = ()):
 
 
 def template_of(settings):
-    from mimo.plugins.data import chat_template
+    """The `chat_template` setting's template: with `auto`, the tokenizer folder's own Jinja template where it has one
+    (its image part written `<image>`, as the Nemotron processor's template does, and expanded to `<img>`, the
+    image's placeholders and `</img>`), else the hand-written Nemotron VL format."""
+    from mimo.plugins.data import ImageMarkers, select_chat_template
 
-    return chat_template(settings.chat_template)
+    return select_chat_template(settings.chat_template, settings.tokenizer_path, default="nemotron",
+                                image=ImageMarkers("<image>", "<img>", "</img>"))
 
 
 def tokenizer_of(settings):

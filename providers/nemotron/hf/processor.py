@@ -43,8 +43,10 @@ def processor_files(s, frames: int | None = None) -> dict[str, str]:
         backend = tokenizer.backend
         names = {"pad": backend.id_to_token(tokenizer.pad_id), "eos": backend.id_to_token(tokenizer.eos_id),
                  "bos": None if tokenizer.bos_id is None else backend.id_to_token(tokenizer.bos_id)}
-    # The model ends an answer with the template's marker (NEMOTRON's <|im_end|>), else with the tokenizer's eos.
-    stop = template.answer_end if template.answer_end in template.special_tokens else names["eos"]
+    # The model ends an answer with the template's marker (NEMOTRON's <|im_end|>, a folder template's end of turn)
+    # where it is one token, else with the tokenizer's eos.
+    end = template.answer_end
+    stop = end if end and len(backend.encode(end, add_special_tokens=False).ids) == 1 else names["eos"]
     frames = frames or (s.video_temporal_patch_size if s.video_temporal_patch_size > 1 else 2)
     tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": stop, "pad_token": names["pad"],
                         "bos_token": names["bos"], "image_token": IMAGE_TOKEN, "model_max_length": s.seq_length,
@@ -60,8 +62,14 @@ def processor_files(s, frames: int | None = None) -> dict[str, str]:
     stops = list(dict.fromkeys(backend.token_to_id(t) for t in (stop, names["eos"])))
     generation = {"eos_token_id": stops, "pad_token_id": backend.token_to_id(names["pad"])}
     return {"tokenizer.json": backend.to_str(), "tokenizer_config.json": _json(tokenizer_config),
-            "chat_template.jinja": NEMOTRON_JINJA if template.name == "nemotron" else PLAIN_JINJA,
+            "chat_template.jinja": _jinja(template),
             "processor_config.json": _json(processor), "generation_config.json": _json(generation)}
+
+
+def _jinja(template) -> str:
+    """The template as Jinja: a tokenizer folder's own as it is, the hand-written ones as written above."""
+    source = getattr(template, "source", None)  # HFChatTemplate
+    return source if source is not None else NEMOTRON_JINJA if template.name == "nemotron" else PLAIN_JINJA
 
 
 def _max_model_len(s) -> int:
