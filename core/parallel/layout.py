@@ -102,7 +102,7 @@ class Layout:
 
     def check(self) -> Layout:
         """Raise UsageError, one line naming the option to change and a value that works, on the first rule the
-        layout breaks; else return it."""
+        layout breaks; else return it. For a Layout from `plan` or `of_run` (the rules need the model's shapes)."""
         if self.options is not None:
             self._check_options()
         for name, par in self.parallelism.items():
