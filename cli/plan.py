@@ -19,13 +19,11 @@ def describe(plan, estimates=None, limit=None) -> dict:
     """The plan as `mimo plan --json` prints it; `estimates` and `limit` (core/memory/fit.py) add the memory."""
     from mimo.core.memory import pack_budget
     from mimo.core.memory.fit import summary
-    from mimo.core.parallel.topology import LANGUAGE
     from mimo.core.step_time.workload import forward_flops
 
     modules = []
     for name, par in plan.parallelism.items():
-        shape = plan.shapes[name]
-        shards = par.tp * par.pp * (par.ep if shape.num_experts else 1)
+        shape, shards = plan.shapes[name], plan.layout.model_shards(name)
         modules.append({
             "module": name, "ranks": [par.first_rank, par.first_rank + par.num_ranks - 1],
             "tp": par.tp, "cp": par.cp, "dp": par.dp, "pp": par.pp, "ep": par.ep, "expert_tp": par.expt_tp,
@@ -34,7 +32,7 @@ def describe(plan, estimates=None, limit=None) -> dict:
             # Sharded weights divide by the model-parallel size; norms and biases repeat, so this is approximate.
             "parameters_per_rank": shape.num_parameters // shards if shape.num_parameters else None,
         })
-    encoder_dp = [p.dp for n, p in plan.parallelism.items() if n != LANGUAGE]
+    encoder_dp = [plan.parallelism[n].dp for n in plan.layout.encoders]
     return {
         "provider": plan.config.provider, "world_size": plan.world_size,
         "layout": "colocated" if plan.config.layout.encoder_ranks == 0 else "heterogeneous",

@@ -53,10 +53,10 @@ def module_reports(shapes: dict[str, ModuleShape]) -> dict[str, ModuleReport]:
 
 def static_build_context(shapes: dict[str, ModuleShape]) -> BuildContext:
     """A world-of-one BuildContext in fp32 whose ranks hold no module: specs can be built, modules cannot."""
-    from mimo.core.parallel import topology
+    from mimo.core.parallel import layout
     from mimo.core.config import LayoutOptions
 
-    parallelism = topology.plan(LayoutOptions(), 1, shapes, micro_batch_size=1)
+    parallelism = layout.plan(LayoutOptions(), 1, shapes, micro_batch_size=1)
     return BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections={})
 
 

@@ -133,12 +133,12 @@ def build_nemotron_encoder(settings):
     from megatron.core.transformer.spec_utils import build_module
 
     from mimo.core.config import LayoutOptions
-    from mimo.core.parallel import topology
+    from mimo.core.parallel import layout, topology
     from mimo.core.run.launch import seed_everything
     from mimo.plugins import BuildContext
     from mimo.providers import nemotron
 
-    parallelism = topology.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
+    parallelism = layout.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
     topo = topology.build(parallelism, backend="gloo")
     seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
     ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
@@ -153,11 +153,11 @@ def build_mimo_model(provider, settings, modality: str):
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
 
     from mimo.core.config import LayoutOptions
-    from mimo.core.parallel import topology
+    from mimo.core.parallel import layout, topology
     from mimo.core.run.launch import seed_everything
     from mimo.plugins import BuildContext
 
-    parallelism = topology.plan(LayoutOptions(), 1, provider.model_shape(settings), micro_batch_size=1)
+    parallelism = layout.plan(LayoutOptions(), 1, provider.model_shape(settings), micro_batch_size=1)
     topo = topology.build(parallelism, backend="gloo")
     seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
     ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)

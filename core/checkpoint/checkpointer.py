@@ -254,7 +254,7 @@ class Checkpointer:
             self._check_optimizer_resharding(common)
         load_rng = common["contents"]["rng"] and opts.load_rng
         saved_lanes = common["run"]["layout"][LANGUAGE]["dp"]
-        lanes = self.topology.parallelism[LANGUAGE].dp
+        lanes = self.topology.layout.lanes
         # Distributed-optimizer state loads in the format it was saved in.
         state = self._sharded_state(loading=True, optimizer=load_optim, rng=load_rng,
                                     sharding=common["contents"]["optimizer_sharding"])
@@ -295,12 +295,12 @@ class Checkpointer:
                              "--use-distributed-optimizer: resume the same way, or pass --no-load-optim")
         if not contents["distributed_optimizer"] or contents["optimizer_sharding"] != "dp_reshardable":
             return
-        for name, par in self.topology.parallelism.items():
-            saved = common["run"]["layout"][name]["dp"]
-            if saved != par.dp:
-                raise UsageError(f"the checkpoint's distributed-optimizer state is sharded for {name} DP {saved}, "
-                                 f"this run has DP {par.dp}: resume at DP {saved}, or pass --no-load-optim (save "
-                                 f"with --dist-ckpt-optim-fully-reshardable to reshard later)")
+        saved_dp = {name: saved["dp"] for name, saved in common["run"]["layout"].items()}
+        if changed := self.topology.layout.optimizer_resharding(saved_dp):
+            name, saved, now = changed
+            raise UsageError(f"the checkpoint's distributed-optimizer state is sharded for {name} DP {saved}, "
+                             f"this run has DP {now}: resume at DP {saved}, or pass --no-load-optim (save "
+                             f"with --dist-ckpt-optim-fully-reshardable to reshard later)")
 
     def _load_pretrained(self, path: Path, resuming: bool = False) -> None:
         anew = "" if resuming else "; optimizer, schedule and data start anew"

@@ -28,6 +28,7 @@ import torch
 from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE
 
+from ..parallel.layout import Layout
 from .batch_transfer import to_device
 
 
@@ -74,11 +75,10 @@ def fit_auto(plan, fits) -> None:
 
 
 def _unsupported(hooks, parallelism: dict) -> str | None:
-    llm = parallelism[LANGUAGE]
-    encoders = [name for name in parallelism if name != LANGUAGE]
-    if not encoders:
+    layout = Layout(parallelism)
+    if not layout.encoders:
         return "the model has no encoders"
-    if any(parallelism[name].ranks != llm.ranks for name in encoders):
+    if not layout.colocated:
         return "the encoders have ranks of their own (--encoder-ranks), where the pipeline schedule feeds them"
     if not _concatenates(hooks):
         return "the provider does not implement the concat_encoder_inputs hook"

@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from mimo.errors import UsageError
-from mimo.plugins import LANGUAGE
 
 from ..forward.batch_transfer import to_device
 from .graphed_step import capture
@@ -69,11 +68,8 @@ def _fresh(value):
 
 def check_plan(plan, way_out: str) -> None:
     """One line when the planned layout cannot decode (`way_out` says what to do instead)."""
-    parallelism = plan.parallelism
-    if len({(p.first_rank, p.num_ranks) for p in parallelism.values()}) != 1:
-        raise UsageError(f"generation needs every module on every rank (colocated, --encoder-ranks 0): {way_out}")
-    if parallelism[LANGUAGE].pp > 1:
-        raise UsageError(f"generation needs the LLM in one pipeline stage (--llm-pp 1): {way_out}")
+    if refused := plan.layout.generation_refusal():
+        raise UsageError(f"{refused}: {way_out}")
     if plan.config.performance.sequence_parallel:
         raise UsageError(f"generation does not run with --sequence-parallel: {way_out}")
 

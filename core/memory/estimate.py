@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from mimo.plugins import ModuleMemory, ModuleParallelism, TokenBytes, Weights
 
+from ..parallel.layout import Layout
 from ..parallel.topology import LANGUAGE
 
 GIB = 2 ** 30
@@ -141,38 +142,29 @@ def estimate(memory: dict[str, ModuleMemory], parallelism: dict[str, ModuleParal
              rows: dict[str, int]) -> list[RankEstimate]:
     """Estimates for every kind of rank. `rows`: samples per micro-batch an encoder rank reads (its lanes or its
     share of one, core.topology.data_positions); the LLM's is the micro-batch size."""
-    llm = parallelism[LANGUAGE]
-    encoders = [n for n in parallelism if n != LANGUAGE]
-    colocated = all(parallelism[n].ranks == llm.ranks for n in encoders)
-    if colocated:
-        rank = RankEstimate("all ranks", (llm.first_rank, llm.ranks[-1]))
-        for name in [*encoders, LANGUAGE]:
+    layout = Layout(parallelism)
+    if layout.colocated:
+        [group] = layout.groups()
+        rank = RankEstimate(group.kind, group.ranks)
+        for name in group.modules:
             rows_of = rows.get(name)
             if options.step_encoders and name != LANGUAGE:  # one encoder pass over all micro-batches' samples
                 rows_of = (rows_of or options.micro_batch_size) * options.num_microbatches
-            rank.modules.append(_module(name, memory[name], parallelism[name], 0, 1, rows_of, options))
+            rank.modules.append(_module(name, memory[name], layout, 0, 1, rows_of, options))
         _one_backward_at_a_time(rank)
         return [rank]
     # the multimodule 1F1B pipeline: the encoders are its first stage, the LLM's stages follow
-    stages = 1 + llm.pp
+    stages = 1 + layout.stages(LANGUAGE)
     out = []
-    by_grid: dict[tuple[int, int], list[str]] = {}
-    for name in encoders:
-        par = parallelism[name]
-        by_grid.setdefault((par.first_rank, par.num_ranks), []).append(name)
-    for (first, count), names in by_grid.items():
-        rank = RankEstimate("encoder ranks", (first, first + count - 1))
-        for name in names:
-            rank.modules.append(_module(name, memory[name], parallelism[name], 0, min(stages, options.num_microbatches),
-                                        rows.get(name), options))
-        out.append(rank)
-    per_stage = llm.num_ranks // llm.pp
-    for stage in range(llm.pp):
-        first = llm.first_rank + stage * per_stage
-        kind = "LLM ranks" if llm.pp == 1 else f"LLM stage {stage}"
-        rank = RankEstimate(kind, (first, first + per_stage - 1))
-        in_flight = min(stages - 1 - stage, options.num_microbatches)
-        rank.modules.append(_module(LANGUAGE, memory[LANGUAGE], llm, stage, in_flight, None, options))
+    for group in layout.groups():
+        rank = RankEstimate(group.kind, group.ranks)
+        for name in group.modules:
+            if name == LANGUAGE:
+                in_flight = min(stages - 1 - group.stage, options.num_microbatches)
+                rank.modules.append(_module(name, memory[name], layout, group.stage, in_flight, None, options))
+            else:
+                rank.modules.append(_module(name, memory[name], layout, 0, min(stages, options.num_microbatches),
+                                            rows.get(name), options))
         out.append(rank)
     return out
 
@@ -193,42 +185,41 @@ def _one_backward_at_a_time(rank: RankEstimate) -> None:
     largest.activations += max(0.0, largest.working - llm.activations)
 
 
-def _module(name: str, memory: ModuleMemory, par: ModuleParallelism, stage: int, in_flight: int,
+def _module(name: str, memory: ModuleMemory, layout: Layout, stage: int, in_flight: int,
             rows: int | None, options: Options) -> ModuleTerms:
-    per_stage = len(memory.layers) // par.pp
+    stages = layout.stages(name)
+    per_stage = len(memory.layers) // stages
     layers = list(memory.layers[stage * per_stage:(stage + 1) * per_stage])
-    ends = ([memory.first] if stage == 0 else []) + ([memory.last] if stage == par.pp - 1 else [])
+    ends = ([memory.first] if stage == 0 else []) + ([memory.last] if stage == stages - 1 else [])
     weights = sum((layer.weights for layer in layers + ends), Weights())
-    dense = weights.tp / par.tp + weights.replicated
-    experts = weights.expert / (par.ep * par.expt_tp)
+    tp, expert_shards = layout.weight_shards(name)
+    dense = weights.tp / tp + weights.replicated
+    experts = weights.expert / expert_shards
     count = dense + experts
     value = 2 if options.bf16 else 4
     trainable = name not in options.frozen
     state_bytes, grad_bytes = optimizer_bytes(options)
     state = state_bytes if trainable else 0
-    # the distributed optimizer shards over data and context parallelism (megatron-core's dp_cp group)
-    if options.distributed_optimizer:
-        optimizer = state * (dense / (par.dp * par.cp) + experts / par.expt_dp)
-    else:
-        optimizer = state * count
+    dense_shards, expert_state_shards = layout.optimizer_shards(name) if options.distributed_optimizer else (1, 1)
+    optimizer = state * (dense / dense_shards + experts / expert_state_shards)
     lora = adapter_count(name, memory, options.adapters)
     lora_state = state_bytes
-    optimizer += lora_state * lora / (par.dp * par.cp if options.distributed_optimizer else 1)
+    optimizer += lora_state * lora / dense_shards
     mode = options.recompute.get(name, "none")
     per_sample = tokens_per_sample(name, memory, options.encoder_tokens, options.packed_image_tokens)
     tokens = options.micro_batch_size * per_sample if rows is None else rows * per_sample
-    tokens /= par.cp  # the LLM's merged sequence is split over its CP ranks (encoders are CP 1)
-    sp = options.sequence_parallel and par.tp > 1 and name == LANGUAGE
+    tokens /= layout.sequence_shards(name)  # the LLM's merged sequence is split over its CP ranks
+    sp = layout.sequence_parallel_over(name, options.sequence_parallel)
 
     def per_rank(b: TokenBytes) -> float:
-        return tokens * (b.replicated / (par.tp if sp else 1) + b.tp / par.tp + b.expert / (par.tp if sp else 1))
+        return tokens * (b.replicated / sp + b.tp / tp + b.expert / sp)
 
     def stack_copy(layer) -> float:
         # experts whose weights a grouped GEMM takes stacked: where the distributed optimizer's buffer holds them
         # apart, each forward stacks a copy and keeps it for the backward (plugins/kit/expert_storage.py)
         if not (layer.stacked_experts and options.distributed_optimizer):
             return 0.0
-        return value * layer.weights.expert / (par.ep * par.expt_tp)
+        return value * layer.weights.expert / expert_shards
 
     def kept_by(layer) -> float:
         kept = per_rank(layer.kept(mode, value)) + (0.0 if mode == "full" else stack_copy(layer))

@@ -3,11 +3,12 @@ estimate fits (`fitting`); `suggest` orders them cheapest communication first, t
 core/step_time/advisor.py keeps where the provider's FLOPs cannot time them.
 
 Every split is tried: colocated and each number of encoder ranks, the encoders' TP, the LLM's TP (with sequence
-parallelism for an MoE LLM), PP and EP, and the LLM's CP, colocated or on its own ranks (where
-core/parallel/context_parallel.py accepts it: the sequence a multiple of 2 x CP (x TP under SP), no
---pack-sequences, no --cuda-graphs), and none the provider refuses (a backend without sequence or context
-parallelism: core/parallel/provider_refusal.py, as `mimo plan` asks of a layout given to it). Each layout takes the first of these option sets that fits: as given, then
-with the distributed optimizer, then recomputing the LLM selectively, then fully.
+parallelism for an MoE LLM), PP and EP, and the LLM's CP, colocated or on its own ranks; each checked as the
+plan checks a layout given to it (core/parallel/layout.py's `Layout.check`: for CP the sequence a multiple of
+2 x CP (x TP under SP), packed rows only where transformer-engine splits them, no --cuda-graphs), and none the
+provider refuses (a backend without sequence or context parallelism: core/parallel/provider_refusal.py). Each
+layout takes the first of these option sets that fits: as given, then with the distributed optimizer, then
+recomputing the LLM selectively, then fully.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass, field
 from mimo.errors import UsageError
 
 from . import estimate as memory
-from ..parallel import context_parallel, topology
+from ..parallel import topology
+from ..parallel.layout import Layout
 from ..parallel.provider_refusal import provider_refusal
 from ..config import LayoutOptions
 from .estimate import GIB
@@ -46,7 +48,7 @@ class Suggestion:
     @property
     def global_batch(self) -> int:
         """Samples per iteration: with no --global-batch-size it follows the layout's LLM data-parallel lanes."""
-        return self.options.micro_batch_size * self.num_microbatches * self.parallelism[topology.LANGUAGE].dp
+        return self.options.micro_batch_size * self.num_microbatches * Layout(self.parallelism).lanes
 
     def options_list(self) -> list[str]:
         """The `mimo run` options this layout sets, each whole (an option and its value)."""
@@ -73,8 +75,9 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(world: int, shapes: dict, context_parallel: bool = False) -> list[LayoutOptions]:
-    """Every layout of `world` ranks the shapes allow; LLM CP > 1 where `context_parallel`."""
+def candidates(world: int, shapes: dict) -> list[LayoutOptions]:
+    """Every layout of `world` ranks the shapes allow, CP among them (Layout.check then holds each to the rules a
+    layout given to `mimo plan` is held to: whether the run's sequence, packing and graphs let CP split it)."""
     llm = shapes[topology.LANGUAGE]
     experts = llm.num_experts or 0
     encoder = next((s for n, s in shapes.items() if n != topology.LANGUAGE), None)
@@ -90,7 +93,7 @@ def candidates(world: int, shapes: dict, context_parallel: bool = False) -> list
             for etp in encoder_tps:
                 for pp in pps:
                     # colocated, and on the LLM's own ranks (the bridge sends to CP ranks: core/forward/cp_bridge.py)
-                    cps = _divisors(llm_ranks // (tp * pp)) if context_parallel else [1]
+                    cps = _divisors(llm_ranks // (tp * pp))
                     for ep in ([e for e in _divisors(experts) if (llm_ranks // pp) % e == 0] if experts else [1]):
                         out += [LayoutOptions(encoder_ranks=k, encoder_tp=etp, llm_tp=tp, llm_pp=pp, llm_ep=ep,
                                               llm_cp=cp) for cp in cps]
@@ -117,24 +120,18 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
     base = memory.options_of(plan)
     is_moe = bool(plan.shapes[topology.LANGUAGE].num_experts)
     found = []
-    seq_length = getattr(plan.settings, "seq_length", None)
-    packed = config.data.data is not None and config.data.pack_sequences  # as core/run/plan.py checks it
-    splits_packed = context_parallel.splits_packed_rows(config.training.device)
     accepted: dict = {}  # (LLM TP, CP, SP) -> whether the provider builds its modules so split
-    for layout in candidates(world, plan.shapes, not ((packed and not splits_packed) or config.performance.cuda_graphs)):
+    for layout in candidates(world, plan.shapes):
         sp = config.performance.sequence_parallel or (is_moe and layout.llm_tp > 1)
-        if sp and config.training.device == "cpu":  # the plan refuses it there (transformer-engine's norms)
-            continue
-        try:
-            parallelism = topology.plan(layout, world, plan.shapes, t.micro_batch_size, sp)
-            context_parallel.check(parallelism[topology.LANGUAGE], seq_length=seq_length, sequence_parallel=sp,
-                                   pack_sequences=packed, cuda_graphs=config.performance.cuda_graphs,
-                                   splits_packed=splits_packed)
+        run = dataclasses.replace(config, layout=layout, performance=dataclasses.replace(
+            config.performance, sequence_parallel=sp))
+        try:  # the rules the plan holds a layout given to it to
+            laid_out = Layout.of_run(run, world, plan.shapes, getattr(plan.settings, "seq_length", None)).check()
         except UsageError:
             continue
-        if not _provider_accepts(plan, parallelism, sp, accepted):
+        if not _provider_accepts(plan, laid_out, accepted):
             continue
-        lanes = parallelism[topology.LANGUAGE].dp
+        parallelism, lanes = laid_out.parallelism, laid_out.lanes
         if t.global_batch_size:
             if t.global_batch_size % (t.micro_batch_size * lanes):
                 continue
@@ -160,31 +157,30 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
                         + 2 * (layout.llm_cp - 1) + (1 if layout.llm_ep > 1 else 0) + RECOMPUTE_COST[mode])
                 found.append(Suggestion(layout, sp, options.distributed_optimizer, mode, microbatches, largest,
                                         limit_gib - largest, cost, parallelism, options,
-                                        _cp_reason(described, parallelism, options, rows, ranks)))
+                                        _cp_reason(described, laid_out, options, rows, ranks)))
                 break
     return found
 
 
-def _provider_accepts(plan, parallelism: dict, sequence_parallel: bool, accepted: dict) -> bool:
+def _provider_accepts(plan, layout: Layout, accepted: dict) -> bool:
     """Under CP or sequence parallelism, whether the provider builds its modules so split (a backend may have
     neither), as `mimo plan` checks a layout given to it; asked once per (LLM TP, CP, SP)."""
-    llm = parallelism[topology.LANGUAGE]
-    if llm.cp == 1 and not (sequence_parallel and llm.tp > 1):
+    key = layout.sequence_split()
+    if key is None:
         return True
-    key = (llm.tp, llm.cp, sequence_parallel)
     if key not in accepted:
-        performance = dataclasses.replace(plan.config.performance, sequence_parallel=sequence_parallel)
+        performance = dataclasses.replace(plan.config.performance, sequence_parallel=layout.features.sequence_parallel)
         laid_out = dataclasses.replace(plan, config=dataclasses.replace(plan.config, performance=performance))
-        accepted[key] = provider_refusal(laid_out, parallelism) is None
+        accepted[key] = provider_refusal(laid_out, layout) is None
     return accepted[key]
 
 
-def _cp_reason(described, parallelism: dict, options, rows: dict, ranks: list) -> str:
+def _cp_reason(described, layout: Layout, options, rows: dict, ranks: list) -> str:
     """One line for a CP layout: the sequence it splits and the activations per GPU with and without the split."""
-    llm = parallelism[topology.LANGUAGE]
-    if llm.cp == 1:
+    cp = layout.sequence_shards(topology.LANGUAGE)
+    if cp == 1:
         return ""
-    whole = {**parallelism, topology.LANGUAGE: dataclasses.replace(llm, cp=1)}  # the same ranks as DP
+    whole = layout.replaced(llm_cp=1).parallelism  # the same ranks as DP
     without = max(r.term("activations") for r in memory.estimate(described, whole, options, rows)) / GIB
     with_cp = max(r.term("activations") for r in ranks) / GIB
     tokens = described[topology.LANGUAGE].tokens_per_sample
@@ -192,5 +188,5 @@ def _cp_reason(described, parallelism: dict, options, rows: dict, ranks: list) -
     def gib(x: float) -> str:
         return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
 
-    return (f"splits the {tokens:,.0f}-token sequence over {llm.cp} ranks: activations per GPU {gib(with_cp)} GiB "
+    return (f"splits the {tokens:,.0f}-token sequence over {cp} ranks: activations per GPU {gib(with_cp)} GiB "
             f"instead of {gib(without)}")

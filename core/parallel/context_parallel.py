@@ -1,4 +1,6 @@
-"""What context parallelism of the LLM (`--llm-cp`) needs of a run, checked before any process exists.
+"""Context parallelism of the LLM (`--llm-cp`): why a run's rows must split as they do, and the checks and
+adaptations made on the model's own groups. What it needs of a run is checked before any process exists, with the
+rest of the layout's rules (layout.py: `Layout.shard_multiple`, `Layout.check`).
 
 megatron-core's MimoModel merges the encoders' embeddings into the text sequence, then splits the merged sequence
 over the LLM's CP ranks with load balancing: the sequence is cut into 2 x CP chunks and CP rank r keeps chunks r and
@@ -6,60 +8,16 @@ over the LLM's CP ranks with load balancing: the sequence is cut into 2 x CP chu
 row must be a multiple of 2 x CP tokens (2 x CP x TP under sequence parallelism, which then scatters each CP rank's
 part over TP). Packed rows (THD) are split per segment by transformer-engine (`thd_get_partitioned_indices` on
 `cu_seqlens_q_padded`, which its attention and megatron-core's MambaContextParallel read too): mimo's packing pads
-each packed sample to a multiple of the same `shard_multiple` (`DataContext.segment_multiple`, data/task_encoder.py),
-and each sequence is its padded place (its padding attended after it, trained on by nothing), so no padding between
-sequences is left for transformer-engine to handle. On 2 H200s (nemotron-moe-vlm-tiny, te, bf16, packed `--data`) CP 2
+each packed sample to a multiple of the same `Layout.shard_multiple` (`DataContext.segment_multiple`,
+data/task_encoder.py), and each sequence is its padded place (its padding attended after it, trained on by nothing),
+so no padding between sequences is left for transformer-engine to handle. On 2 H200s (nemotron-moe-vlm-tiny, te, bf16, packed `--data`) CP 2
 gave CP 1's losses within 1e-4 (docs/parallelism.md). The split itself is transformer-engine's: without it (the CPU,
 the local backend) packed rows with CP are refused in one line.
 """
 
 from __future__ import annotations
 
-import importlib.util
-
 from mimo.errors import UsageError
-from mimo.plugins import ModuleParallelism
-
-
-def shard_multiple(llm: ModuleParallelism, sequence_parallel: bool) -> int:
-    """The multiple of tokens a row of the LLM's input (a packed segment's padded length, with packing) must
-    be for its CP (and SP) split; 1 without CP."""
-    if llm.cp == 1:
-        return 1
-    return 2 * llm.cp * (llm.tp if sequence_parallel and llm.tp > 1 else 1)
-
-
-def splits_packed_rows(device: str) -> bool:
-    """Whether a run on `device` can split packed (THD) rows over CP: transformer-engine's
-    `thd_get_partitioned_indices` does, on GPUs. A plan for GPUs made on a host without one counts as able: the
-    workers make the plan again on their GPU hosts, where this looks for transformer-engine."""
-    import torch
-
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        return False
-    return not torch.cuda.is_available() or importlib.util.find_spec("transformer_engine_torch") is not None
-
-
-def check(llm: ModuleParallelism, *, seq_length: int | None, sequence_parallel: bool, pack_sequences: bool,
-          cuda_graphs: bool = False, splits_packed: bool = True) -> None:
-    """UsageError, one line naming the option to change, when the run cannot split its LLM sequence over CP."""
-    if llm.cp == 1:
-        return
-    if cuda_graphs:
-        # measured on 2 H200s (docs/parallelism.md): the slice trained alike with and without graphs, as fast, and
-        # the run with graphs did not exit after its last iteration
-        raise UsageError(f"--llm-cp {llm.cp} with --cuda-graphs is not supported yet (a CP run with graphs did not "
-                         f"end after its last iteration, and was no faster); leave --cuda-graphs off")
-    if pack_sequences and not splits_packed:
-        raise UsageError(f"--llm-cp {llm.cp} with --pack-sequences needs transformer-engine on GPUs (its split of "
-                         f"packed rows; the CPU's backends have none): run on GPUs with mimo[te] installed, or "
-                         f"without --pack-sequences")
-    multiple = shard_multiple(llm, sequence_parallel)
-    if seq_length is not None and seq_length % multiple:
-        what = f"2 x CP x TP = 2 x {llm.cp} x {llm.tp}" if multiple != 2 * llm.cp else f"2 x CP = 2 x {llm.cp}"
-        fits = -(-seq_length // multiple) * multiple
-        raise UsageError(f"--llm-cp {llm.cp}: the sequence length {seq_length} must be a multiple of {what} = "
-                         f"{multiple} (the load-balanced split); use --set seq_length={fits}")
 
 
 def check_row(model, width: int) -> None:

@@ -1,7 +1,7 @@
 """Rank grids: one megatron-core HyperCommGrid per module, with the process groups the model and optimizer use.
 
-`plan` turns layout options into per-module parallelism and validates it against the model's shape before any
-process group exists; `build` then creates the grids and groups. No global parallel_state is used.
+The layout itself (each module's sizes, their rules) is layout.py's, checked before any process group exists;
+`build` creates the grids it describes and their groups. No global parallel_state is used.
 """
 
 from __future__ import annotations
@@ -10,68 +10,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from mimo.errors import UsageError
-from mimo.plugins import LANGUAGE, ModuleParallelism, ModuleShape
-from mimo.wording import counted
+from mimo.plugins import LANGUAGE, ModuleParallelism
 
-from ..config import LayoutOptions
+from .layout import EXPERT_DIMS, GRID_DIMS, Layout
 
 EXPERT_VIEW = "expert"  # the grid view megatron-core's MimoOptimizer reads expert groups from
-
-
-def _divisors(n: int) -> str:
-    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
-
-
-def plan(layout: LayoutOptions, world_size: int, shapes: dict[str, ModuleShape],
-         micro_batch_size: int, sequence_parallel: bool = False) -> dict[str, ModuleParallelism]:
-    """Per-module parallelism for this run, or a UsageError naming the option to change and a value that works."""
-    k = layout.encoder_ranks
-    if not 0 <= k < world_size:
-        raise UsageError(f"--encoder-ranks {k} must leave ranks for the LLM in a world of {world_size}: "
-                         f"use 0 (colocated) to {world_size - 1}")
-    if k == 0 and world_size % layout.llm_tp:  # before the TP the encoders share: a TP that fits comes first
-        raise UsageError(f"--llm-tp {layout.llm_tp} does not fit {counted(world_size, 'rank')}: the modules share "
-                         f"every rank, so TP must divide the {world_size}; use --llm-tp among {_divisors(world_size)}, "
-                         f"or a multiple of {layout.llm_tp} ranks (--nproc-per-node)")
-    if k == 0 and layout.encoder_tp != layout.llm_tp:
-        raise UsageError(f"colocated modules share the LLM's TP: set --encoder-tp {layout.llm_tp}, or give the "
-                         f"encoders ranks of their own with --encoder-ranks")
-    if k == 0 and layout.llm_pp > 1:
-        raise UsageError("--llm-pp > 1 needs the encoders on ranks of their own: set --encoder-ranks")
-    encoder_span, llm_span = ((0, world_size), (0, world_size)) if k == 0 else ((0, k), (k, world_size - k))
-    parallelism = {
-        name: ModuleParallelism(*encoder_span, tp=layout.encoder_tp) for name in shapes if name != LANGUAGE
-    }
-    parallelism[LANGUAGE] = ModuleParallelism(
-        *llm_span, tp=layout.llm_tp, pp=layout.llm_pp, ep=layout.llm_ep, expt_tp=layout.llm_expt_tp, cp=layout.llm_cp
-    )
-    for name, par in parallelism.items():
-        _check_module(name, par, shapes[name], sequence_parallel)
-    if k:
-        _check_bridge(parallelism, micro_batch_size)
-    return parallelism
-
-
-def _check_bridge(parallelism: dict[str, ModuleParallelism], micro_batch_size: int) -> None:
-    """Encoder DP and LLM DP must fan out or in evenly: the bridge splits micro-batches by whole samples."""
-    llm = parallelism[LANGUAGE]
-    encoder = next(p for name, p in parallelism.items() if name != LANGUAGE)
-    e, l = encoder.dp, llm.dp
-    if max(e, l) % min(e, l):
-        total = encoder.num_ranks + llm.num_ranks
-        block = llm.tp * llm.cp * llm.pp  # an LLM lane's ranks
-        fits = [n for n in range(1, total) if n % encoder.tp == 0 and (total - n) % block == 0
-                and _divide(n // encoder.tp, (total - n) // block)]
-        hint = f"try --encoder-ranks {fits[0]}" if fits else "change --encoder-ranks or the TP/PP sizes"
-        raise UsageError(f"encoder DP {e} and LLM DP {l} must divide one another for the bridge: {hint}")
-    if e > l and micro_batch_size % (e // l):
-        raise UsageError(f"--micro-batch-size {micro_batch_size} cannot be split over the {e // l} encoder ranks "
-                         f"that feed each LLM lane: use a multiple of {e // l}")
-
-
-def _divide(a: int, b: int) -> bool:
-    return max(a, b) % min(a, b) == 0
 
 
 def data_positions(parallelism: dict[str, ModuleParallelism], rank: int, micro_batch_size: int) -> tuple[int, int]:
@@ -98,43 +41,6 @@ def _dp_rank(par: ModuleParallelism, rank: int) -> int:
     return (rank - par.first_rank) // (par.tp * par.cp) % par.dp
 
 
-def _check_module(name: str, par: ModuleParallelism, shape: ModuleShape, sequence_parallel: bool) -> None:
-    is_llm = name == LANGUAGE
-    tp_opt, who = ("--llm-tp", "LLM") if is_llm else ("--encoder-tp", f"encoder '{name}'")
-    if par.num_ranks % (par.tp * par.pp):
-        raise UsageError(
-            f"{who} has {counted(par.num_ranks, 'rank')}, not divisible by TP x PP = {par.tp} x {par.pp}: "
-            f"choose {tp_opt}{' x --llm-pp' if is_llm else ''} among {_divisors(par.num_ranks)}"
-        )
-    if par.num_ranks % (par.tp * par.cp * par.pp):
-        raise UsageError(f"{who} has {counted(par.num_ranks, 'rank')}, not divisible by TP x CP x PP = {par.tp} x "
-                         f"{par.cp} x {par.pp}: choose --llm-cp among {_divisors(par.num_ranks // (par.tp * par.pp))}")
-    for count, what in ((shape.num_attention_heads, "attention heads"), (shape.num_query_groups, "query groups")):
-        if count and count % par.tp:
-            raise UsageError(f"{tp_opt} {par.tp} does not divide the {who}'s {count} {what}: use one of {_divisors(count)}")
-    if shape.vocab_size and shape.vocab_size % par.tp:
-        multiple = -(-shape.vocab_size // par.tp) * par.tp
-        raise UsageError(f"{tp_opt} {par.tp} does not divide the {who}'s vocabulary of {shape.vocab_size} "
-                         f"(megatron-core splits the embedding evenly over TP): pad it to {multiple}, or use "
-                         f"{tp_opt} among {_divisors(shape.vocab_size)}")
-    if par.pp > 1 and shape.num_layers % par.pp:
-        raise UsageError(f"--llm-pp {par.pp} does not divide the LLM's {counted(shape.num_layers, 'layer')}: use one "
-                         f"of {_divisors(shape.num_layers)}")
-    if is_llm and shape.num_experts and par.tp > 1 and not sequence_parallel:
-        raise UsageError(f"--llm-tp {par.tp} with a mixture-of-experts LLM needs --sequence-parallel "
-                         f"(megatron-core's MoE layers under TP), or keep --llm-tp 1 and split the experts with --llm-ep")
-    for option, size in (("--llm-ep", par.ep), ("--llm-expt-tp", par.expt_tp)):
-        if size > 1 and not shape.num_experts:  # --llm-expt-tp was ignored silently
-            raise UsageError(f"{option} {size} needs a mixture-of-experts LLM; this provider's LLM has no experts")
-    if shape.num_experts and shape.num_experts % par.ep:
-        raise UsageError(f"--llm-ep {par.ep} does not divide the LLM's {shape.num_experts} experts: use one of {_divisors(shape.num_experts)}")
-    if par.num_ranks % (par.expt_tp * par.ep * par.pp):
-        raise UsageError(
-            f"LLM has {counted(par.num_ranks, 'rank')}, not divisible by expert TP x EP x PP = {par.expt_tp} x "
-            f"{par.ep} x {par.pp}"
-        )
-
-
 @dataclass
 class Topology:
     """This run's grids and, for the modules this rank holds, their process-group collections."""
@@ -147,8 +53,12 @@ class Topology:
         return module in self.pg_collections
 
     @property
+    def layout(self) -> Layout:
+        return Layout(self.parallelism)
+
+    @property
     def colocated(self) -> bool:
-        return len({(p.first_rank, p.num_ranks) for p in self.parallelism.values()}) == 1
+        return self.layout.colocated
 
 
 def is_token_source(topology: Topology) -> bool:
@@ -182,15 +92,15 @@ def build(parallelism: dict[str, ModuleParallelism], backend: str) -> Topology:
     """Create every module's grid and groups. Collective: every rank calls it with the same plan."""
     from megatron.core.hyper_comm_grid import HyperCommGrid
 
-    grids, pg_collections = {}, {}
+    grids, pg_collections, layout = {}, {}, Layout(parallelism)
     shared: dict[ModuleParallelism, object] = {}  # encoders with one layout share one grid
     for name, par in parallelism.items():
         if par in shared and name != LANGUAGE:
             grids[name] = shared[par]
         else:
-            grid = HyperCommGrid([par.tp, par.cp, par.dp, par.pp], ["tp", "cp", "dp", "pp"], par.first_rank, backend)
-            grid.register_view(EXPERT_VIEW, [par.expt_tp, par.ep, par.expt_dp, par.pp],
-                               ["expt_tp", "ep", "expt_dp", "pp"], shared_dims=["pp"])
+            sizes, expert_sizes = layout.grid_sizes(name)
+            grid = HyperCommGrid(sizes, list(GRID_DIMS), par.first_rank, backend)
+            grid.register_view(EXPERT_VIEW, expert_sizes, list(EXPERT_DIMS), shared_dims=["pp"])
             for dims in (["tp"], ["cp"], ["pp"], ["dp"], ["dp", "cp"], ["tp", "cp"], ["tp", "pp"], ["tp", "dp"],
                          ["tp", "dp", "cp"], ["tp", "cp", "dp", "pp"]):
                 grid.create_pg(dims)

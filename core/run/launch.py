@@ -144,11 +144,11 @@ def init_process(requested_device: str, timeout_minutes: float = 10.0) -> torch.
     return device
 
 
-def limit_device_connections(parallelism) -> None:
+def limit_device_connections(layout) -> None:
     """With tensor or context parallelism, one hardware queue per GPU (CUDA_DEVICE_MAX_CONNECTIONS=1), so that
     the GPU runs a layer's communication kernels in the order they were launched and overlaps them with compute
     as megatron-core schedules it (Megatron-Bridge's rule for Hopper). Before CUDA starts; a value set wins."""
-    if any(p.tp > 1 or p.cp > 1 for p in parallelism.values()):
+    if layout.one_hardware_queue():
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
 
 

@@ -18,7 +18,8 @@ from ..checkpoint import hf
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from ..forward import encoder_pass
 from ..memory import fit, pack_budget
-from ..parallel import context_parallel, optim, topology
+from ..parallel import optim
+from ..parallel.layout import Layout
 from ..parallel.provider_refusal import provider_refusal
 from . import launch
 
@@ -32,7 +33,7 @@ class Plan:
     hooks: object
     settings: object
     shapes: dict
-    parallelism: dict[str, ModuleParallelism]
+    layout: Layout  # each module's grid, checked (core/parallel/layout.py)
     world_size: int
     global_batch_size: int
     num_microbatches: int
@@ -43,8 +44,12 @@ class Plan:
     pack_image_tokens: int | None = None  # packed --data: image placeholders a row may carry (memory/pack_budget.py)
 
     @property
+    def parallelism(self) -> dict[str, ModuleParallelism]:
+        return self.layout.parallelism
+
+    @property
     def num_lanes(self) -> int:
-        return self.parallelism[LANGUAGE].dp
+        return self.layout.lanes
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -80,19 +85,14 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     t = config.training
     if world_size is None:
         world_size = launch.world_size(config.launch)  # a launcher's world (torchrun, srun), or the options
-    parallelism = topology.plan(config.layout, world_size, shapes, t.micro_batch_size,
-                                config.performance.sequence_parallel)
-    context_parallel.check(parallelism[LANGUAGE], seq_length=getattr(settings, "seq_length", None),
-                           sequence_parallel=config.performance.sequence_parallel,
-                           pack_sequences=config.data.data is not None and config.data.pack_sequences,
-                           cuda_graphs=config.performance.cuda_graphs,
-                           splits_packed=context_parallel.splits_packed_rows(config.training.device))
-    _refuse_gpu_only_on_cpu(config, parallelism[LANGUAGE])
+    layout = Layout.of_run(config, world_size, shapes, getattr(settings, "seq_length", None),
+                           tuple(gpu_only_options(config))).check()  # --device cpu: the GPU-only options too
+    parallelism = layout.parallelism
     unknown = sorted(set(config.performance.recompute_modes()) - set(shapes) - {"*"})
     if unknown:
         raise UsageError(f"--recompute names module '{unknown[0]}', which provider '{config.provider}' does not "
                          f"have: use {', '.join(sorted(shapes))}")
-    lanes = parallelism[LANGUAGE].dp
+    lanes = layout.lanes
     per_microbatch = t.micro_batch_size * lanes
     global_batch = t.global_batch_size or per_microbatch * (t.num_microbatches or 1)
     if global_batch % per_microbatch:
@@ -110,7 +110,7 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
         modalities = sorted(m for m in shapes if m != LANGUAGE)
         lora = adapter_targets.resolve(config.adapters.lora_targets, hooks.lora_targets(settings=settings),
                                        modalities, config.provider)
-    plan = Plan(config, provider, hooks, settings, shapes, parallelism, world_size, global_batch,
+    plan = Plan(config, provider, hooks, settings, shapes, layout, world_size, global_batch,
                 global_batch // per_microbatch, train_iters, step, adapter_targets=lora)
     if refused := provider_refusal(plan):  # what every worker's build would refuse, before any process starts
         raise UsageError(f"provider '{plan.config.provider}': {refused}")
@@ -133,21 +133,6 @@ def gpu_only_options(config: RunConfig) -> list[str]:
     if config.logging.memory_snapshot_dir is not None:  # the GPU allocator's history
         given.append("--memory-snapshot-dir")
     return given
-
-
-def _refuse_gpu_only_on_cpu(config: RunConfig, llm: ModuleParallelism) -> None:
-    """What a --device cpu run's workers would refuse (or fail at) after start-up, said by the plan (docs/cpu.md).
-    Only for an explicit --device cpu: a plan made on a CPU host with --device auto may be for GPUs."""
-    if config.training.device != "cpu":
-        return
-    if gpu_only := gpu_only_options(config):
-        raise UsageError(f"{gpu_only[0]} needs a GPU; this run is on the CPU")
-    if config.performance.sequence_parallel:
-        raise UsageError("--sequence-parallel needs transformer-engine's norms, which need a GPU: drop it on the CPU "
-                         "(an LLM with experts then keeps --llm-tp 1 and splits them with --llm-ep)")
-    if llm.expt_tp > 1:  # megatron-core's expert-TP gather asks CUDA for its device in backward
-        raise UsageError(f"--llm-expt-tp {llm.expt_tp} does not run on the CPU: split the experts with --llm-ep "
-                         f"instead")
 
 
 def _check_chosen_iterations(logging, train_iters: int) -> None:

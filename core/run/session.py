@@ -215,11 +215,7 @@ def describe_run(plan: Plan, held: dict[str, int], device: torch.device, precisi
             return f", {total:,} params"
         return f", {held[name]:,} params on this rank" if name in held else ""
 
-    modules = " | ".join(
-        f"{name}: ranks {p.first_rank}-{p.first_rank + p.num_ranks - 1} TP{p.tp} PP{p.pp} DP{p.dp}"
-        + (f" CP{p.cp}" if p.cp > 1 else "") + (f" EP{p.ep}" if p.ep > 1 else "") + count(name)
-        for name, p in plan.parallelism.items()
-    )
+    modules = " | ".join(plan.layout.describe_module(name) + count(name) for name in plan.parallelism)
     return (f"mimo run: provider {plan.config.provider} | {modules} | global batch {plan.global_batch_size} = "
             f"{counted(plan.num_microbatches, 'micro-batch')} x {plan.config.training.micro_batch_size} x "
             f"{counted(plan.num_lanes, 'lane')}{_encoder_pass(plan)} | {counted(plan.train_iters, 'iteration')} | "

@@ -17,7 +17,7 @@ from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE, BuildContext, DataContext
 from mimo.wording import counted
 
-from ..parallel import context_parallel, topology
+from ..parallel import topology
 from ..parallel.model import build_model, seed_tracker
 from ..telemetry.sample_flops import SampleFlops
 from . import compilation, launch
@@ -59,8 +59,7 @@ class World:
                            start_sample=start_sample, data_path=str(data.data) if data.data else None,
                            num_workers=data.num_workers, pack_sequences=data.pack_sequences,
                            packing_buffer_size=data.packing_buffer_size, pack_image_tokens=plan.pack_image_tokens,
-                           segment_multiple=context_parallel.shard_multiple(plan.parallelism[LANGUAGE],
-                                                                            plan.config.performance.sequence_parallel),
+                           segment_multiple=plan.layout.shard_multiple,
                            sample_flops=SampleFlops(plan.hooks, plan.settings))
 
     @property
@@ -77,7 +76,7 @@ def join(plan: Plan, *, seed: int | None = None) -> World:
 
     `seed` (default: the run's --seed) seeds the RNGs and the model's initial weights."""
     config, perf = plan.config, plan.config.performance
-    launch.limit_device_connections(plan.parallelism)
+    launch.limit_device_connections(plan.layout)
     device = launch.init_process(config.training.device, config.launch.distributed_timeout_minutes)
     compilation.configure(config.compile, device)  # before the model: torch.compile off, the caches' places
     if dist.get_world_size() != plan.world_size:

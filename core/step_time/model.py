@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from mimo.plugins import LANGUAGE, ModuleParallelism
 
+from ..parallel.layout import Layout
 from .calibration import Calibration
 
 GRAD_BYTES = 4  # mimo reduces gradients in fp32 (grad_reduce_in_fp32)
@@ -61,12 +62,16 @@ class StepInputs:
     distributed_optimizer: bool = False
 
     @property
+    def layout(self) -> Layout:
+        return Layout(self.parallelism)
+
+    @property
     def global_batch(self) -> int:
-        return self.micro_batch_size * self.num_microbatches * self.parallelism[LANGUAGE].dp
+        return self.micro_batch_size * self.num_microbatches * self.layout.lanes
 
     @property
     def gpus(self) -> int:
-        return len({r for p in self.parallelism.values() for r in p.ranks})
+        return self.layout.ranks
 
 
 @dataclass
@@ -163,11 +168,8 @@ def _ring(n: int) -> float:
 def _module_work(name: str, inputs: StepInputs, work: Work) -> None:
     """Add module `name`'s share of an iteration on one of its ranks (of one pipeline stage for the LLM)."""
     module, par = inputs.modules[name], inputs.parallelism[name]
-    llm = inputs.parallelism[LANGUAGE]
-    # samples' worth of tokens on one rank: a lane's samples, the LLM's sequence split over CP; the encoders (CP 1)
-    # colocated with the LLM run the whole lane's samples on each of its CP ranks, on ranks of their own their DP's
-    colocated = (par.first_rank, par.num_ranks) == (llm.first_rank, llm.num_ranks)
-    samples = inputs.global_batch / (par.dp * par.cp if name == LANGUAGE else par.dp // llm.cp if colocated else par.dp)
+    # samples' worth of tokens on one rank (Layout.batch_share: the LLM's sequence split over CP, encoders whole)
+    samples = inputs.global_batch / inputs.layout.batch_share(name)
     flops = samples * module.forward_flops * _passes(inputs.recompute.get(name, "none")) / (par.tp * par.pp)
     work.tp_bytes += _tp_bytes(module, par, samples, module.layers / par.pp)
     if name == LANGUAGE:
@@ -195,32 +197,19 @@ def _stage(name: str, ranks: tuple[int, int], modules: list[str], inputs: StepIn
 
 def estimate(inputs: StepInputs, cal: Calibration) -> StepEstimate:
     """The iteration's seconds for `inputs` under calibration `cal`."""
-    llm = inputs.parallelism[LANGUAGE]
-    encoders = [n for n in inputs.parallelism if n != LANGUAGE]
-    m = inputs.num_microbatches
-    colocated = all(inputs.parallelism[n].ranks == llm.ranks for n in encoders)
-    if colocated:
-        stage = _stage("all ranks", (llm.first_rank, llm.ranks[-1]), [*encoders, LANGUAGE], inputs)
-        if encoders:
-            stage.work.extra_encoder_passes = 0 if inputs.step_encoders else m - 1
-        stages = [stage]
-    else:
-        stages = []
-        by_grid: dict[tuple[int, int], list[str]] = {}
-        for name in encoders:
-            by_grid.setdefault((inputs.parallelism[name].first_rank, inputs.parallelism[name].num_ranks), []).append(
-                name)
-        for (first, count), names in by_grid.items():
-            stage = _stage("encoder ranks", (first, first + count - 1), names, inputs)
-            stage.work.extra_encoder_passes = m - 1  # the pipeline feeds the encoders one micro-batch at a time
-            stages.append(stage)
-        per_stage = llm.num_ranks // llm.pp
-        for p in range(llm.pp):
-            first = llm.first_rank + p * per_stage
-            stage = _stage("LLM ranks" if llm.pp == 1 else f"LLM stage {p}", (first, first + per_stage - 1),
-                           [LANGUAGE], inputs)
+    layout, m = inputs.layout, inputs.num_microbatches
+    colocated = layout.colocated
+    stages = []
+    for group in layout.groups():
+        stage = _stage(group.kind, group.ranks, list(group.modules), inputs)
+        if colocated:
+            if layout.encoders:
+                stage.work.extra_encoder_passes = 0 if inputs.step_encoders else m - 1
+        elif LANGUAGE in group.modules:
             stage.work.split_micro_batches = m
-            stages.append(stage)
+        else:
+            stage.work.extra_encoder_passes = m - 1  # the pipeline feeds the encoders one micro-batch at a time
+        stages.append(stage)
     for stage in stages:
         stage.terms = {k: v for k, v in stage.work.seconds(cal).items() if v}
     if colocated:

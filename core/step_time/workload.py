@@ -4,9 +4,8 @@ estimate's options (core/memory/estimate.py), so a layout is timed as it was siz
 
 from __future__ import annotations
 
-from mimo.plugins import LANGUAGE
-
 from ..memory.estimate import Options
+from ..parallel.layout import Layout
 from .model import ModuleWork, StepInputs
 
 
@@ -62,7 +61,7 @@ def routed_copies(shape, memory) -> float:
 
 def step_inputs(modules: dict[str, ModuleWork], parallelism: dict, options: Options) -> StepInputs:
     """The estimate's inputs for a layout sized with memory `options`."""
-    encoders_apart = any(p.ranks != parallelism[LANGUAGE].ranks for n, p in parallelism.items() if n != LANGUAGE)
+    encoders_apart = not Layout(parallelism).colocated
     return StepInputs(modules=modules, parallelism=parallelism, micro_batch_size=options.micro_batch_size,
                       num_microbatches=options.num_microbatches, recompute=dict(options.recompute),
                       step_encoders=options.step_encoders and not encoders_apart,

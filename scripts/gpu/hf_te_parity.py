@@ -26,7 +26,7 @@ from megatron.core.transformer.spec_utils import build_module
 
 from mimo.core.checkpoint.hf import check_folder
 from mimo.core.checkpoint.hf_load import load_into
-from mimo.core.parallel import topology
+from mimo.core.parallel import layout, topology
 from mimo.core.config import LayoutOptions
 from mimo.core.run.launch import seed_everything
 from mimo.plugins import BuildContext
@@ -66,7 +66,7 @@ def saved(model) -> tuple[dict, FolderSource]:
 
 
 def module_context(settings):
-    parallelism = topology.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
+    parallelism = layout.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
     topo = topology.build(parallelism, backend="nccl")
     seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
     return BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)

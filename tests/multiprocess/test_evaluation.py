@@ -117,7 +117,7 @@ def plain_forward_loss(save, eval_iters: int) -> float:
     """The checkpoint's per-token loss over the eval samples, by calling the model directly in one process."""
     if save in _plain:
         return _plain[save]
-    from mimo.core.parallel import topology
+    from mimo.core.parallel import layout, topology
     from mimo.core.checkpoint.layout import iteration_dir, read_tracker
     from mimo.core.config import LayoutOptions
     from mimo.core.evaluation.evaluator import EVAL_SEED
@@ -131,7 +131,7 @@ def plain_forward_loss(save, eval_iters: int) -> float:
 
     settings = MockVLMSettings()
     with world_of_one():
-        parallelism = topology.plan(LayoutOptions(), 1, mock_vlm.model_shape(settings), micro_batch_size=4)
+        parallelism = layout.plan(LayoutOptions(), 1, mock_vlm.model_shape(settings), micro_batch_size=4)
         topo = topology.build(parallelism, backend="gloo")
         seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
         ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)

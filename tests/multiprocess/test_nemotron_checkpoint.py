@@ -69,14 +69,14 @@ def test_nemotron_checkpoints_load_strictly_in_any_layout(tmp_path):
 def _build(seed: int, encoder_ranks: int):
     import torch
     from megatron.core.models.mimo import MimoModel, MimoModelConfig
-    from mimo.core.parallel import topology
+    from mimo.core.parallel import layout, topology
     from mimo.core.config import LayoutOptions
     from mimo.core.run.launch import seed_everything
     from mimo.plugins import BuildContext
     from mimo.providers import nemotron
 
     settings = nemotron.NemotronVLMSettings(**{**nemotron.TINY, "projection": "affine"})  # Megatron-LM's recipe
-    parallelism = topology.plan(LayoutOptions(encoder_ranks=encoder_ranks), torch.distributed.get_world_size(),
+    parallelism = layout.plan(LayoutOptions(encoder_ranks=encoder_ranks), torch.distributed.get_world_size(),
                                 nemotron.model_shape(settings), micro_batch_size=1)
     topo = topology.build(parallelism, backend="gloo")
     seed_everything(seed, tp_rank=0, ep_rank=0, etp_rank=0)

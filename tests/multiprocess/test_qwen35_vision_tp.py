@@ -54,7 +54,7 @@ def _main(folder: Path) -> None:
 
     from mimo.core.checkpoint.hf_load import load_into
     from mimo.core.config import LayoutOptions
-    from mimo.core.parallel import topology
+    from mimo.core.parallel import layout, topology
     from mimo.core.run import cpu_redirect
     from mimo.core.run.launch import seed_everything
     from mimo.plugins import LANGUAGE, BuildContext, ModuleShape
@@ -69,7 +69,7 @@ def _main(folder: Path) -> None:
     shapes = {"images": ModuleShape(s.vision_depth, s.vision_hidden_size, s.vision_heads,
                                     num_query_groups=s.vision_heads),
               LANGUAGE: ModuleShape(1, s.vision_out_hidden_size, 2, num_query_groups=2)}
-    parallelism = topology.plan(LayoutOptions(encoder_tp=2, llm_tp=2), 2, shapes, micro_batch_size=1)
+    parallelism = layout.plan(LayoutOptions(encoder_tp=2, llm_tp=2), 2, shapes, micro_batch_size=1)
     topo = topology.build(parallelism, backend="gloo")
     rank = dist.get_rank()
     seed_everything(0, tp_rank=rank, ep_rank=0, etp_rank=0)

@@ -59,7 +59,7 @@ def test_layouts_that_cannot_split_the_sequence_are_refused_in_one_line(world, k
 def test_packed_rows_split_over_cp_where_transformer_engine_can():
     """CP with packing: refused on the CPU, accepted in a plan for GPUs (made here, on a host without one, whose
     workers check for transformer-engine again at their first micro-batch)."""
-    from mimo.core.parallel.context_parallel import splits_packed_rows
+    from mimo.core.parallel.layout import splits_packed_rows
 
     if torch.cuda.is_available():
         pytest.skip("checks a host without a GPU")

@@ -14,7 +14,7 @@ from helpers import world_of_one
 from megatron.core.transformer.spec_utils import build_module
 from mimo.core.checkpoint.hf import check_folder
 from mimo.core.checkpoint.hf_load import global_tensors, load_into
-from mimo.core.parallel import topology
+from mimo.core.parallel import layout, topology
 from mimo.core.config import LayoutOptions
 from mimo.core.run.launch import seed_everything
 from mimo.errors import UsageError
@@ -62,7 +62,7 @@ def _language_model(fields: dict):
     """mimo's language model (local backend, fp32) for the converted settings, built through the provider's hook
     in a world of one; its parameters are as many as the provider's analytic count says."""
     settings = NemotronVLMSettings(**{**TINY, **fields, "backend": "local"})
-    parallelism = topology.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
+    parallelism = layout.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
     topo = topology.build(parallelism, backend="gloo")
     seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
     ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)

@@ -16,7 +16,7 @@ from megatron.core.transformer.spec_utils import build_module
 from mimo.core.checkpoint.hf import check_folder
 from mimo.core.checkpoint.hf_load import load_into
 from mimo.core.config import LayoutOptions
-from mimo.core.parallel import topology
+from mimo.core.parallel import layout, topology
 from mimo.core.run.launch import seed_everything
 from mimo.errors import UsageError
 from mimo import LANGUAGE, module_prefix
@@ -37,7 +37,7 @@ def _language_model(fields: dict):
     """mimo's language model (local backend, fp32) for the converted settings, built through the provider's hook
     in a world of one; as many parameters as the provider's count says."""
     settings = Qwen35Settings(**{**fields, "backend": "local", "seq_length": 64})
-    parallelism = topology.plan(LayoutOptions(), 1, qwen35.model_shape(settings), micro_batch_size=1)
+    parallelism = layout.plan(LayoutOptions(), 1, qwen35.model_shape(settings), micro_batch_size=1)
     topo = topology.build(parallelism, backend="gloo")
     seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
     ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)

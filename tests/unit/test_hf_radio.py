@@ -23,7 +23,7 @@ from mimo.core.checkpoint.hf_load import global_tensors, load_into
 from mimo.plugins.kit.safetensors_io import FolderSource, TensorsSource
 from mimo.plugins.kit.tensor_map import to_hf
 
-from mimo.core.parallel import topology
+from mimo.core.parallel import layout, topology
 from mimo.core.config import LayoutOptions
 from mimo.errors import UsageError
 from mimo.plugins import BuildContext
@@ -277,7 +277,7 @@ def test_omni_image_features_entering_the_llm_match_the_reference(world, omni_ch
     folder, hf_config, reference = omni_checkpoint
     settings = NemotronVLMSettings(**{**TINY, **omni.config_fields(hf_config)})
     assert (settings.video_temporal_patch_size, settings.projection_hidden_size) == (2, 40)
-    parallelism = topology.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
+    parallelism = layout.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
     topo = topology.build(parallelism, backend="gloo")
     ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
     spec = nemotron.build_encoders(settings, ctx)[IMAGES].spec

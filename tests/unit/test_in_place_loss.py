@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from helpers import world_of_one
 from megatron.core.transformer.spec_utils import build_module
 from mimo.core.config import LayoutOptions
-from mimo.core.parallel import topology
+from mimo.core.parallel import layout, topology
 from mimo.core.run.launch import seed_everything
 from mimo.plugins import BuildContext
 from mimo.plugins.kit import in_place_loss
@@ -62,7 +62,7 @@ def world():
 
 
 def _language_model(provider, settings):
-    parallelism = topology.plan(LayoutOptions(), 1, provider.model_shape(settings), micro_batch_size=2)
+    parallelism = layout.plan(LayoutOptions(), 1, provider.model_shape(settings), micro_batch_size=2)
     topo = topology.build(parallelism, backend="gloo")
     seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
     ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)

@@ -19,7 +19,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
-from mimo.core.parallel import topology
+from mimo.core.parallel import layout, topology
 from mimo.core.config import LayoutOptions
 from mimo.core.run.launch import seed_everything
 from mimo.errors import UsageError
@@ -46,7 +46,7 @@ def world():
 def build(seed: int = 0, **overrides):
     """(settings, MimoModel) of the tiny variant with `overrides`, built through the provider's hooks."""
     settings = NemotronVLMSettings(**{**TINY, **overrides})
-    parallelism = topology.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
+    parallelism = layout.plan(LayoutOptions(), 1, nemotron.model_shape(settings), micro_batch_size=1)
     topo = topology.build(parallelism, backend="gloo")
     seed_everything(seed, tp_rank=0, ep_rank=0, etp_rank=0)
     ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
@@ -469,7 +469,7 @@ def test_balanced_routing_for_benchmarks_reaches_megatron_and_keeps_the_routers_
     of the router may capture."""
     from mimo.providers.nemotron.model import _routers_graphable
 
-    parallelism = topology.plan(LayoutOptions(), 1, nemotron.model_shape(NemotronVLMSettings(**TINY)),
+    parallelism = layout.plan(LayoutOptions(), 1, nemotron.model_shape(NemotronVLMSettings(**TINY)),
                                 micro_batch_size=1)
     topo = topology.build(parallelism, backend="gloo")
     ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)

@@ -69,13 +69,13 @@ def _tiny_model(**overrides):
     from megatron.core.transformer.spec_utils import build_module
 
     from mimo.core.config import LayoutOptions
-    from mimo.core.parallel import topology
+    from mimo.core.parallel import layout, topology
     from mimo.core.run.launch import seed_everything
     from mimo.plugins import BuildContext
     from mimo.providers import qwen35
 
     settings = qwen35.Qwen35Settings(**{**qwen35.TINY, "backend": "local", **overrides})
-    parallelism = topology.plan(LayoutOptions(), 1, qwen35.model_shape(settings), micro_batch_size=1)
+    parallelism = layout.plan(LayoutOptions(), 1, qwen35.model_shape(settings), micro_batch_size=1)
     topo = topology.build(parallelism, backend="gloo")
     seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
     ctx = BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)

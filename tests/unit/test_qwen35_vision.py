@@ -21,7 +21,7 @@ from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 from mimo.core.checkpoint.hf import check_folder
 from mimo.core.checkpoint.hf_load import global_tensors, load_into
 from mimo.core.config import LayoutOptions
-from mimo.core.parallel import topology
+from mimo.core.parallel import layout, topology
 from mimo.core.run.launch import seed_everything
 from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE, BuildContext, ModuleShape
@@ -84,7 +84,7 @@ def ctx(settings):
         shapes = {IMAGES: ModuleShape(s.vision_depth, s.vision_hidden_size, s.vision_heads,
                                       num_query_groups=s.vision_heads),
                   LANGUAGE: ModuleShape(1, s.vision_out_hidden_size, 2, num_query_groups=1)}
-        parallelism = topology.plan(LayoutOptions(), 1, shapes, micro_batch_size=1)
+        parallelism = layout.plan(LayoutOptions(), 1, shapes, micro_batch_size=1)
         topo = topology.build(parallelism, backend="gloo")
         seed_everything(0, tp_rank=0, ep_rank=0, etp_rank=0)
         yield BuildContext(params_dtype=torch.float32, parallelism=parallelism, pg_collections=topo.pg_collections)
