@@ -28,6 +28,12 @@ SLICE = dict(hybrid_pattern="MEMEM*EMEM", num_experts=16, backend="te")
 CASES = {
     "slice": ("nemotron-moe-vlm-52l", SLICE, 1, 8, []),
     "mid": ("nemotron-moe-vlm-mid", {"backend": "te"}, 4, 2, []),
+    # the whole released model (RADIO-H + 52 layers, 128 experts) with LoRA rank 16 on one GPU (issue 61)
+    "lora52": ("nemotron-moe-vlm-52l", {"backend": "te", "seq_length": 4096}, 1, 8, ["--lora-rank", "16"]),
+    # Qwen3.5-VL 35B-A3B at every released width, 16 of its 40 layers (the 3:1 delta-net/attention pattern), the
+    # 32 experts one GPU holds under EP8 (issue 62)
+    "qwen-slice": ("qwen3.5-vl-35b-a3b", {"layer_pattern": "GGG*" * 4, "num_experts": 32, "backend": "te"}, 1, 8,
+                   []),
 }
 QUICK_CASES = {"tiny": ("nemotron-moe-vlm-tiny", {"backend": "local"}, 2, 2, [])}
 # metrics-file keys: the real-token figures, with --data; the synthetic run's tokens are all real
@@ -45,7 +51,7 @@ COLUMNS = [
     ("ms_per_iter", "ms/iter min-median-max", ""), ("real_tokens_per_s_per_gpu", "real tokens/s/GPU", ""),
     ("tflops", "TFLOP/s/GPU min-median-max", ""), ("mfu", "MFU", ".1%"), ("samples_per_s", "samples/s", ""),
     ("samples_per_row", "samples/row", ""), ("padding_share", "padding", ""), ("data_wait_share", "data wait", ""), ("peak_memory_gib", "peak GiB", ".1f"),
-    ("plan_gib", "plan GiB", ".1f"),
+    ("plan_allocated_gib", "plan GiB", ".1f"),
 ]
 
 
@@ -56,9 +62,8 @@ def case_args(case, device: str, iterations: int, data: Path | None) -> list[str
             str(iterations), "--log-interval", "1", *options, *(["--data", str(data)] if data else [])]
 
 
-def plan_estimate(args: list[str]) -> float | None:
-    """`mimo plan --json`'s largest rank total (GiB) for the run's options (the loop options plan does not take
-    are left out)."""
+def plan_args(args: list[str]) -> list[str]:
+    """The run's options that `mimo plan` takes (the loop's own left out)."""
     kept, skip = [], False
     for arg in args:
         if skip:
@@ -68,21 +73,39 @@ def plan_estimate(args: list[str]) -> float | None:
             skip = True
             continue
         kept.append(arg)
-    out = subprocess.run([sys.executable, "-m", "mimo.cli", "plan", *kept, "--json"], capture_output=True, text=True)
+    return kept
+
+
+def plan_estimate(args: list[str]) -> dict:
+    """`mimo plan --json`'s largest rank (GiB) for the run's options: its total (allowance included) and what it
+    expects allocated (the total less the allowance; a measured peak compares with this)."""
+    out = subprocess.run([sys.executable, "-m", "mimo.cli", "plan", *plan_args(args), "--json"], capture_output=True,
+                         text=True)
     try:
-        memory = json.loads(out.stdout)["memory"]
-        return max(rank["total"] for rank in memory["ranks"])
+        largest = max(json.loads(out.stdout)["memory"]["ranks"], key=lambda rank: rank["total"])
+        return {"plan_gib": largest["total"], "plan_allocated_gib": largest["allocated"]}
     except (ValueError, KeyError, TypeError):
-        return None
+        return {"plan_gib": None, "plan_allocated_gib": None}
 
 
 def run_one(name: str, case, out: Path, device: str, iterations: int, warmup: int, data: Path | None,
-            timeout: float) -> dict:
+            timeout: float, snapshot: bool = False) -> dict:
     args = case_args(case, device, iterations, data)
-    run = mimo_run(args, out, name, timeout=timeout)
+    snapshots = out / f"{name}-snapshot"
+    extra = ["--memory-snapshot-dir", str(snapshots), "--memory-snapshot-iteration", str(iterations)] if snapshot else []
+    run = mimo_run(args + extra, out, name, timeout=timeout)
+    if snapshot and snapshots.is_dir():  # what was live at the peak, by allocation site, beside the plan's terms
+        report = subprocess.run([sys.executable, "scripts/memory_at_peak.py", str(snapshots), "--top", "60"],
+                                capture_output=True, text=True)
+        (out / f"{name}-peak.txt").write_text(report.stdout + report.stderr)
+        plan = subprocess.run([sys.executable, "-m", "mimo.cli", "plan", *plan_args(args)], capture_output=True,
+                              text=True)
+        (out / f"{name}-plan.txt").write_text(plan.stdout + plan.stderr)
+        for pickle_file in snapshots.glob("*.pickle"):
+            pickle_file.unlink()  # large; the report keeps what was live at the peak
     row = {"case": name, "provider": case[0], "data": "real-shaped" if data else "synthetic", "status": run.status,
            "command": run.printed(), "to_first_iteration_end_s": run.to_first_iteration_s, "wall_s": run.seconds,
-           "plan_gib": plan_estimate(args),
+           **plan_estimate(args),
            "compile_report": next((line.strip() for line in run.output.splitlines()
                                    if line.startswith("first iteration ")), None)}
     if run.records and run.records[0]["iteration"] == 1:
@@ -129,6 +152,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds a run may take before it is killed")
     parser.add_argument("--only", choices=("synthetic", "real"), default=None, help="one of each case's two runs")
     parser.add_argument("--quick", action="store_true", help="tiny settings on the CPU: checks the script only")
+    parser.add_argument("--snapshot", action="store_true", help="record the allocator's memory over every iteration "
+                        "and write what was live at the peak (NAME-peak.txt) beside mimo plan's terms (NAME-plan.txt)")
     args = parser.parse_args()
     cases, device = (QUICK_CASES, "cpu") if args.quick else (CASES, "cuda")
     names = args.cases or list(cases)
@@ -142,7 +167,7 @@ def main() -> None:
             if args.only and args.only != kind:
                 continue
             results.rows.append(run_one(f"{name}-{kind}", cases[name], args.out, device, args.iterations,
-                                        args.warmup, data, args.timeout))
+                                        args.warmup, data, args.timeout, args.snapshot))
             results.notes = ratios(results.rows) + [f"{r['case']}: {r['compile_report']}" for r in results.rows
                                                     if r.get("compile_report")]
             results.write(args.out, extra={"device_info": device_description()}, show=False)
