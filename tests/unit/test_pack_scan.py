@@ -80,6 +80,11 @@ def test_the_plan_counts_the_largest_pack_of_the_dataset(dataset):
     assert describe(plan) == (f"packs: rows of 128 tokens with at most {plan.pack_image_tokens} image tokens (the "
                               f"largest pack of all 40 --data samples: {largest}, "
                               f"{plan.pack_scan.mean_image_tokens:.0f} on average)")
+    from mimo.cli.plan import describe as summary
+
+    assert summary(plan)["pack_scan"] == {"read": 40, "samples": plan.pack_scan.samples, "rows": plan.pack_scan.rows,
+                                          "image_tokens": largest, "whole": True,
+                                          "mean_image_tokens": plan.pack_scan.mean_image_tokens}
     # the encoders' activations follow it, below a plan that counts whole rows of images
     [scanned] = fit.estimate_plan(plan)
     [whole] = fit.estimate_plan(prepare(config(dataset, pack_scan_samples=0), world_size=1, planning=True))
@@ -129,3 +134,21 @@ def test_inspect_packs_rows_to_the_image_budget(dataset):
     # the rows the run makes at that budget, more than the tokens alone make (inspect used to drop the images)
     assert sorted(result.rows) == sorted(tokens for tokens, _ in packs(dataset, 16))
     assert len(result.rows) > len(packs(dataset, 16, packed_at=None))
+
+
+def test_plan_vs_peak_plans_a_recorded_run_with_its_options_on_the_dataset_made_again():
+    import importlib.util
+
+    from helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("plan_vs_peak", REPO / "bench" / "plan_vs_peak.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    command = ("mimo run --provider nemotron-moe-vlm-52l --set 'hybrid_pattern=MEMEM*EMEM' --precision bf16 --device "
+               "cuda --micro-batch-size 1 --train-iters 108 --log-interval 1 --data /gpu/real/dataset --metrics-file "
+               "m.jsonl")
+    assert script.plan_options(command, "here/dataset", 140.4) == [
+        "--provider", "nemotron-moe-vlm-52l", "--set", "hybrid_pattern=MEMEM*EMEM", "--precision", "bf16",
+        "--micro-batch-size", "1", "--device", "cuda", "--gpu-memory", "140.4", "--data", "here/dataset"]
+    synthetic = command.split(" --data")[0]
+    assert "--data" not in script.plan_options(synthetic, "here/dataset", 140.4)
