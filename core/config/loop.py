@@ -117,8 +117,8 @@ class DataOptions(Options):
               "per row, which the memory plan counts (default: the most that fits the GPU, at most seq_length)")
     pack_scan_samples: int = option(
         2000, "the memory plan reads this many of the first --data samples through the packer and counts the image "
-              "tokens of the largest pack they make (the run's packer then holds every row to it) instead of rows "
-              "full to --pack-image-tokens; 0: count the budget")
+              "tokens of the largest pack they make (the run's packer then holds every row to it: "
+              "--pack-image-tokens' default); 0: none, the most that fits")
     max_skip_fraction: float = option(
         0.1, "stop the run (exit 2, saving first with --save) when more than this share of the --data samples read "
              "were skipped (unreadable, unsupported or too long), checked once 100 have been read; 1: never")

@@ -40,7 +40,7 @@ def resolve(plan, fits, scan=None) -> None:
     plan.pack_image_tokens = seq_length
     if not _bounded_by_memory(plan):
         return
-    packs = scan(plan, seq_length) if scan is not None else None
+    packs = scan(plan, seq_length, GRAIN) if scan is not None else None
     if packs is not None and packs.rows:  # the dataset's largest pack: the run's packer holds rows to it
         plan.pack_scan = packs
         plan.pack_image_tokens = min(seq_length, max(GRAIN, -(-packs.image_tokens // GRAIN) * GRAIN))

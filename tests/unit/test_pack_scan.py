@@ -73,24 +73,35 @@ def packs(path, budget, shuffle: int | None = None, packed_at=...) -> list[tuple
 
 def test_the_plan_counts_the_largest_pack_of_the_dataset(dataset):
     plan = prepare(config(dataset), world_size=1, planning=True)
-    largest = max(images for _, images in packs(dataset, 128))
+    free = packs(dataset, 128)
+    largest, scan = max(images for _, images in free), plan.pack_scan
     assert 0 < largest < 128 - GRAIN  # the dataset's packs carry fewer image tokens than a row holds
     assert plan.pack_image_tokens == -(-largest // GRAIN) * GRAIN
-    assert plan.pack_scan.image_tokens == largest and plan.pack_scan.whole and plan.pack_scan.read == 40
+    assert scan.image_tokens == largest and scan.whole and scan.read == 40 and scan.rows == len(free)
     assert describe(plan) == (f"packs: rows of 128 tokens with at most {plan.pack_image_tokens} image tokens (the "
-                              f"largest pack of all 40 --data samples: {largest}, "
-                              f"{plan.pack_scan.mean_image_tokens:.0f} on average)")
+                              f"largest pack of all 40 --data samples: {largest}, {scan.mean_image_tokens:.0f} on "
+                              f"average; {scan.as_full} pack them as full)")
     from mimo.cli.plan import describe as summary
 
-    assert summary(plan)["pack_scan"] == {"read": 40, "samples": plan.pack_scan.samples, "rows": plan.pack_scan.rows,
-                                          "image_tokens": largest, "whole": True,
-                                          "mean_image_tokens": plan.pack_scan.mean_image_tokens}
+    assert summary(plan)["pack_scan"] == {"read": 40, "samples": scan.samples, "rows": len(free),
+                                          "image_tokens": largest, "whole": True, "as_full": scan.as_full,
+                                          "mean_image_tokens": scan.mean_image_tokens}
     # the encoders' activations follow it, below a plan that counts whole rows of images
     [scanned] = fit.estimate_plan(plan)
     [whole] = fit.estimate_plan(prepare(config(dataset, pack_scan_samples=0), world_size=1, planning=True))
     images = lambda rank: next(m for m in rank.modules if m.module == "images")  # noqa: E731
     assert images(scanned).tokens / images(whole).tokens == pytest.approx(plan.pack_image_tokens / 128)
     assert scanned.term("activations") < whole.term("activations")
+
+
+def test_the_scan_says_the_fewest_image_tokens_that_pack_the_dataset_as_full(dataset):
+    scan = prepare(config(dataset), world_size=1, planning=True).pack_scan
+    free, budget = packs(dataset, 128), scan.as_full
+    assert 0 < budget <= -(-scan.image_tokens // GRAIN) * GRAIN and budget % GRAIN == 0  # the largest pack's, at most
+    bounded = packs(dataset, budget)  # the same samples (none skipped: the same tokens) in as many rows
+    assert len(bounded) == len(free) and sum(t for t, _ in bounded) == sum(t for t, _ in free)
+    tighter = packs(dataset, budget - GRAIN)  # one grain fewer packs emptier, or skips a sample
+    assert len(tighter) > len(free) or sum(t for t, _ in tighter) < sum(t for t, _ in free)
 
 
 def test_the_runs_packer_holds_every_row_to_the_plans_figure_in_any_order(dataset):
