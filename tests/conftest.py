@@ -32,6 +32,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 SLOW: dict[str, float] = {
     "test_readme.py::test_readme_block_runs_as_written": 298,
     "test_data_loop.py": 210,
+    "test_qwen35_alone.py": 116,
     "test_fault_battery.py::test_the_fault_battery_passes": 112,
     "test_hf_parts.py": 105,
     "test_hf_stages.py::test_the_documented_stage_recipe_runs_and_trains_what_each_stage_names": 84,
