@@ -125,7 +125,7 @@ def energon_batches(s: Qwen35Settings, ctx):
                                       encoder_name=ENCODER, pack_sequences=ctx.pack_sequences,
                                       segment_multiple=ctx.segment_multiple,
                                       positions=MRoPEPositions(image_id, s.spatial_merge_size))
-    return ctx.energon_loader(encoder)
+    return ctx.energon_loader(encoder, shuffle_buffer_size=s.shuffle_buffer or None)
 
 
 def data_provider(s: Qwen35Settings, ctx):
