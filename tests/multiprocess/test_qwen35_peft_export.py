@@ -44,9 +44,12 @@ def _inputs(folder):
                 mm_token_type_ids=(ids == TOKENS["image_token_id"]).int())
 
 
-@pytest.mark.parametrize("moe, experts", [(False, "shared"), (True, "shared"), (True, "per-expert")],
-                         ids=["dense", "moe-shared", "moe-per-expert"])
-def test_a_peft_adapter_on_the_base_gives_the_merged_models_logits(tmp_path, moe, experts):
+@pytest.mark.parametrize("moe, experts, layout", [
+    (False, "shared", ()), (True, "shared", ()), (True, "per-expert", ()),
+    # adapters saved over TP 2: the delta net's in_proj B in its sections' parts, each gathered whole
+    (False, "shared", ("--nproc-per-node", "2", "--llm-tp", "2", "--encoder-tp", "2"))],
+    ids=["dense", "moe-shared", "moe-per-expert", "dense-tp2"])
+def test_a_peft_adapter_on_the_base_gives_the_merged_models_logits(tmp_path, moe, experts, layout):
     from peft import PeftModel
     from peft.utils import get_peft_model_state_dict
     from safetensors.torch import load_file
@@ -58,7 +61,7 @@ def test_a_peft_adapter_on_the_base_gives_the_merged_models_logits(tmp_path, moe
     adapters, peft_dir, merged, whole = (tmp_path / n for n in ("adapters", "peft", "merged", "whole"))
     _mimo("run", "--provider", provider, "--device", "cpu", "--micro-batch-size", "2", "--global-batch-size", "2",
           "--seed", "3", "--lora-rank", "4", "--lr", "2e-2", "--pretrained", str(base), "--lora-targets",
-          TARGETS.format(mlp=mlp), "--lora-experts", experts, "--train-iters", "2", "--save", str(adapters))
+          TARGETS.format(mlp=mlp), "--lora-experts", experts, "--train-iters", "2", "--save", str(adapters), *layout)
     printed = _mimo("ckpt", "export-hf", str(adapters), str(peft_dir), "--adapter-only")
     _mimo("ckpt", "merge-lora", str(adapters), str(merged))
     _mimo("ckpt", "export-hf", str(merged), str(whole))
