@@ -38,7 +38,8 @@ def _inputs(folder):
     grids = processed["image_grid_thw"]
     ids = torch.randint(0, 256, (3,), generator=gen).tolist()
     for grid in grids:
-        ids += [TOKENS["image_token_id"]] * (int(grid.prod()) // 4) + torch.randint(0, 256, (4,), generator=gen).tolist()
+        text = torch.randint(0, 256, (4,), generator=gen).tolist()
+        ids += [TOKENS["image_token_id"]] * (int(grid.prod()) // 4) + text  # 2 x 2 merged patches a token
     ids = torch.tensor([ids])
     return dict(input_ids=ids, pixel_values=processed["pixel_values"], image_grid_thw=grids,
                 mm_token_type_ids=(ids == TOKENS["image_token_id"]).int())
