@@ -31,7 +31,7 @@ from mimo.plugins.data_source import as_data_source
 from ..forward.forward_loss import ForwardLoss
 from ..forward.schedule import schedule_for
 from ..parallel.model import parameters_gathered
-from ..parallel.topology import counted_once, is_loss_source, is_token_source
+from ..parallel.topology import counted_once, is_data_source, is_loss_source
 from .predictions import Predictions, Predictor
 
 # Synthetic eval data is drawn from this seed, whatever the training seed: evaluations of runs with different
@@ -91,7 +91,7 @@ class Evaluator:
         self.device, self.params_dtype, self.data_ctx = device, params_dtype, data_ctx
         self.eval_iters, self.num_microbatches = options.eval_iters, plan.num_microbatches
         self.global_batch_size, self.provider_name = plan.global_batch_size, plan.config.provider
-        self._token_source, self._loss_source = is_token_source(topology), is_loss_source(topology)
+        self._data_source, self._loss_source = is_data_source(topology), is_loss_source(topology)
         # a schedule (and bridge communicator) of its own: the training step's is watched by the step timers
         self._schedule, _ = schedule_for(topology, model.config)
         # [loss sum, tokens, *DataCounts]: the loss and what the eval data skipped and cut, reduced at once
@@ -134,7 +134,7 @@ class Evaluator:
             source.close()  # a loader's worker processes
         _clear_moe_tracker()
         # One rank per LLM lane (per CP part for the loss) counts: the all-reduce gives every rank all lanes' totals.
-        totals = counted_once(self._totals, self._loss_source, self._token_source)
+        totals = counted_once(self._totals, self._loss_source, self._data_source)
         dist.all_reduce(totals)
         loss_sum, tokens = totals[:2].tolist()
         counts = DataCounts.from_vector(totals[2:].tolist())

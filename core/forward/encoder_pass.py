@@ -80,6 +80,8 @@ def _unsupported(hooks, parallelism: dict) -> str | None:
         return "the model has no encoders"
     if not layout.colocated:
         return "the encoders have ranks of their own (--encoder-ranks), where the pipeline schedule feeds them"
+    if layout.shared_ranks_exchange:
+        return "the colocated encoders run at a TP of their own (--encoder-tp), reading other samples than the LLM"
     if not _concatenates(hooks):
         return "the provider does not implement the concat_encoder_inputs hook"
     return None

@@ -109,6 +109,8 @@ class Layout:
             _check_module(name, par, self.shapes[name], self.features.sequence_parallel)
         if not self.colocated:
             self._check_bridge()
+        elif self.shared_ranks_exchange:
+            self._check_shared_ranks()
         self._check_sequence_split()
         self._check_device()
         return self
@@ -122,9 +124,9 @@ class Layout:
             raise UsageError(f"--llm-tp {layout.llm_tp} does not fit {counted(world_size, 'rank')}: the modules "
                              f"share every rank, so TP must divide the {world_size}; use --llm-tp among "
                              f"{_divisors(world_size)}, or a multiple of {layout.llm_tp} ranks (--nproc-per-node)")
-        if k == 0 and layout.encoder_tp != layout.llm_tp:
-            raise UsageError(f"colocated modules share the LLM's TP: set --encoder-tp {layout.llm_tp}, or give the "
-                             f"encoders ranks of their own with --encoder-ranks")
+        if k == 0 and world_size % layout.encoder_tp:
+            raise UsageError(f"--encoder-tp {layout.encoder_tp} does not fit {counted(world_size, 'rank')}: "
+                             f"colocated encoders run on every rank; use --encoder-tp among {_divisors(world_size)}")
         if k == 0 and layout.llm_pp > 1:
             raise UsageError("--llm-pp > 1 needs the encoders on ranks of their own: set --encoder-ranks")
 
@@ -142,6 +144,24 @@ class Layout:
         if e > l and micro_batch_size % (e // l):
             raise UsageError(f"--micro-batch-size {micro_batch_size} cannot be split over the {e // l} encoder "
                              f"ranks that feed each LLM lane: use a multiple of {e // l}")
+
+    def _check_shared_ranks(self) -> None:
+        """Colocated encoders at a TP other than the LLM's: their embeddings change hands between the two
+        data-parallel layouts of the same ranks (core/parallel/shared_ranks.py)."""
+        llm, encoder, f = self.llm, self.parallelism[self.encoders[0]], self.features
+        e, l, fix = encoder.dp, llm.dp, f"or --encoder-tp {llm.tp} (the LLM's)"
+        if llm.cp > 1:
+            raise UsageError(f"--llm-cp {llm.cp} with colocated encoders at their own TP is not supported (the "
+                             f"encoders would split samples the CP ranks share): set --encoder-tp {llm.tp}")
+        if not _divide(e, l):
+            raise UsageError(f"colocated encoder DP {e} and LLM DP {l} must divide one another: choose --encoder-tp "
+                             f"among {_divisors(encoder.num_ranks)} dividing or multiplying --llm-tp {llm.tp}, {fix}")
+        if e > l and f.micro_batch_size % (e // l):
+            raise UsageError(f"--micro-batch-size {f.micro_batch_size} cannot be split over the {e // l} encoder "
+                             f"ranks that share each LLM lane: use a multiple of {e // l}, {fix}")
+        if e < l and f.pack_sequences:
+            raise UsageError(f"--pack-sequences with colocated encoders at a larger TP than the LLM's is not "
+                             f"supported (packed rows are not cut into lanes): {fix}")
 
     def _check_sequence_split(self) -> None:
         """What context parallelism needs of the run (context_parallel.py says why)."""
@@ -184,6 +204,8 @@ class Layout:
             return "generation needs every module on every rank (colocated, --encoder-ranks 0)"
         if self.llm.pp > 1:
             return "generation needs the LLM in one pipeline stage (--llm-pp 1)"
+        if self.shared_ranks_exchange:
+            return f"generation needs the encoders at the LLM's TP (--encoder-tp {self.llm.tp})"
         return None
 
     def optimizer_resharding(self, saved_dp: dict[str, int]) -> tuple[str, int, int] | None:
@@ -213,6 +235,12 @@ class Layout:
     def colocated(self) -> bool:
         """Every module on every rank."""
         return len({(p.first_rank, p.num_ranks) for p in self.parallelism.values()}) == 1
+
+    @property
+    def shared_ranks_exchange(self) -> bool:
+        """Colocated encoders whose data parallelism differs from the LLM's (their own --encoder-tp): each rank
+        reads its encoders' samples and the LLM's rows and the embeddings change hands (shared_ranks.py)."""
+        return self.colocated and any(self.parallelism[n].tp != self.llm.tp for n in self.encoders)
 
     @property
     def ranks(self) -> int:

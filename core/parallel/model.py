@@ -14,7 +14,7 @@ from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from ..adapters.apply import add_adapters
 from ..config import AdapterOptions
-from . import embedding_merge
+from . import embedding_merge, shared_ranks
 from .topology import LANGUAGE, Topology
 from .wgrad_fusion import fuse_weight_gradient_accumulation
 
@@ -35,6 +35,8 @@ def _seeded_mimo_model_class():
         seed_tracker = None
         _rows = None
         _embeddings = None
+        _exchange = None
+        _device = None
 
         def _initialize_submodules(self):
             torch.manual_seed(self.init_seed)
@@ -57,17 +59,33 @@ def _seeded_mimo_model_class():
                 return
             super()._build_colocated_communicators()
 
-        def forward(self, *args, placeholder_rows=None, modality_embeddings=None, **kwargs):
+        def forward(self, *args, placeholder_rows=None, modality_embeddings=None, exchange_rows=None, **kwargs):
             """`modality_embeddings` {modality: [placeholders, hidden]}: encoder outputs computed already (the
             encoders ran once for the step, core/forward/encoder_pass.py), merged in place of running the encoders;
-            they need `placeholder_rows`."""
+            they need `placeholder_rows`. `exchange_rows` {modality: rows of each rank of the colocated bridge's
+            gather group}: colocated encoders at a TP of their own (shared_ranks.py)."""
             if modality_embeddings is not None and placeholder_rows is None:
                 raise ValueError("modality_embeddings need placeholder_rows")
-            self._rows, self._embeddings = placeholder_rows, modality_embeddings
+            self._rows, self._embeddings, self._exchange = placeholder_rows, modality_embeddings, exchange_rows
+            self._device = kwargs["input_ids"].device if "input_ids" in kwargs else None
             try:
                 return super().forward(*args, **kwargs)
             finally:
-                self._rows = self._embeddings = None
+                self._rows = self._embeddings = self._exchange = None
+
+        def _apply_colocated_comms(self, modality_embeddings):
+            if self._exchange is None:  # the same DP on both sides: megatron-core's pass-through
+                return super()._apply_colocated_comms(modality_embeddings)
+            out = dict(modality_embeddings)
+            for modality, rows in self._exchange.items():
+                comm = self.colocated_comms.get((modality, LANGUAGE))
+                if comm is None or not sum(rows):  # every rank of the group skips it alike
+                    continue
+                if out.get(modality) is None:  # this rank's samples have none; its group's others do
+                    out[modality] = torch.empty((0, self.config.hidden_size), dtype=self.config.params_dtype,
+                                                device=self._device, requires_grad=True)
+                out[modality] = shared_ranks.exchange(comm, out[modality], rows)
+            return out
 
         def _attach_modality_split_sizes(self, output, input_ids, encoder_name):
             # Fan-in (more encoder than LLM data-parallel ranks): an encoder rank sends its whole output to one

@@ -22,7 +22,7 @@ from ..forward.encoder_pass import StepEncoderPass
 from ..forward.forward_loss import ForwardLoss
 from ..forward.schedule import schedule_for
 from ..parallel.model import held_modules
-from ..parallel.topology import counted_once, is_loss_source, is_token_source
+from ..parallel.topology import counted_once, is_data_source, is_loss_source
 from ..telemetry.timers import StepTimers
 
 if TYPE_CHECKING:
@@ -66,7 +66,7 @@ class TrainStep:
         self.hooks, self.settings, self.topology = hooks, settings, topology
         self.device, self.params_dtype = device, params_dtype
         self.num_microbatches, self.global_batch_size = plan.num_microbatches, plan.global_batch_size
-        self._token_source, self._loss_source = is_token_source(topology), is_loss_source(topology)
+        self._data_source, self._loss_source = is_data_source(topology), is_loss_source(topology)
         # [loss sum, tokens, *DataCounts, counted]: one all-reduce for the loss and the data's counts
         self._totals = torch.zeros(3 + len(DataCounts.names()), dtype=torch.float64, device=device)
         self._data_counts = data_counts
@@ -94,7 +94,7 @@ class TrainStep:
         """`counts` (this rank's lanes') summed over the run's lanes, each counted once as the step's totals are;
         None for data that counts nothing. Collective."""
         vector = torch.zeros(len(DataCounts.names()) + 1, dtype=torch.float64, device=self.device)
-        if counts is not None and self._token_source:
+        if counts is not None and self._data_source:
             vector[:-1] = torch.tensor(counts.vector(), dtype=torch.float64)
             vector[-1] = 1
         dist.all_reduce(vector)
@@ -109,7 +109,7 @@ class TrainStep:
         if counts is not None:
             self._totals[2:-1] = torch.tensor(counts.vector(), dtype=torch.float64)
             self._totals[-1] = 1
-        totals = counted_once(self._totals, self._loss_source, self._token_source)
+        totals = counted_once(self._totals, self._loss_source, self._data_source)
         dist.all_reduce(totals)
         self._reduced_totals = totals  # read on the host where the optimizer has waited for the GPU anyway
         tokens = totals[1]
