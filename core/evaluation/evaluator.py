@@ -28,6 +28,8 @@ from mimo.errors import UsageError
 from mimo.plugins import DataContext
 from mimo.plugins.data_source import as_data_source
 
+from ..forward import encoders_beside_stages
+from ..forward.encoder_pass import StepEncoderPass
 from ..forward.forward_loss import ForwardLoss
 from ..forward.schedule import schedule_for
 from ..parallel.model import parameters_gathered
@@ -98,6 +100,10 @@ class Evaluator:
         self._totals = torch.zeros(2 + len(DataCounts.names()), dtype=torch.float64, device=device)
         # the training step's forward and loss hook, summing into the totals
         self._forward_step = ForwardLoss(hooks, settings, device, params_dtype, self._totals[:2])
+        # the LLM's stages beside the encoders: the encoders run first, on the step's micro-batches
+        self._beside = encoders_beside_stages.for_step(model, topology, StepEncoderPass(
+            model, hooks=hooks, settings=settings, device=device, params_dtype=params_dtype)) \
+            if getattr(model, "stages_beside_encoders", False) else None
         # A missing split fails now, not after training: opening the data reads the dataset's index, no sample.
         opened = self.hooks.data_provider(settings=settings, ctx=dataclasses.replace(data_ctx, opened_loaders=[]))
         as_data_source(opened, self.provider_name).close()
@@ -121,7 +127,10 @@ class Evaluator:
                 self.model.eval()  # no dropout, no RADIO position jitter
                 try:
                     for _ in range(self.eval_iters):
-                        self._schedule(forward_step_func=self._forward_step, data_iterator=data, model=[self.model],
+                        batches = data
+                        if self._beside is not None:
+                            batches = iter(self._beside.forward([next(data) for _ in range(self.num_microbatches)]))
+                        self._schedule(forward_step_func=self._forward_step, data_iterator=batches, model=[self.model],
                                        num_microbatches=self.num_microbatches, forward_only=True,
                                        seq_length=seq_length, micro_batch_size=ctx.micro_batch_size)
                     predictions = self.predictor.predict() if self.predictor else None

@@ -48,17 +48,9 @@ class SharedRankBatches:
         return self._fan_in(batch) if self.comm.is_fan_in() else self._fan_out(batch)
 
     def _fan_in(self, batch: dict) -> dict:
-        text = {k: v for k, v in batch.items() if k != "modality_inputs"}
-        unknown = sorted(set(text) - set(TEXT_KEYS))
-        if unknown:
-            raise TypeError(f"a micro-batch shared between colocated grids has key {unknown[0]!r}, which has no merge "
-                            f"rule (known: {sorted(TEXT_KEYS)})")
-        shares = [None] * self.comm.scale
-        # a small exchange of the rows' tokens and masks; the images stay with the rank that encodes them
-        dist.all_gather_object(shares, text, group=self.comm.gather_pg)
-        lane = merge_lane_batches(shares)
+        lane, shares = gather_lane(batch, self.comm.gather_pg, self.comm.scale)
         lane["modality_inputs"] = batch.get("modality_inputs") or {}
-        lane["exchange_rows"] = self._rows([share["input_ids"] for share in shares])
+        lane["exchange_rows"] = placeholders_of(self.special_token_ids, shares)
         return lane
 
     def _fan_out(self, batch: dict) -> dict:
@@ -74,10 +66,24 @@ class SharedRankBatches:
         for key in ROW_KEYS:
             if key in batch:
                 lane[key] = batch[key].narrow(-2, first, width).contiguous()
-        lane["exchange_rows"] = self._rows(list(input_ids.split(width)))
+        lane["exchange_rows"] = placeholders_of(self.special_token_ids, list(input_ids.split(width)))
         return lane
 
-    def _rows(self, parts: list[torch.Tensor]) -> dict[str, list[int]]:
-        """{modality: placeholders in each part}: the rows each rank of the group holds of the embeddings."""
-        return {modality: [int((ids == token).sum()) for ids in parts]
-                for modality, token in self.special_token_ids.items()}
+
+def gather_lane(batch: dict, group, parts: int) -> tuple[dict, list[torch.Tensor]]:
+    """(the lane's rows, each share's input_ids): the text of `batch` (this rank's share of a lane's micro-batch)
+    gathered from the `parts` ranks of `group`, which read the lane's shares in group order; no encoder inputs."""
+    text = {k: v for k, v in batch.items() if k != "modality_inputs"}
+    unknown = sorted(set(text) - set(TEXT_KEYS))
+    if unknown:
+        raise TypeError(f"a micro-batch shared between ranks has key {unknown[0]!r}, which has no merge rule (known: "
+                        f"{sorted(TEXT_KEYS)})")
+    shares = [None] * parts
+    # a small exchange of the rows' tokens and masks; the images stay with the rank that encodes them
+    dist.all_gather_object(shares, text, group=group)
+    return merge_lane_batches(shares), [share["input_ids"] for share in shares]
+
+
+def placeholders_of(special_token_ids: dict[str, int], parts: list[torch.Tensor]) -> dict[str, list[int]]:
+    """{modality: placeholders in each part's input_ids}: the embedding rows each rank of a group holds."""
+    return {modality: [int((ids == token).sum()) for ids in parts] for modality, token in special_token_ids.items()}

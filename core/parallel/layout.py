@@ -109,6 +109,8 @@ class Layout:
             _check_module(name, par, self.shapes[name], self.features.sequence_parallel)
         if not self.colocated:
             self._check_bridge()
+        elif self.llm.pp > 1:
+            self._check_stages_beside_encoders()
         elif self.shared_ranks_exchange:
             self._check_shared_ranks()
         self._check_sequence_split()
@@ -127,8 +129,6 @@ class Layout:
         if k == 0 and world_size % layout.encoder_tp:
             raise UsageError(f"--encoder-tp {layout.encoder_tp} does not fit {counted(world_size, 'rank')}: "
                              f"colocated encoders run on every rank; use --encoder-tp among {_divisors(world_size)}")
-        if k == 0 and layout.llm_pp > 1:
-            raise UsageError("--llm-pp > 1 needs the encoders on ranks of their own: set --encoder-ranks")
 
     def _check_bridge(self) -> None:
         """Encoder DP and LLM DP must fan out or in evenly: the bridge splits micro-batches by whole samples."""
@@ -162,6 +162,18 @@ class Layout:
         if e < l and f.pack_sequences:
             raise UsageError(f"--pack-sequences with colocated encoders at a larger TP than the LLM's is not "
                              f"supported (packed rows are not cut into lanes): {fix}")
+
+    def _check_stages_beside_encoders(self) -> None:
+        """The LLM's stages on the encoders' ranks: each stage's ranks encode a share of their lane, and the
+        embeddings reach stage 0 (core/forward/encoders_beside_stages.py)."""
+        llm, encoder, mbs = self.llm, self.parallelism[self.encoders[0]], self.features.micro_batch_size
+        if encoder.tp != llm.tp or llm.cp > 1:
+            raise UsageError(f"--llm-pp {llm.pp} with colocated encoders needs them at the LLM's TP and no CP: set "
+                             f"--encoder-tp {llm.tp} and --llm-cp 1, or give the encoders ranks of their own with "
+                             f"--encoder-ranks")
+        if mbs % llm.pp:
+            raise UsageError(f"--micro-batch-size {mbs} cannot be split over the LLM's {llm.pp} stages, whose ranks "
+                             f"encode a share of each micro-batch: use a multiple of {llm.pp}")
 
     def _check_sequence_split(self) -> None:
         """What context parallelism needs of the run (context_parallel.py says why)."""
@@ -243,6 +255,17 @@ class Layout:
         return self.colocated and any(self.parallelism[n].tp != self.llm.tp for n in self.encoders)
 
     @property
+    def stages_beside_encoders(self) -> bool:
+        """The LLM's pipeline stages on the colocated encoders' ranks (core/forward/encoders_beside_stages.py)."""
+        return self.colocated and self.llm.pp > 1
+
+    @property
+    def encoders_read_own_samples(self) -> bool:
+        """Colocated encoders that read other samples than the LLM's lane: at a TP of their own, or beside the
+        LLM's pipeline stages (each stage's ranks encode a share of their lane)."""
+        return self.shared_ranks_exchange or self.stages_beside_encoders
+
+    @property
     def ranks(self) -> int:
         return len({r for p in self.parallelism.values() for r in p.ranks})
 
@@ -252,21 +275,22 @@ class Layout:
 
     def groups(self) -> list[RankGroup]:
         """The kinds of rank: all ranks when colocated; else each encoder grid's ranks (the multimodule
-        pipeline's first stage), then each of the LLM's pipeline stages."""
+        pipeline's first stage), then each of the LLM's pipeline stages (with the encoders, colocated)."""
         llm = self.llm
-        if self.colocated:
+        if self.colocated and llm.pp == 1:
             return [RankGroup("all ranks", (llm.first_rank, llm.ranks[-1]), (*self.encoders, LANGUAGE))]
         out, by_grid = [], {}
         for name in self.encoders:
             par = self.parallelism[name]
             by_grid.setdefault((par.first_rank, par.num_ranks), []).append(name)
-        for (first, count), names in by_grid.items():
-            out.append(RankGroup("encoder ranks", (first, first + count - 1), tuple(names)))
-        per_stage = llm.num_ranks // llm.pp
+        if not self.colocated:
+            for (first, count), names in by_grid.items():
+                out.append(RankGroup("encoder ranks", (first, first + count - 1), tuple(names)))
+        per_stage, beside = llm.num_ranks // llm.pp, tuple(self.encoders) if self.colocated else ()
         for stage in range(llm.pp):
             first = llm.first_rank + stage * per_stage
             kind = "LLM ranks" if llm.pp == 1 else f"LLM stage {stage}"
-            out.append(RankGroup(kind, (first, first + per_stage - 1), (LANGUAGE,), stage))
+            out.append(RankGroup(kind, (first, first + per_stage - 1), (*beside, LANGUAGE), stage))
         return out
 
     def stages(self, name: str) -> int:

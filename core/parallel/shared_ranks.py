@@ -43,7 +43,7 @@ def _slot(comm) -> int:
     return slot
 
 
-def _gather(tensor: torch.Tensor, rows: list[int], group) -> torch.Tensor:
+def gather_rows(tensor: torch.Tensor, rows: list[int], group) -> torch.Tensor:
     """Every group rank's rows (`rows[k]` of rank k), concatenated in group order."""
     longest = max(rows)
     padded = tensor.new_zeros((longest, *tensor.shape[1:]))
@@ -61,7 +61,7 @@ class _Exchange(torch.autograd.Function):
             if tensor.shape[0] != rows[slot]:
                 raise ValueError(f"the encoder's {tensor.shape[0]} rows do not match the {rows[slot]} placeholders of "
                                  f"this rank's samples")
-            return _gather(tensor, rows, comm.gather_pg)
+            return gather_rows(tensor, rows, comm.gather_pg)
         if tensor.shape[0] != sum(rows):
             raise ValueError(f"the encoder's {tensor.shape[0]} rows do not match the {sum(rows)} placeholders of its "
                              f"lanes")
@@ -74,4 +74,4 @@ class _Exchange(torch.autograd.Function):
         if comm.is_fan_in():
             start = sum(rows[:slot])
             return grad[start: start + rows[slot]].contiguous(), None, None, None
-        return _gather(grad.contiguous(), rows, comm.gather_pg), None, None, None
+        return gather_rows(grad.contiguous(), rows, comm.gather_pg), None, None, None

@@ -22,11 +22,16 @@ def data_positions(parallelism: dict[str, ModuleParallelism], rank: int, micro_b
 
     An LLM rank reads its lane. An encoder rank reads the lanes it feeds through the bridge (the bridge pairs encoder DP rank r with LLM DP
     ranks in order), or its share of one lane when several encoder ranks feed it. Colocated encoders at a TP of
-    their own read their samples the same way, and the LLM's rows come from them (forward/shared_rank_batches.py).
+    their own read their samples the same way, and the LLM's rows come from them (forward/shared_rank_batches.py);
+    beside the LLM's pipeline stages, each stage's ranks read their share of their lane.
     """
-    llm = parallelism[LANGUAGE]
-    if rank in llm.ranks and not Layout(parallelism).shared_ranks_exchange:
+    llm, layout = parallelism[LANGUAGE], Layout(parallelism)
+    if rank in llm.ranks and not layout.encoders_read_own_samples:
         return _dp_rank(llm, rank) * micro_batch_size, micro_batch_size
+    if layout.colocated and llm.pp > 1:  # each stage's ranks encode a share of their lane (encoders_beside_stages)
+        share = micro_batch_size // llm.pp
+        stage = (rank - llm.first_rank) // (llm.num_ranks // llm.pp)
+        return _dp_rank(llm, rank) * micro_batch_size + stage * share, share
     encoder = next(p for name, p in parallelism.items() if name != LANGUAGE and rank in p.ranks)
     r, e, l = _dp_rank(encoder, rank), encoder.dp, llm.dp
     if e <= l:
@@ -79,9 +84,8 @@ def is_loss_source(topology: Topology) -> bool:
 
 def is_data_source(topology: Topology) -> bool:
     """The ranks whose data counts add up to the global batch's: each lane's token source; where colocated
-    encoders at a TP of their own read the samples (Layout.shared_ranks_exchange), each encoder replica's first
-    TP rank."""
-    if not topology.layout.shared_ranks_exchange:
+    encoders read the samples (Layout.encoders_read_own_samples), each encoder replica's first TP rank."""
+    if not topology.layout.encoders_read_own_samples:
         return is_token_source(topology)
     encoder = next(name for name in topology.parallelism if name != LANGUAGE)
     return topology.pg_collections[encoder].tp.rank() == 0

@@ -18,6 +18,7 @@ from torch.profiler import record_function
 from mimo.data.counts import DataCounts
 from mimo.plugins import LANGUAGE
 
+from ..forward import encoders_beside_stages
 from ..forward.encoder_pass import StepEncoderPass
 from ..forward.forward_loss import ForwardLoss
 from ..forward.schedule import schedule_for
@@ -86,8 +87,8 @@ class TrainStep:
         # after a non-finite loss or a data error (the iteration read empty micro-batches from some point on: no
         # update; the loop stops, saving the iteration before)
         optimizer.before_update = self._read_before_update
-        self.encoder_pass = StepEncoderPass(model, hooks=hooks, settings=settings, device=device,
-                                            params_dtype=params_dtype) if step_encoders else None
+        self.encoder_pass = encoders_beside_stages.for_step(model, topology, StepEncoderPass(
+            model, hooks=hooks, settings=settings, device=device, params_dtype=params_dtype) if step_encoders else None)
         self.data_start = self._lanes_sum(data_start)
 
     def _lanes_sum(self, counts: DataCounts | None) -> DataCounts | None:

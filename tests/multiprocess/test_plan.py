@@ -32,7 +32,8 @@ def plan(world, micro_batch_size=4, settings=(), **layout):
     (4, {"encoder_ranks": 2, "llm_tp": 2}, 3, "--micro-batch-size 3 cannot be split over the 2 encoder ranks"),
     # colocated encoders at a TP of their own: each rank encodes its share of the lane's micro-batch
     (2, {"llm_tp": 2}, 3, "--micro-batch-size 3 cannot be split over the 2 encoder ranks that share each LLM lane"),
-    (4, {"llm_pp": 2}, 4, "--llm-pp > 1 needs the encoders on ranks of their own"),
+    # the LLM's stages beside colocated encoders: the encoders at the LLM's TP, each stage encoding a share
+    (4, {"llm_pp": 2, "llm_tp": 2}, 4, "--llm-pp 2 with colocated encoders needs them at the LLM's TP and no CP"),
 ])
 def test_invalid_layouts_are_refused(world, layout, mbs, message):
     with pytest.raises(UsageError) as err:
@@ -55,6 +56,7 @@ def test_tp_must_divide_the_vocabulary():
     (4, {}, {"images": 4, "language": 4}),
     (2, {"encoder_tp": 2}, {"images": 1, "language": 2}),  # colocated, one encoder replica feeding two lanes
     (2, {"llm_tp": 2}, {"images": 2, "language": 1}),  # colocated, two encoder ranks sharing one lane
+    (4, {"llm_pp": 2}, {"images": 4, "language": 2}),  # the LLM's two stages beside the encoders
 ])
 def test_valid_layouts(world, layout, dps):
     assert {n: p.dp for n, p in plan(world, **layout).parallelism.items()} == dps

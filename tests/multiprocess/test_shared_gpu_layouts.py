@@ -1,8 +1,13 @@
-"""Colocated encoders at a TP of their own (core/parallel/shared_ranks.py, core/forward/shared_rank_batches.py)
-train to one process's losses and gradient norms (CPU, gloo, fp32): the encoders at TP 1 over both ranks beside an
-LLM at TP 2 (fan-in: each rank encodes its share of the lane), and the encoders at TP 2 beside an LLM at DP 2 (fan-out:
-one encoder replica feeds both lanes; for the MoE LLM, EP 2). Half the samples carry no image, so a rank's share
-often has none while the other's has some."""
+"""Separate layouts on shared ranks train to one process's losses and gradient norms (CPU, gloo, fp32):
+
+- colocated encoders at a TP of their own (core/parallel/shared_ranks.py, core/forward/shared_rank_batches.py):
+  the encoders at TP 1 over both ranks beside an LLM at TP 2 (fan-in: each rank encodes its share of the lane),
+  and at TP 2 beside an LLM at DP 2 (fan-out: one encoder replica feeds both lanes; the MoE LLM at EP 2);
+- the LLM in two pipeline stages while the encoders run on every rank (core/forward/encoders_beside_stages.py),
+  held-out evaluation included.
+
+Half the samples carry no image, so a rank's share often has none while another's has some. megatron-core draws
+a pipeline stage's or an expert-parallel rank's weights itself: every run starts from one saved checkpoint."""
 
 import pytest
 
@@ -10,7 +15,22 @@ from helpers import read_metrics, run_mimo
 
 RUN = ("run", "--device", "cpu", "--log-interval", "1", "--seed", "5", "--set", "image_probability=0.5",
        "--micro-batch-size", "2", "--global-batch-size", "8")
+PROVIDERS = {  # the tiny Nemotron in four layers: two pipeline stages
+    "mock": ("--provider", "mock-vlm"),
+    "nemotron": ("--provider", "nemotron-moe-vlm-tiny", "--set", "hybrid_pattern=M*EE"),
+}
+TRAIN = ("--train-iters", "4", "--eval-iters", "1", "--eval-interval", "2")
 KEYS = ("lm_loss", "grad_norm_images", "grad_norm_language")
+LAYOUTS = {
+    "mock-fan-in": ("mock", ("--llm-tp", "2"), ("images: ranks 0-1 TP1 PP1 DP2", "language: ranks 0-1 TP2 PP1 DP1")),
+    "mock-fan-out": ("mock", ("--encoder-tp", "2"),
+                     ("images: ranks 0-1 TP2 PP1 DP1", "language: ranks 0-1 TP1 PP1 DP2")),
+    "mock-pp2": ("mock", ("--llm-pp", "2"), ("images: ranks 0-1 TP1 PP1 DP2", "language: ranks 0-1 TP1 PP2 DP1")),
+    "nemotron-fan-out-ep2": ("nemotron", ("--encoder-tp", "2", "--llm-ep", "2"),
+                             ("images: ranks 0-1 TP2 PP1 DP1", "language: ranks 0-1 TP1 PP1 DP2 EP2")),
+    "nemotron-pp2": ("nemotron", ("--llm-pp", "2"),
+                     ("images: ranks 0-1 TP1 PP1 DP2", "language: ranks 0-1 TP1 PP2 DP1")),
+}
 
 
 def train(folder, name, *args):
@@ -20,37 +40,31 @@ def train(folder, name, *args):
     return read_metrics(metrics), result.stdout
 
 
-def assert_alike(reference, got, name):
-    assert len(got) == len(reference) > 0
-    for ref, other in zip(reference, got):
-        for key in KEYS:
-            assert other[key] == pytest.approx(ref[key], rel=1e-5), (name, ref["iteration"], key)
-
-
 @pytest.fixture(scope="module")
-def mock_single(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("mock")
-    return folder, train(folder, "single", "--provider", "mock-vlm", "--train-iters", "6")[0]
+def reference(tmp_path_factory):
+    """provider -> (its start checkpoint's options, one process's metrics from there), made when first asked."""
+    made = {}
+
+    def get(provider):
+        if provider not in made:
+            folder = tmp_path_factory.mktemp(provider)
+            saved = run_mimo(*RUN, *PROVIDERS[provider], "--train-iters", "1", "--save", str(folder / "start"))
+            assert saved.returncode == 0, saved.stderr[-3000:]
+            start = (*PROVIDERS[provider], *TRAIN, "--pretrained", str(folder / "start"))
+            made[provider] = folder, start, train(folder, "single", *start)[0]
+        return made[provider]
+
+    return get
 
 
-@pytest.mark.parametrize("name, layout, banner", [
-    ("fan-in", ("--llm-tp", "2"), ("images: ranks 0-1 TP1 PP1 DP2", "language: ranks 0-1 TP2 PP1 DP1")),
-    ("fan-out", ("--encoder-tp", "2"), ("images: ranks 0-1 TP2 PP1 DP1", "language: ranks 0-1 TP1 PP1 DP2")),
-])
-def test_mock_vlm_trains_like_one_process(mock_single, name, layout, banner):
-    folder, reference = mock_single
-    got, stdout = train(folder, name, "--provider", "mock-vlm", "--train-iters", "6", "--nproc-per-node", "2", *layout)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_trains_like_one_process(reference, name):
+    provider, layout, banner = LAYOUTS[name]
+    folder, start, expected = reference(provider)
+    got, stdout = train(folder, name, *start, "--nproc-per-node", "2", *layout)
     assert all(module in stdout for module in banner)
-    assert_alike(reference, got, name)
-
-
-def test_nemotron_moe_trains_like_one_process_with_radio_at_tp2_beside_ep2(tmp_path):
-    """megatron-core draws each rank's local experts itself: both runs start from one saved checkpoint."""
-    nemotron = ("--provider", "nemotron-moe-vlm-tiny")
-    assert run_mimo(*RUN, *nemotron, "--train-iters", "1", "--save", str(tmp_path / "start")).returncode == 0
-    start = ("--pretrained", str(tmp_path / "start"), "--train-iters", "4")
-    reference, _ = train(tmp_path, "single", *nemotron, *start)
-    got, stdout = train(tmp_path, "fan-out", *nemotron, *start, "--nproc-per-node", "2", "--encoder-tp", "2",
-                        "--llm-ep", "2")
-    assert "images: ranks 0-1 TP2 PP1 DP1" in stdout and "language: ranks 0-1 TP1 PP1 DP2 EP2" in stdout
-    assert_alike(reference, got, "fan-out")
+    assert len(got) == len(expected) == 6  # four iterations, two evaluations
+    for ref, other in zip(expected, got):
+        assert ref.get("split") == other.get("split")
+        for key in KEYS if ref["split"] == "train" else ("lm_loss", "num_tokens"):
+            assert other[key] == pytest.approx(ref[key], rel=1e-5), (name, ref["iteration"], key)

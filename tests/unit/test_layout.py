@@ -78,6 +78,19 @@ def test_colocated_encoders_at_their_own_tp_read_their_samples_and_exchange_embe
     assert not laid_out(4, llm_cp=2).shared_ranks_exchange  # the CP ranks' encoders read their lane whole
 
 
+def test_the_llms_stages_beside_colocated_encoders_are_a_kind_of_rank_each_reading_a_share_of_its_lane():
+    from mimo.core.parallel.topology import data_positions
+
+    layout = laid_out(4, features=Features(micro_batch_size=2), llm_pp=2)
+    assert layout.colocated and layout.stages_beside_encoders and layout.encoders_read_own_samples
+    assert not layout.shared_ranks_exchange and layout.lanes == 2
+    assert layout.groups() == [RankGroup("LLM stage 0", (0, 1), ("images", LANGUAGE), 0),
+                               RankGroup("LLM stage 1", (2, 3), ("images", LANGUAGE), 1)]
+    # ranks 0 and 2 hold lane 0's stages and encode its two shares; ranks 1 and 3 lane 1's
+    assert [data_positions(layout.parallelism, r, 2) for r in range(4)] == [(0, 1), (2, 1), (1, 1), (3, 1)]
+    assert layout.generation_refusal() == "generation needs the LLM in one pipeline stage (--llm-pp 1)"
+
+
 SIX = {"images": ModuleShape(num_layers=2, hidden_size=64, num_attention_heads=4),
        LANGUAGE: ModuleShape(num_layers=4, hidden_size=60, num_attention_heads=6, vocab_size=120)}
 
@@ -89,6 +102,10 @@ SIX = {"images": ModuleShape(num_layers=2, hidden_size=64, num_attention_heads=4
     (2, DENSE, Features(pack_sequences=True), {"encoder_tp": 2}, "--pack-sequences with colocated encoders"),
     (6, SIX, Features(), {"encoder_tp": 2, "llm_tp": 3}, "colocated encoder DP 3 and LLM DP 2 must divide one"),
     (4, DENSE, Features(), {"encoder_tp": 3}, "--encoder-tp 3 does not fit 4 ranks"),
+    (4, DENSE, Features(), {"llm_pp": 2, "llm_tp": 2}, "--llm-pp 2 with colocated encoders needs them at the LLM's "
+                                                       "TP and no CP: set --encoder-tp 2 and --llm-cp 1"),
+    (2, DENSE, Features(micro_batch_size=3), {"llm_pp": 2}, "--micro-batch-size 3 cannot be split over the LLM's 2 "
+                                                            "stages"),
 ])
 def test_colocated_encoders_at_their_own_tp_are_refused_where_the_exchange_cannot_work(world, shapes, features,
                                                                                      options, message):
