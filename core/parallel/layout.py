@@ -228,6 +228,16 @@ class Layout:
                 return name, saved_dp[name], par.dp
         return None
 
+    def rng_resharding(self, saved_layout: dict) -> str | None:
+        """Why a checkpoint's RNG state (one per module's pipeline x tensor rank) cannot load on this layout, or
+        None; `saved_layout` {module: its ModuleParallelism fields} as a checkpoint records it."""
+        for name, par in self.parallelism.items():
+            saved = saved_layout.get(name, {})
+            if (saved.get("tp"), saved.get("pp")) != (par.tp, par.pp):
+                return (f"the checkpoint's RNG state is per {name} TP{saved.get('tp')} x PP{saved.get('pp')} rank, "
+                        f"this run has TP{par.tp} x PP{par.pp}: its RNG starts from --seed")
+        return None
+
     # --- the grids and what follows from them
 
     @property

@@ -68,3 +68,27 @@ def test_trains_like_one_process(reference, name):
         assert ref.get("split") == other.get("split")
         for key in KEYS if ref["split"] == "train" else ("lm_loss", "num_tokens"):
             assert other[key] == pytest.approx(ref[key], rel=1e-5), (name, ref["iteration"], key)
+
+
+RESUMES = {  # saved on one layout, resumed on another
+    "fan-in-to-colocated": (("--llm-tp", "2"), ()),
+    "pp2-to-fan-out": (("--llm-pp", "2"), ("--encoder-tp", "2")),
+    "colocated-to-pp2": ((), ("--llm-pp", "2")),
+}
+
+
+@pytest.mark.parametrize("name", list(RESUMES))
+def test_a_checkpoint_resumes_on_another_layout_with_the_same_next_losses(reference, name):
+    saved_on, resumed_on = RESUMES[name]
+    folder, start, expected = reference("mock")
+    save = folder / f"{name}-save"
+    train(folder, f"{name}-first", *start, "--train-iters", "2", "--save", str(save), "--nproc-per-node", "2",
+          *saved_on)
+    resumed, stdout = train(folder, f"{name}-resumed", *PROVIDERS["mock"], *TRAIN, "--load", str(save),
+                            "--nproc-per-node", "2", *resumed_on)
+    assert "resumed from" in stdout
+    later = [r for r in expected if r["iteration"] > 2]
+    assert [(r["split"], r["iteration"]) for r in resumed] == [(r["split"], r["iteration"]) for r in later]
+    for ref, other in zip(later, resumed):
+        for key in KEYS if ref["split"] == "train" else ("lm_loss", "num_tokens"):
+            assert other[key] == pytest.approx(ref[key], rel=1e-5), (name, ref["iteration"], key)

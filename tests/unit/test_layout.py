@@ -149,6 +149,13 @@ def test_a_checkpoints_optimizer_shards_are_compared_module_by_module():
     assert layout.optimizer_resharding({"images": 2, LANGUAGE: 1}) == (LANGUAGE, 1, 2)
 
 
+def test_a_checkpoints_rng_state_loads_only_on_the_same_tp_and_pp_sizes():
+    saved = {"images": {"tp": 1, "pp": 1}, LANGUAGE: {"tp": 2, "pp": 1}}
+    assert laid_out(2, features=Features(micro_batch_size=2), llm_tp=2).rng_resharding(saved) is None
+    assert laid_out(2).rng_resharding(saved) == ("the checkpoint's RNG state is per language TP2 x PP1 rank, this run "
+                                                 "has TP1 x PP1: its RNG starts from --seed")
+
+
 def _refusals_reading_a_dimension(path: Path) -> list[str]:
     """`if` statements whose condition reads a grid dimension (`x.tp`, `par.cp`, ...) and whose body raises."""
     found = []
