@@ -56,7 +56,7 @@ class Suggestion:
         lo, parts = self.layout, []
         if lo.encoder_ranks:
             parts.append(f"--encoder-ranks {lo.encoder_ranks}")
-        if lo.encoder_tp > 1:  # colocated too: the encoders share the LLM's TP only where it is given
+        if lo.encoder_tp > 1:  # colocated too: without it the encoders run at TP 1 beside any LLM TP
             parts.append(f"--encoder-tp {lo.encoder_tp}")
         parts += [f"--llm-{k} {getattr(lo, 'llm_' + k)}" for k in ("tp", "cp", "pp", "ep")
                   if getattr(lo, "llm_" + k) > 1]

@@ -92,3 +92,21 @@ def test_a_checkpoint_resumes_on_another_layout_with_the_same_next_losses(refere
     for ref, other in zip(later, resumed):
         for key in KEYS if ref["split"] == "train" else ("lm_loss", "num_tokens"):
             assert other[key] == pytest.approx(ref[key], rel=1e-5), (name, ref["iteration"], key)
+
+
+def test_with_data_each_rank_reads_its_share_of_the_lane_as_one_process_reads_it(tmp_path):
+    """--data: the lane loader hands each rank its encoders' share (lane_part); the lane's rows are assembled from
+    the shares, so the run is one process's (one lane: the same samples)."""
+    from mimo.data import write_sample_dataset
+
+    dataset = write_sample_dataset(tmp_path / "captions", num_samples=48, seed=2, shard_size=8)
+    data = ("--provider", "mock-vlm", "--data", str(dataset.path), "--num-workers", "1", "--no-pack-sequences")
+    assert run_mimo(*RUN, *data, "--train-iters", "1", "--save", str(tmp_path / "start")).returncode == 0
+    start = (*data, "--train-iters", "3", "--pretrained", str(tmp_path / "start"))
+    expected, _ = train(tmp_path, "single", *start)
+    for name, layout in (("fan-in", ("--llm-tp", "2")), ("pp2", ("--llm-pp", "2"))):
+        got, _ = train(tmp_path, name, *start, "--nproc-per-node", "2", *layout)
+        assert len(got) == len(expected) == 3
+        for ref, other in zip(expected, got):
+            for key in KEYS:
+                assert other[key] == pytest.approx(ref[key], rel=1e-5), (name, ref["iteration"], key)
