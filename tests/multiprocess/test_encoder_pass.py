@@ -306,7 +306,7 @@ def test_the_language_models_gradients_are_finished_before_the_encoders_backward
     order = []
     model = SimpleNamespace(modality_submodules={"images": "vision"}, language_model="llm")
     step = TrainStep.__new__(TrainStep)
-    step.model, step._data_counts, step._token_source, step._loss_source = model, lambda: None, True, True
+    step.model, step._data_counts, step._data_source, step._loss_source = model, lambda: None, True, True
     step._totals = torch.tensor([6.0, 3.0, 0.0], dtype=torch.float64)
     step.timers = StepTimers(False, modules=[], held=[], device=CPU)
     monkeypatch.setattr(step, "_finalize_modules", lambda modules, scale, force: order.extend(
