@@ -13,8 +13,8 @@ from .fan_in import split_gradients_by_received_rows
 
 def schedule_for(topology: Topology, config):
     """megatron-core's schedule for the layout and its bridge communicator (None when colocated): no pipelining
-    when colocated, the LLM's 1F1B when its stages run beside the encoders; the multimodule 1F1B schedule with the bridge communicator when the encoders and the LLM have
-    ranks of their own."""
+    when colocated, the LLM's 1F1B when its stages run beside the encoders; the multimodule 1F1B schedule with the
+    bridge communicator when the encoders and the LLM have ranks of their own."""
     from megatron.core.pipeline_parallel import schedules
 
     if topology.colocated and topology.parallelism[LANGUAGE].pp > 1:

@@ -20,9 +20,9 @@ EXPERT_VIEW = "expert"  # the grid view megatron-core's MimoOptimizer reads expe
 def data_positions(parallelism: dict[str, ModuleParallelism], rank: int, micro_batch_size: int) -> tuple[int, int]:
     """Which positions of each micro-batch (all lanes side by side) this rank reads: (first, count).
 
-    An LLM rank reads its lane. An encoder rank reads the lanes it feeds through the bridge (the bridge pairs encoder DP rank r with LLM DP
-    ranks in order), or its share of one lane when several encoder ranks feed it. Colocated encoders at a TP of
-    their own read their samples the same way, and the LLM's rows come from them (forward/shared_rank_batches.py);
+    An LLM rank reads its lane. An encoder rank reads the lanes it feeds through the bridge (the bridge pairs
+    encoder DP rank r with LLM DP ranks in order), or its share of one lane when several encoder ranks feed it.
+    Colocated encoders at a TP of their own read their samples the same way, and the LLM's rows come from them (forward/shared_rank_batches.py);
     beside the LLM's pipeline stages, each stage's ranks read their share of their lane.
     """
     llm, layout = parallelism[LANGUAGE], Layout(parallelism)
