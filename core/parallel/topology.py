@@ -22,8 +22,9 @@ def data_positions(parallelism: dict[str, ModuleParallelism], rank: int, micro_b
 
     An LLM rank reads its lane. An encoder rank reads the lanes it feeds through the bridge (the bridge pairs
     encoder DP rank r with LLM DP ranks in order), or its share of one lane when several encoder ranks feed it.
-    Colocated encoders at a TP of their own read their samples the same way, and the LLM's rows come from them (forward/shared_rank_batches.py);
-    beside the LLM's pipeline stages, each stage's ranks read their share of their lane.
+    Colocated encoders at a TP of their own read their samples the same way, and the LLM's rows come from them
+    (forward/shared_rank_batches.py); beside the LLM's pipeline stages, each stage's ranks read their share of
+    their lane.
     """
     llm, layout = parallelism[LANGUAGE], Layout(parallelism)
     if rank in llm.ranks and not layout.encoders_read_own_samples:
