@@ -6,10 +6,10 @@
 For each provider: colocated and heterogeneous layouts (`--encoder-ranks`), encoder TP (colocated too: at the LLM's
 TP or their own), LLM TP (with `--sequence-parallel` where the provider needs it), PP (colocated too: the LLM's stages
 beside the encoders), EP and CP, at most two of the LLM's kinds at once, micro-batch 1 of a 12-sample global batch
-(2 where colocated encoders encode shares of it), half the samples without an image. A layout passes when `mimo plan` refuses it in one
-line (exit 2, no traceback), or when it accepts it and `mimo run` trains: exit 0 and, where initial weights do not
-depend on the layout (no EP: each rank draws its own experts; no PP: each stage its own layers; docs/parallelism.md),
-the single process's losses within 1e-6. A plan that accepts a layout `mimo run` then refuses fails too: the refusal
+(2 where colocated encoders encode shares of it), half the samples without an image. A layout passes when `mimo
+plan` refuses it in one line (exit 2, no traceback), or when it accepts it and `mimo run` trains: exit 0 and, where
+initial weights do not depend on the layout (no EP: each rank draws its own experts; no PP: each stage its own
+layers; docs/parallelism.md), the single process's losses within 1e-6. A plan that accepts a layout `mimo run` then refuses fails too: the refusal
 belongs before any process starts. One process goes first, then heterogeneous layouts. Writes OUT/sweep.json (every case) as it goes;
 exit 1 if any case failed. About 25 minutes on 2 cores for both providers.
 """
