@@ -26,7 +26,7 @@ from .layout import (
 from .save_dir import prune
 from .match import check_kept_options, check_model_fits
 from .state import (
-    allocate_optimizer_state, merge_common, own_common, rng_grid_change, rng_state, set_rng_state, unshare_adam_steps,
+    allocate_optimizer_state, merge_common, own_common, rng_state, set_rng_state, unshare_adam_steps,
 )
 from ..config import CheckpointOptions
 from ..parallel.model import parameters_gathered
@@ -253,11 +253,10 @@ class Checkpointer:
             check_kept_options(common["run"].get("options"), self.run_info["options"], directory)
             self._check_optimizer_resharding(common)
         load_rng = common["contents"]["rng"] and opts.load_rng
-        if load_rng and (moved := rng_grid_change(common["run"]["layout"], self.run_info["layout"])):
-            load_rng = False  # the weights and optimizer reshard; random streams restart from the seed
+        if load_rng and (reshaped := self.topology.layout.rng_resharding(common["run"]["layout"])):
+            load_rng = False  # a layout of other TP or PP sizes (the weights and optimizer state reshard)
             if dist.get_rank() == 0:
-                print(f"note: the checkpoint's RNG state is not loaded ({moved}): random streams start anew from "
-                      f"the seed", flush=True)
+                print(f"note: {reshaped}", flush=True)
         saved_lanes = common["run"]["layout"][LANGUAGE]["dp"]
         lanes = self.topology.layout.lanes
         # Distributed-optimizer state loads in the format it was saved in.

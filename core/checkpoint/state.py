@@ -87,16 +87,6 @@ def rng_state() -> dict:
     }
 
 
-def rng_grid_change(saved: dict, now: dict) -> str | None:
-    """The RNG state is saved per (PP, TP) rank of each module: where a module's TP or PP size differs between
-    the checkpoint's layout and this run's, which one (it has no place in the new grid), else None."""
-    for name in sorted(saved.keys() & now.keys()):
-        was, new = (saved[name]["tp"], saved[name]["pp"]), (now[name]["tp"], now[name]["pp"])
-        if was != new:
-            return f"{name} TP {was[0]} PP {was[1]}, now TP {new[0]} PP {new[1]}"
-    return None
-
-
 def set_rng_state(state: dict) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 

@@ -75,7 +75,7 @@ def test_a_checkpoint_resumes_in_another_layout_as_the_run_it_was_saved_in(tmp_p
                       str(from2), "--nproc-per-node", "2", "--llm-tp", "2", "--encoder-tp", "2", "--metrics-file",
                       str(metrics), env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "RNG state is not loaded (images TP 1 PP 1, now TP 2 PP 1)" in result.stdout
+    assert "RNG state is per images TP1 x PP1 rank, this run has TP2 x PP1" in result.stdout
     resumed = read_metrics(metrics)
     assert [r["iteration"] for r in resumed] == [3, 4]
     for got in resumed:

@@ -39,8 +39,8 @@ def test_each_row_shows_its_global_batch_and_tokens_per_gpu_comes_first():
     batches = {row["global_batch_samples"] for row in rows}
     assert len(batches) > 1  # CP and TP take data-parallel lanes: the batches differ
     for row in rows:
-        lanes = 4 // (row["layout"]["llm_tp"] * row["layout"]["llm_cp"]) if not row["layout"]["encoder_ranks"] \
-            else None
+        llm = row["layout"]
+        lanes = 4 // (llm["llm_tp"] * llm["llm_cp"] * llm["llm_pp"]) if not llm["encoder_ranks"] else None
         if lanes:
             assert row["global_batch_samples"] == 4 * lanes * row["num_microbatches"]  # micro-batch 4
         assert row["global_batch_tokens"] == pytest.approx(row["global_batch_samples"] * 64)  # mock: 64 tokens
