@@ -334,7 +334,11 @@ class LaneLoader:
                              f"--num-workers {state['num_workers']} (the workers split the dataset)")
         missing = [lane for lane in self.lanes if lane not in state["lanes"]]
         if missing:
-            raise ValueError(f"the data-loader state lacks lanes {missing}")
+            # e.g. saved where each rank read its lane, resumed where colocated encoders at a larger TP than the
+            # LLM's read every lane their replica feeds
+            raise UsageError(f"the checkpoint's data-loader state holds lanes {sorted(state['lanes'])}, this rank "
+                             f"reads lanes {list(self.lanes)}: resume on the layout it was saved on (the same "
+                             f"--encoder-tp), or pass --finetune")
         self._state = state
 
 

@@ -46,6 +46,7 @@ class Prompt:
 class EncodedPrompt:
     input_ids: torch.Tensor  # [1, L]: the rendered conversation and the assistant's header
     modality_inputs: dict  # {modality: {encoder: input}}, empty without images
+    position_ids: torch.Tensor | None = None  # [A, 1, L] from the prompt format's positions hook; None: 0 .. L-1
 
     @property
     def num_tokens(self) -> int:
@@ -171,8 +172,9 @@ def encode(prompt: Prompt, prompt_format) -> EncodedPrompt:
     images = [to_float_image(im) for im in prompt.images]
     counts = [fmt.image_mode.num_tokens(im.shape[-2], im.shape[-1]) for im in images]
     ids = fmt.template.generation_prompt(prompt.turns, counts, fmt.tokenizer)
-    modality_inputs = {}
+    modality_inputs, processed = {}, [fmt.image_mode.process(im) for im in images]
     if images:
-        processed = [fmt.image_mode.process(im) for im in images]
         modality_inputs = {fmt.modality: {fmt.encoder: fmt.image_mode.collate(processed)}}
-    return EncodedPrompt(torch.tensor([ids], dtype=torch.long), modality_inputs)
+    input_ids = torch.tensor([ids], dtype=torch.long)
+    positions = None if fmt.positions is None else fmt.positions(input_ids[0], processed)[:, None]
+    return EncodedPrompt(input_ids, modality_inputs, positions)

@@ -52,13 +52,17 @@ class PromptFormat:
     """How a conversation becomes this model's input and its output becomes text, for `mimo generate` and
     `--eval-samples` (hook `prompt_format`): the tokenizer (`mimo.plugins.data`), the chat template that renders
     the turns and ends an answer, the image mode that turns an image into the encoder's input and its placeholder
-    count, and where that input goes, `modality_inputs[modality][encoder]` (None for a text-only model)."""
+    count, and where that input goes, `modality_inputs[modality][encoder]` (None for a text-only model).
+    `positions` (optional): the prompt's position ids as the task encoder's positions hook gives them (token ids
+    [L] and the processed images -> [A, L], e.g. Qwen's 3-D multimodal RoPE positions); None: 0 .. L-1. The
+    answer's tokens go on from the largest position + 1, the same on every axis."""
 
     tokenizer: Any
     template: Any
     image_mode: Any = None
     modality: str | None = None
     encoder: str | None = None
+    positions: Any = None
 
 
 @dataclass(frozen=True)

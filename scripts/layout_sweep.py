@@ -1,13 +1,15 @@
 """The layout sweep: every layout of up to 4 CPU processes `mimo plan` is asked about, and each one it accepts run.
 
     python scripts/layout_sweep.py OUT [--minutes 60] [--providers mock-vlm nemotron-moe-vlm-tiny] [--iterations 2]
+                                       [--only TEXT ...]
 
-For each provider: colocated and heterogeneous layouts (`--encoder-ranks`), encoder TP, LLM TP (with
-`--sequence-parallel` where the provider needs it), PP, EP and CP, at most two of the LLM's kinds at once, micro-batch
-1 of a 12-sample global batch, half the samples without an image. A layout passes when `mimo plan` refuses it in one
-line (exit 2, no traceback), or when it accepts it and `mimo run` trains: exit 0 and, where initial weights do not
-depend on the layout (no EP: each rank draws its own experts; no PP: each stage its own layers; docs/parallelism.md),
-the single process's losses within 1e-6. A plan that accepts a layout `mimo run` then refuses fails too: the refusal
+For each provider: colocated and heterogeneous layouts (`--encoder-ranks`), encoder TP (colocated too: at the LLM's
+TP or their own), LLM TP (with `--sequence-parallel` where the provider needs it), PP (colocated too: the LLM's stages
+beside the encoders), EP and CP, at most two of the LLM's kinds at once, micro-batch 1 of a 12-sample global batch
+(2 where colocated encoders encode shares of it), half the samples without an image. A layout passes when `mimo
+plan` refuses it in one line (exit 2, no traceback), or when it accepts it and `mimo run` trains: exit 0 and, where
+initial weights do not depend on the layout (no EP: each rank draws its own experts; no PP: each stage its own
+layers; docs/parallelism.md), the single process's losses within 1e-6. A plan that accepts a layout `mimo run` then refuses fails too: the refusal
 belongs before any process starts. One process goes first, then heterogeneous layouts. Writes OUT/sweep.json (every case) as it goes;
 exit 1 if any case failed. About 25 minutes on 2 cores for both providers.
 """
@@ -33,7 +35,7 @@ def layouts(provider: str) -> list[tuple[str, ...]]:
         for encoder_ranks in range(world):
             llm_ranks = world - encoder_ranks if encoder_ranks else world
             for etp, tp, pp, ep, cp in itertools.product((1, 2), repeat=5):
-                if etp > 1 and (not encoder_ranks or encoder_ranks % etp):
+                if etp > 1 and (encoder_ranks or world) % etp:
                     continue
                 if llm_ranks % (tp * pp * cp) or (ep > 1 and provider not in MOE):
                     continue
@@ -45,6 +47,10 @@ def layouts(provider: str) -> list[tuple[str, ...]]:
                 for flag, n in (("--llm-tp", tp), ("--llm-pp", pp), ("--llm-ep", ep), ("--llm-cp", cp)):
                     args += [flag, str(n)] if n > 1 else []
                 args += ["--sequence-parallel"] if tp > 1 and provider in MOE else []
+                if not encoder_ranks and (etp != tp or pp > 1):
+                    # colocated encoders at their own TP, or beside the LLM's stages: each of their ranks encodes a
+                    # share of a lane's micro-batch, so two samples make one
+                    args += ["--micro-batch-size", "2"]
                 found.append(tuple(args))
     # one process first (the losses others are held to), then heterogeneous layouts, the most options first
     return sorted(found, key=lambda a: (bool(a), "--encoder-ranks" not in a, -len(a)))
@@ -74,12 +80,16 @@ def main() -> int:
     parser.add_argument("--minutes", type=float, default=60)
     parser.add_argument("--providers", nargs="+", default=["nemotron-moe-vlm-tiny", "mock-vlm"])
     parser.add_argument("--iterations", type=int, default=2)
+    parser.add_argument("--only", nargs="+", default=None, metavar="TEXT",
+                        help="run only the layouts whose options contain one of these (and one process)")
     options = parser.parse_args()
     options.out.mkdir(parents=True, exist_ok=True)
     deadline, cases, failed = time.monotonic() + options.minutes * 60, [], 0
     for provider in options.providers:
         reference = None
         for args in layouts(provider):
+            if args and options.only and not any(text in " ".join(args) for text in options.only):
+                continue
             if time.monotonic() > deadline:
                 print(f"stopped at --minutes {options.minutes:g}: {len(cases)} cases done", flush=True)
                 break

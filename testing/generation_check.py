@@ -22,19 +22,22 @@ def recompute_greedy(decoder, prompt, max_new_tokens: int) -> tuple[list[int], l
 
     input_ids = prompt.input_ids.to(decoder.device)
     length = input_ids.shape[1]
+    prompt_positions, shift = decoder.prompt_positions(prompt)  # the answer's positions go on from the prompt's
     modality_inputs = to_device(prompt.modality_inputs, decoder.device, decoder.params_dtype)
     embedding = decoder.lm.embedding
     tokens, logits_seen = [], []
     with eval_mode(decoder.model):
         for _ in range(max_new_tokens):
             combined = decoder.prompt_embeddings(input_ids, modality_inputs)
+            positions = prompt_positions
             if tokens:
                 new = torch.tensor([tokens], device=decoder.device)
-                positions = torch.arange(length, length + len(tokens), device=decoder.device)[None]
-                combined = torch.cat([combined, embedding(input_ids=new, position_ids=positions)], 0)
-            total = combined.shape[0]
-            logits = decoder.lm(input_ids=None, position_ids=torch.arange(total, device=decoder.device)[None],
-                                decoder_input=combined, attention_mask=None, runtime_gather_output=True)
+                after = torch.arange(length, length + len(tokens), device=decoder.device)[None] + shift
+                combined = torch.cat([combined, embedding(input_ids=new, position_ids=after)], 0)
+                after = after.expand(*positions.shape[:-2], 1, -1) if positions.dim() == 3 else after
+                positions = torch.cat([positions, after], dim=-1)
+            logits = decoder.lm(input_ids=None, position_ids=positions, decoder_input=combined, attention_mask=None,
+                                runtime_gather_output=True)
             last = logits[0, -1].float()
             logits_seen.append(last)
             tokens.append(int(last.argmax()))

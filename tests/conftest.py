@@ -32,6 +32,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 SLOW: dict[str, float] = {
     "test_readme.py::test_readme_block_runs_as_written": 298,
     "test_data_loop.py": 210,
+    "test_qwen35_alone.py::test_the_family_installed_alone_passes_the_contract_trains_resumes_and_exports": 116,
     "test_fault_battery.py::test_the_fault_battery_passes": 112,
     "test_hf_parts.py": 105,
     "test_hf_stages.py::test_the_documented_stage_recipe_runs_and_trains_what_each_stage_names": 84,
@@ -71,6 +72,11 @@ SLOW: dict[str, float] = {
     "test_hf_slices.py::test_each_rank_reads_its_slices_and_nothing_more": 15,
     "test_checkpoint.py::test_resume_matches_an_uninterrupted_run_bit_for_bit": 14,
     "test_nemotron_training.py::test_tiny_trains_alike_colocated_and_heterogeneous": 12,
+    "test_data_convert.py::test_a_converted_llava_dataset_trains_evaluates_and_answers_on_the_qwen_vlm": 40,
+    "test_qwen35_peft_export.py::test_a_peft_adapter_on_the_base_gives_the_merged_models_logits": 35,
+    "test_qwen35_generate.py::test_mimo_generate_gives_transformers_tokens_for_a_prompt_with_an_image": 25,
+    "test_qwen35_chat.py": 21,  # the tokenizer fixture is module-scoped
+    "test_qwen35_training.py::test_a_checkpoint_resumes_in_another_layout_as_the_run_it_was_saved_in": 19,
 }
 
 

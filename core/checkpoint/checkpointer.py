@@ -253,6 +253,10 @@ class Checkpointer:
             check_kept_options(common["run"].get("options"), self.run_info["options"], directory)
             self._check_optimizer_resharding(common)
         load_rng = common["contents"]["rng"] and opts.load_rng
+        if load_rng and (reshaped := self.topology.layout.rng_resharding(common["run"]["layout"])):
+            load_rng = False  # a layout of other TP or PP sizes (the weights and optimizer state reshard)
+            if dist.get_rank() == 0:
+                print(f"note: {reshaped}", flush=True)
         saved_lanes = common["run"]["layout"][LANGUAGE]["dp"]
         lanes = self.topology.layout.lanes
         # Distributed-optimizer state loads in the format it was saved in.

@@ -23,7 +23,7 @@ a module another adapter lands on; a 3-D parameter adapted for some of its exper
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -201,6 +201,8 @@ def place(adapter: Adapter, tmap: TensorMap, loaded_modules, a: torch.Tensor, b_
     """Loaded module path (or, for an expert's row of a 3-D parameter, its LoadedModule) -> (A, B) of one
     adapter: A [.., rank, in] and B's parts [.., rows, rank], global."""
     keys = _weight_parts(adapter, tmap)
+    if len(keys) == 1 < len(b_parts):  # a gated MLP's fc1, one tensor in the map: B saved as its gate and up rows
+        b_parts = [torch.cat(b_parts, dim=-2)]
     if len(keys) != len(b_parts):
         raise UsageError(f"--adapter-only: the adapter on {adapter.layer} has B in {len(b_parts)} parts, its weight "
                          f"is saved in {len(keys)}")
@@ -208,7 +210,7 @@ def place(adapter: Adapter, tmap: TensorMap, loaded_modules, a: torch.Tensor, b_
     b_of = dict(zip(keys, b_parts))
     own = a.dim() - 2  # stacked axes the adapter has (layers, experts); the weight's further ones share it
     shapes = hf_shapes(sub, lambda key: _stack_sizes(sub.tensors[key]) + tuple(b_of[key].shape[-2:]))
-    out = {}
+    out, fused = {}, {}  # fused: a module several checkpoint tensors make -> [(its first row, their B rows)]
     for name, pieces in contributions(sub, shapes.__getitem__).items():
         held = loaded_modules(name)
         if isinstance(held, str):
@@ -221,8 +223,18 @@ def place(adapter: Adapter, tmap: TensorMap, loaded_modules, a: torch.Tensor, b_
             source = b_of[key][tuple(path[:own])]
             (b if hf_rows is None else b[hf_rows[0]:hf_rows[1]]).copy_(source[first:last])
         for module in held:  # a module's path, or the expert row of a 3-D parameter (peft_experts.py)
-            out[module.path if module.parameter is None else module] = (
-                a[index].clone(), (b if module.rows is None else b[module.rows[0]:module.rows[1]]).clone())
+            rows_b = b if module.rows is None else b[module.rows[0]:module.rows[1]]
+            if module.offset is not None:
+                target = replace(module, offset=None, rows=None)
+                fused.setdefault(target.path if target.parameter is None else target, []).append(
+                    (module.offset, rows_b, a[index]))
+                continue
+            out[module.path if module.parameter is None else module] = (a[index].clone(), rows_b.clone())
+    for target, parts in fused.items():  # its rows no adapted tensor fills get no delta
+        b = torch.zeros(max(first + len(rows) for first, rows, _ in parts), a.shape[-2], dtype=b_parts[0].dtype)
+        for first, rows, _ in parts:
+            b[first:first + len(rows)] = rows
+        out[target] = (parts[0][2].clone(), b)  # one adapter: the same A for every part
     return out
 
 

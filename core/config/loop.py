@@ -283,9 +283,11 @@ class LayoutOptions(Options):
     """Which ranks run which module and how each module's ranks split; checked before any process group."""
 
     encoder_ranks: int = option(0, "ranks for the encoders, the LLM gets the rest (0: colocated on all ranks)")
-    encoder_tp: int = option(1, "tensor parallelism of the encoders")
+    encoder_tp: int = option(1, "tensor parallelism of the encoders; colocated, the LLM's or one of their own (their "
+                                "embeddings then change hands on the same ranks)")
     llm_tp: int = option(1, "tensor parallelism of the LLM")
-    llm_pp: int = option(1, "pipeline parallelism of the LLM")
+    llm_pp: int = option(1, "pipeline parallelism of the LLM; with colocated encoders its stages run beside them, "
+                            "the encoders once per step")
     llm_cp: int = option(
         1, "context parallelism of the LLM: each sample's merged sequence (text and encoder embeddings) is split "
            "over this many ranks, load-balanced (colocated layouts; the encoders stay CP 1)")

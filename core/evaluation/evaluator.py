@@ -28,10 +28,12 @@ from mimo.errors import UsageError
 from mimo.plugins import DataContext
 from mimo.plugins.data_source import as_data_source
 
+from ..forward import encoders_beside_stages
+from ..forward.encoder_pass import StepEncoderPass
 from ..forward.forward_loss import ForwardLoss
 from ..forward.schedule import schedule_for
 from ..parallel.model import parameters_gathered
-from ..parallel.topology import counted_once, is_loss_source, is_token_source
+from ..parallel.topology import counted_once, is_data_source, is_loss_source
 from .predictions import Predictions, Predictor
 
 # Synthetic eval data is drawn from this seed, whatever the training seed: evaluations of runs with different
@@ -91,13 +93,17 @@ class Evaluator:
         self.device, self.params_dtype, self.data_ctx = device, params_dtype, data_ctx
         self.eval_iters, self.num_microbatches = options.eval_iters, plan.num_microbatches
         self.global_batch_size, self.provider_name = plan.global_batch_size, plan.config.provider
-        self._token_source, self._loss_source = is_token_source(topology), is_loss_source(topology)
+        self._data_source, self._loss_source = is_data_source(topology), is_loss_source(topology)
         # a schedule (and bridge communicator) of its own: the training step's is watched by the step timers
         self._schedule, _ = schedule_for(topology, model.config)
         # [loss sum, tokens, *DataCounts]: the loss and what the eval data skipped and cut, reduced at once
         self._totals = torch.zeros(2 + len(DataCounts.names()), dtype=torch.float64, device=device)
         # the training step's forward and loss hook, summing into the totals
         self._forward_step = ForwardLoss(hooks, settings, device, params_dtype, self._totals[:2])
+        # the LLM's stages beside the encoders: the encoders run first, on the step's micro-batches
+        self._beside = encoders_beside_stages.for_step(model, topology, StepEncoderPass(
+            model, hooks=hooks, settings=settings, device=device, params_dtype=params_dtype)) \
+            if getattr(model, "stages_beside_encoders", False) else None
         # A missing split fails now, not after training: opening the data reads the dataset's index, no sample.
         opened = self.hooks.data_provider(settings=settings, ctx=dataclasses.replace(data_ctx, opened_loaders=[]))
         as_data_source(opened, self.provider_name).close()
@@ -121,7 +127,10 @@ class Evaluator:
                 self.model.eval()  # no dropout, no RADIO position jitter
                 try:
                     for _ in range(self.eval_iters):
-                        self._schedule(forward_step_func=self._forward_step, data_iterator=data, model=[self.model],
+                        batches = data
+                        if self._beside is not None:
+                            batches = iter(self._beside.forward([next(data) for _ in range(self.num_microbatches)]))
+                        self._schedule(forward_step_func=self._forward_step, data_iterator=batches, model=[self.model],
                                        num_microbatches=self.num_microbatches, forward_only=True,
                                        seq_length=seq_length, micro_batch_size=ctx.micro_batch_size)
                     predictions = self.predictor.predict() if self.predictor else None
@@ -134,7 +143,7 @@ class Evaluator:
             source.close()  # a loader's worker processes
         _clear_moe_tracker()
         # One rank per LLM lane (per CP part for the loss) counts: the all-reduce gives every rank all lanes' totals.
-        totals = counted_once(self._totals, self._loss_source, self._token_source)
+        totals = counted_once(self._totals, self._loss_source, self._data_source)
         dist.all_reduce(totals)
         loss_sum, tokens = totals[:2].tolist()
         counts = DataCounts.from_vector(totals[2:].tolist())

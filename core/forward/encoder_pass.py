@@ -43,6 +43,14 @@ class EncodedBatch:
 def step_encoders(mode: str, *, hooks, parallelism: dict, device: str) -> bool:
     """Whether a run's encoders run once per step: `mode` is --encoder-pass; `device` the run's device option.
     `auto` chooses it on a GPU where it can run; `step` where it cannot is one line."""
+    if Layout(parallelism).stages_beside_encoders:  # the encoders leave the LLM's pipeline (encoders_beside_stages)
+        if mode == "micro-batch":
+            raise UsageError("--encoder-pass micro-batch cannot run the encoders beside the LLM's pipeline stages "
+                             "(--llm-pp with colocated encoders): use --encoder-pass step or auto")
+        if not _concatenates(hooks):
+            raise UsageError("--llm-pp with colocated encoders runs them once per step, which needs the provider's "
+                             "concat_encoder_inputs hook: give the encoders ranks of their own (--encoder-ranks)")
+        return True
     if mode == "micro-batch":
         return False
     reason = _unsupported(hooks, parallelism)
@@ -59,7 +67,8 @@ def fit_auto(plan, fits) -> None:
     alone, recompute them fully (once per step it costs one batched encoder forward: 325 against 336 TFLOP/s on the
     Nemotron slice, docs/benchmarks.md (g)); else run the encoders once per micro-batch. The choice is made alike
     on every rank (the same options and GPU model)."""
-    if not plan.step_encoders or plan.config.performance.encoder_pass != "auto" or fits(plan):
+    if not plan.step_encoders or plan.config.performance.encoder_pass != "auto" or fits(plan) \
+            or plan.layout.stages_beside_encoders:  # the only way these stages run
         return
     performance = plan.config.performance
     modes = performance.recompute_modes()
@@ -80,6 +89,8 @@ def _unsupported(hooks, parallelism: dict) -> str | None:
         return "the model has no encoders"
     if not layout.colocated:
         return "the encoders have ranks of their own (--encoder-ranks), where the pipeline schedule feeds them"
+    if layout.shared_ranks_exchange:
+        return "the colocated encoders run at a TP of their own (--encoder-tp), reading other samples than the LLM"
     if not _concatenates(hooks):
         return "the provider does not implement the concat_encoder_inputs hook"
     return None

@@ -14,6 +14,7 @@ from ..parallel.embedding_merge import placeholder_rows
 from ..telemetry.timers import StepTimers
 from .batch_transfer import to_device
 from .encoder_pass import EncodedBatch
+from .shared_rank_batches import SharedRankBatches
 
 
 class ForwardLoss:
@@ -27,6 +28,7 @@ class ForwardLoss:
                  timers: StepTimers | None = None):
         self.hooks, self.settings, self.device, self.params_dtype = hooks, settings, device, params_dtype
         self.totals, self.timers = totals, timers
+        self._shared = None  # SharedRankBatches of the model, False where its modules share one DP layout
 
     def _phase(self, name: str):
         return self.timers.phase(name) if self.timers is not None else contextlib.nullcontext()
@@ -40,6 +42,12 @@ class ForwardLoss:
         embeddings = None
         if isinstance(batch, EncodedBatch):  # --encoder-pass step: the encoders ran for the whole step
             batch, embeddings = batch.batch, batch.embeddings
+        if self._shared is None:
+            self._shared = SharedRankBatches.for_model(model) or False
+        exchange_rows = None
+        if self._shared:  # colocated encoders at a TP of their own: the LLM's rows of what this rank read
+            batch = self._shared(batch)
+            exchange_rows = batch.pop("exchange_rows")
         check_row(model, batch["input_ids"].shape[-1])
         with self._label("mimo/to-device"):
             model_inputs = {k: v for k, v in batch.items() if k != "modality_inputs"}
@@ -53,7 +61,8 @@ class ForwardLoss:
                 modality_inputs = to_device(batch.get("modality_inputs") or {}, self.device, self.params_dtype)
         with self._phase("forward"):
             output, loss_mask = model(**model_inputs, modality_inputs=modality_inputs or None,
-                                      placeholder_rows=rows, modality_embeddings=embeddings)
+                                      placeholder_rows=rows, modality_embeddings=embeddings,
+                                      exchange_rows=exchange_rows)
         return output, partial(self.loss, loss_mask=loss_mask)
 
     def loss(self, output_tensor, loss_mask):

@@ -13,10 +13,17 @@ from .fan_in import split_gradients_by_received_rows
 
 def schedule_for(topology: Topology, config):
     """megatron-core's schedule for the layout and its bridge communicator (None when colocated): no pipelining
-    when colocated; the multimodule 1F1B schedule with the bridge communicator when the encoders and the LLM have
-    ranks of their own."""
+    when colocated, the LLM's 1F1B when its stages run beside the encoders; the multimodule 1F1B schedule with the
+    bridge communicator when the encoders and the LLM have ranks of their own."""
     from megatron.core.pipeline_parallel import schedules
 
+    if topology.colocated and topology.parallelism[LANGUAGE].pp > 1:
+        # the LLM's stages beside the encoders, which ran for the step (encoders_beside_stages.py): its own 1F1B
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        pgs = topology.pg_collections[LANGUAGE]
+        return partial(schedules.forward_backward_pipelining_without_interleaving,
+                       p2p_communicator=P2PCommunicator(pp_group=pgs.pp, config=config), pg_collection=pgs), None
     if topology.colocated:
         return partial(schedules.forward_backward_no_pipelining,
                        pg_collection=topology.pg_collections[LANGUAGE]), None

@@ -161,11 +161,22 @@ class Decoder:
             layers.enter_context(self.one_token_attention().active())
         return layers
 
-    def _step(self, steps: str, context, length: int):
-        """A function of the chosen token ([1, 1] on the device) that returns the next logits, after the prompt."""
+    def prompt_positions(self, prompt) -> tuple[torch.Tensor, int]:
+        """The prompt's position ids on the device ([A, 1, L] from its format's positions hook, else [1, L]) and how
+        far the answer's positions run ahead of its tokens' places (Qwen's images take fewer positions than
+        tokens: the next token's position is the largest + 1)."""
+        length = prompt.input_ids.shape[1]
+        if prompt.position_ids is None:
+            return torch.arange(length, device=self.device)[None], 0
+        positions = prompt.position_ids.to(self.device)
+        return positions, int(prompt.position_ids.max()) + 1 - length
+
+    def _step(self, steps: str, context, length: int, shift: int = 0):
+        """A function of the chosen token ([1, 1] on the device) that returns the next logits, after the prompt
+        (the answer's positions `shift` ahead of their places in the cache)."""
         lm = self.lm
         if steps in (WAITING, SYNC_FREE):
-            positions = torch.arange(context.max_sequence_length, device=self.device)[None]
+            positions = torch.arange(context.max_sequence_length, device=self.device)[None] + shift
 
             def host_step(token):
                 offset = context.sequence_len_offset
@@ -200,7 +211,10 @@ class Decoder:
 
         input_ids = prompt.input_ids.to(self.device)
         length = input_ids.shape[1]
+        positions, shift = self.prompt_positions(prompt)
         steps = self.steps
+        if shift and steps in (DEVICE, GRAPH):  # their position is the cache's place: host positions instead
+            steps = SYNC_FREE
         context = self._context_for(length + max_new_tokens)
         modality_inputs = to_device(prompt.modality_inputs, self.device, self.params_dtype)
         distributed = dist.is_initialized() and dist.get_world_size() > 1
@@ -211,11 +225,10 @@ class Decoder:
         with eval_mode(self.model), InferenceMode.active(), self._layers(steps):
             started = time.perf_counter()
             combined = self.prompt_embeddings(input_ids, modality_inputs)
-            logits = self.lm(input_ids=None, position_ids=torch.arange(length, device=self.device)[None],
-                             decoder_input=combined, attention_mask=None, inference_context=context,
-                             runtime_gather_output=True)
+            logits = self.lm(input_ids=None, position_ids=positions, decoder_input=combined, attention_mask=None,
+                             inference_context=context, runtime_gather_output=True)
             context.increment_sequence_len_offset(length)
-            step = self._step(steps, context, length)
+            step = self._step(steps, context, length, shift)
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             prefilled = time.perf_counter()

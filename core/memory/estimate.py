@@ -143,7 +143,7 @@ def estimate(memory: dict[str, ModuleMemory], parallelism: dict[str, ModuleParal
     """Estimates for every kind of rank. `rows`: samples per micro-batch an encoder rank reads (its lanes or its
     share of one, core.topology.data_positions); the LLM's is the micro-batch size."""
     layout = Layout(parallelism)
-    if layout.colocated:
+    if layout.colocated and not layout.stages_beside_encoders:
         [group] = layout.groups()
         rank = RankEstimate(group.kind, group.ranks)
         for name in group.modules:
@@ -153,7 +153,8 @@ def estimate(memory: dict[str, ModuleMemory], parallelism: dict[str, ModuleParal
             rank.modules.append(_module(name, memory[name], layout, 0, 1, rows_of, options))
         _one_backward_at_a_time(rank)
         return [rank]
-    # the multimodule 1F1B pipeline: the encoders are its first stage, the LLM's stages follow
+    # the multimodule 1F1B pipeline: the encoders are its first stage, the LLM's stages follow (colocated: the
+    # encoders run once per step beside each stage, core/forward/encoders_beside_stages.py)
     stages = 1 + layout.stages(LANGUAGE)
     out = []
     for group in layout.groups():
@@ -162,9 +163,14 @@ def estimate(memory: dict[str, ModuleMemory], parallelism: dict[str, ModuleParal
             if name == LANGUAGE:
                 in_flight = min(stages - 1 - group.stage, options.num_microbatches)
                 rank.modules.append(_module(name, memory[name], layout, group.stage, in_flight, None, options))
+            elif layout.colocated:  # beside the LLM's stages: one encoder pass over the step's shares
+                rows_of = (rows.get(name) or options.micro_batch_size) * options.num_microbatches
+                rank.modules.append(_module(name, memory[name], layout, 0, 1, rows_of, options))
             else:
                 rank.modules.append(_module(name, memory[name], layout, 0, min(stages, options.num_microbatches),
                                             rows.get(name), options))
+        if layout.colocated:
+            _one_backward_at_a_time(rank)
         out.append(rank)
     return out
 

@@ -2,8 +2,9 @@
 estimate fits (`fitting`); `suggest` orders them cheapest communication first, then most headroom, the order
 core/step_time/advisor.py keeps where the provider's FLOPs cannot time them.
 
-Every split is tried: colocated and each number of encoder ranks, the encoders' TP, the LLM's TP (with sequence
-parallelism for an MoE LLM), PP and EP, and the LLM's CP, colocated or on its own ranks; each checked as the
+Every split is tried: colocated and each number of encoder ranks, the encoders' TP (colocated too: at the LLM's
+or one of their own), the LLM's TP (with sequence parallelism for an MoE LLM), PP (colocated too: its stages
+beside the encoders) and EP, and the LLM's CP, colocated or on its own ranks; each checked as the
 plan checks a layout given to it (core/parallel/layout.py's `Layout.check`: for CP the sequence a multiple of
 2 x CP (x TP under SP), packed rows only where transformer-engine splits them, no --cuda-graphs), and none the
 provider refuses (a backend without sequence or context parallelism: core/parallel/provider_refusal.py). Each
@@ -55,7 +56,7 @@ class Suggestion:
         lo, parts = self.layout, []
         if lo.encoder_ranks:
             parts.append(f"--encoder-ranks {lo.encoder_ranks}")
-        if lo.encoder_tp > 1:  # colocated too: the encoders share the LLM's TP only where it is given
+        if lo.encoder_tp > 1:  # colocated too: without it the encoders run at TP 1 beside any LLM TP
             parts.append(f"--encoder-tp {lo.encoder_tp}")
         parts += [f"--llm-{k} {getattr(lo, 'llm_' + k)}" for k in ("tp", "cp", "pp", "ep")
                   if getattr(lo, "llm_" + k) > 1]
@@ -87,9 +88,9 @@ def candidates(world: int, shapes: dict) -> list[LayoutOptions]:
         for tp in _divisors(llm_ranks):
             if llm.num_attention_heads % tp or (llm.num_query_groups and llm.num_query_groups % tp):
                 continue
-            encoder_tps = [tp] if k == 0 else [t for t in _divisors(k)
-                                               if not encoder or encoder.num_attention_heads % t == 0]
-            pps = [1] if k == 0 else [p for p in _divisors(llm_ranks // tp) if llm.num_layers % p == 0]
+            # colocated encoders at the LLM's TP or one of their own (embeddings exchanged on the same ranks)
+            encoder_tps = [t for t in _divisors(k or world) if not encoder or encoder.num_attention_heads % t == 0]
+            pps = [p for p in _divisors(llm_ranks // tp) if llm.num_layers % p == 0]
             for etp in encoder_tps:
                 for pp in pps:
                     # colocated, and on the LLM's own ranks (the bridge sends to CP ranks: core/forward/cp_bridge.py)
@@ -140,6 +141,9 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
             microbatches = t.num_microbatches or 1
         rows = encoder_rows(parallelism, t.micro_batch_size)
         apart = layout.encoder_ranks > 0  # the pipeline feeds the encoders: no once-per-step pass
+        # beside the LLM's stages the encoders run once per step always; at a TP of their own, per micro-batch
+        step_encoders = laid_out.stages_beside_encoders or (
+            base.step_encoders and not apart and not laid_out.shared_ranks_exchange)
         for distopt, recompute in VARIANTS:
             modes = dict(base.recompute)
             if apart and plan.encoders_recomputed:  # auto recomputed them for that pass only
@@ -148,13 +152,14 @@ def fitting(plan, world: int, limit_gib: float) -> list[Suggestion]:
                 modes[topology.LANGUAGE] = recompute
             options = dataclasses.replace(base, sequence_parallel=sp, num_microbatches=microbatches, recompute=modes,
                                           distributed_optimizer=base.distributed_optimizer or bool(distopt),
-                                          step_encoders=base.step_encoders and not apart)
+                                          step_encoders=step_encoders)
             ranks = memory.estimate(described, parallelism, options, rows)
             largest = max(r.total for r in ranks) / GIB
             if largest <= limit_gib:
                 mode = modes.get(topology.LANGUAGE, "none")
                 cost = (4 * (layout.llm_tp - 1) + 2 * (layout.llm_pp - 1) + 2 * (layout.encoder_tp - 1)
-                        + 2 * (layout.llm_cp - 1) + (1 if layout.llm_ep > 1 else 0) + RECOMPUTE_COST[mode])
+                        + 2 * (layout.llm_cp - 1) + (1 if layout.llm_ep > 1 else 0) + RECOMPUTE_COST[mode]
+                        + (1 if laid_out.encoders_read_own_samples else 0))  # embeddings exchanged on shared ranks
                 found.append(Suggestion(layout, sp, options.distributed_optimizer, mode, microbatches, largest,
                                         limit_gib - largest, cost, parallelism, options,
                                         _cp_reason(described, laid_out, options, rows, ranks)))

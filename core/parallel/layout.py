@@ -109,6 +109,10 @@ class Layout:
             _check_module(name, par, self.shapes[name], self.features.sequence_parallel)
         if not self.colocated:
             self._check_bridge()
+        elif self.llm.pp > 1:
+            self._check_stages_beside_encoders()
+        elif self.shared_ranks_exchange:
+            self._check_shared_ranks()
         self._check_sequence_split()
         self._check_device()
         return self
@@ -122,11 +126,9 @@ class Layout:
             raise UsageError(f"--llm-tp {layout.llm_tp} does not fit {counted(world_size, 'rank')}: the modules "
                              f"share every rank, so TP must divide the {world_size}; use --llm-tp among "
                              f"{_divisors(world_size)}, or a multiple of {layout.llm_tp} ranks (--nproc-per-node)")
-        if k == 0 and layout.encoder_tp != layout.llm_tp:
-            raise UsageError(f"colocated modules share the LLM's TP: set --encoder-tp {layout.llm_tp}, or give the "
-                             f"encoders ranks of their own with --encoder-ranks")
-        if k == 0 and layout.llm_pp > 1:
-            raise UsageError("--llm-pp > 1 needs the encoders on ranks of their own: set --encoder-ranks")
+        if k == 0 and world_size % layout.encoder_tp:
+            raise UsageError(f"--encoder-tp {layout.encoder_tp} does not fit {counted(world_size, 'rank')}: "
+                             f"colocated encoders run on every rank; use --encoder-tp among {_divisors(world_size)}")
 
     def _check_bridge(self) -> None:
         """Encoder DP and LLM DP must fan out or in evenly: the bridge splits micro-batches by whole samples."""
@@ -142,6 +144,36 @@ class Layout:
         if e > l and micro_batch_size % (e // l):
             raise UsageError(f"--micro-batch-size {micro_batch_size} cannot be split over the {e // l} encoder "
                              f"ranks that feed each LLM lane: use a multiple of {e // l}")
+
+    def _check_shared_ranks(self) -> None:
+        """Colocated encoders at a TP other than the LLM's: their embeddings change hands between the two
+        data-parallel layouts of the same ranks (core/parallel/shared_ranks.py)."""
+        llm, encoder, f = self.llm, self.parallelism[self.encoders[0]], self.features
+        e, l, fix = encoder.dp, llm.dp, f"or --encoder-tp {llm.tp} (the LLM's)"
+        if llm.cp > 1:
+            raise UsageError(f"--llm-cp {llm.cp} with colocated encoders at their own TP is not supported (the "
+                             f"encoders would split samples the CP ranks share): set --encoder-tp {llm.tp}")
+        if not _divide(e, l):
+            raise UsageError(f"colocated encoder DP {e} and LLM DP {l} must divide one another: choose --encoder-tp "
+                             f"among {_divisors(encoder.num_ranks)} dividing or multiplying --llm-tp {llm.tp}, {fix}")
+        if e > l and f.micro_batch_size % (e // l):
+            raise UsageError(f"--micro-batch-size {f.micro_batch_size} cannot be split over the {e // l} encoder "
+                             f"ranks that share each LLM lane: use a multiple of {e // l}, {fix}")
+        if e < l and f.pack_sequences:
+            raise UsageError(f"--pack-sequences with colocated encoders at a larger TP than the LLM's is not "
+                             f"supported (packed rows are not cut into lanes): {fix}")
+
+    def _check_stages_beside_encoders(self) -> None:
+        """The LLM's stages on the encoders' ranks: each stage's ranks encode a share of their lane, and the
+        embeddings reach stage 0 (core/forward/encoders_beside_stages.py)."""
+        llm, encoder, mbs = self.llm, self.parallelism[self.encoders[0]], self.features.micro_batch_size
+        if encoder.tp != llm.tp or llm.cp > 1:
+            raise UsageError(f"--llm-pp {llm.pp} with colocated encoders needs them at the LLM's TP and no CP: set "
+                             f"--encoder-tp {llm.tp} and --llm-cp 1, or give the encoders ranks of their own with "
+                             f"--encoder-ranks")
+        if mbs % llm.pp:
+            raise UsageError(f"--micro-batch-size {mbs} cannot be split over the LLM's {llm.pp} stages, whose ranks "
+                             f"encode a share of each micro-batch: use a multiple of {llm.pp}")
 
     def _check_sequence_split(self) -> None:
         """What context parallelism needs of the run (context_parallel.py says why)."""
@@ -184,6 +216,8 @@ class Layout:
             return "generation needs every module on every rank (colocated, --encoder-ranks 0)"
         if self.llm.pp > 1:
             return "generation needs the LLM in one pipeline stage (--llm-pp 1)"
+        if self.shared_ranks_exchange:
+            return f"generation needs the encoders at the LLM's TP (--encoder-tp {self.llm.tp})"
         return None
 
     def optimizer_resharding(self, saved_dp: dict[str, int]) -> tuple[str, int, int] | None:
@@ -192,6 +226,16 @@ class Layout:
         for name, par in self.parallelism.items():
             if saved_dp[name] != par.dp:
                 return name, saved_dp[name], par.dp
+        return None
+
+    def rng_resharding(self, saved_layout: dict) -> str | None:
+        """Why a checkpoint's RNG state (one per module's pipeline x tensor rank) cannot load on this layout, or
+        None; `saved_layout` {module: its ModuleParallelism fields} as a checkpoint records it."""
+        for name, par in self.parallelism.items():
+            saved = saved_layout.get(name, {})
+            if (saved.get("tp"), saved.get("pp")) != (par.tp, par.pp):
+                return (f"the checkpoint's RNG state is per {name} TP{saved.get('tp')} x PP{saved.get('pp')} rank, "
+                        f"this run has TP{par.tp} x PP{par.pp}: its RNG starts from --seed")
         return None
 
     # --- the grids and what follows from them
@@ -215,6 +259,23 @@ class Layout:
         return len({(p.first_rank, p.num_ranks) for p in self.parallelism.values()}) == 1
 
     @property
+    def shared_ranks_exchange(self) -> bool:
+        """Colocated encoders whose data parallelism differs from the LLM's (their own --encoder-tp): each rank
+        reads its encoders' samples and the LLM's rows and the embeddings change hands (shared_ranks.py)."""
+        return self.colocated and any(self.parallelism[n].tp != self.llm.tp for n in self.encoders)
+
+    @property
+    def stages_beside_encoders(self) -> bool:
+        """The LLM's pipeline stages on the colocated encoders' ranks (core/forward/encoders_beside_stages.py)."""
+        return self.colocated and self.llm.pp > 1
+
+    @property
+    def encoders_read_own_samples(self) -> bool:
+        """Colocated encoders that read other samples than the LLM's lane: at a TP of their own, or beside the
+        LLM's pipeline stages (each stage's ranks encode a share of their lane)."""
+        return self.shared_ranks_exchange or self.stages_beside_encoders
+
+    @property
     def ranks(self) -> int:
         return len({r for p in self.parallelism.values() for r in p.ranks})
 
@@ -224,21 +285,22 @@ class Layout:
 
     def groups(self) -> list[RankGroup]:
         """The kinds of rank: all ranks when colocated; else each encoder grid's ranks (the multimodule
-        pipeline's first stage), then each of the LLM's pipeline stages."""
+        pipeline's first stage), then each of the LLM's pipeline stages (with the encoders, colocated)."""
         llm = self.llm
-        if self.colocated:
+        if self.colocated and llm.pp == 1:
             return [RankGroup("all ranks", (llm.first_rank, llm.ranks[-1]), (*self.encoders, LANGUAGE))]
         out, by_grid = [], {}
         for name in self.encoders:
             par = self.parallelism[name]
             by_grid.setdefault((par.first_rank, par.num_ranks), []).append(name)
-        for (first, count), names in by_grid.items():
-            out.append(RankGroup("encoder ranks", (first, first + count - 1), tuple(names)))
-        per_stage = llm.num_ranks // llm.pp
+        if not self.colocated:
+            for (first, count), names in by_grid.items():
+                out.append(RankGroup("encoder ranks", (first, first + count - 1), tuple(names)))
+        per_stage, beside = llm.num_ranks // llm.pp, tuple(self.encoders) if self.colocated else ()
         for stage in range(llm.pp):
             first = llm.first_rank + stage * per_stage
             kind = "LLM ranks" if llm.pp == 1 else f"LLM stage {stage}"
-            out.append(RankGroup(kind, (first, first + per_stage - 1), (LANGUAGE,), stage))
+            out.append(RankGroup(kind, (first, first + per_stage - 1), (*beside, LANGUAGE), stage))
         return out
 
     def stages(self, name: str) -> int:

@@ -14,7 +14,7 @@ from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from ..adapters.apply import add_adapters
 from ..config import AdapterOptions
-from . import embedding_merge
+from . import embedding_merge, shared_ranks
 from .topology import LANGUAGE, Topology
 from .wgrad_fusion import fuse_weight_gradient_accumulation
 
@@ -23,6 +23,7 @@ def _seeded_mimo_model_class():
     """MimoModel that reseeds before building the encoders and before building the LLM, so each module's
     initial weights are the same whichever modules a rank builds (colocated, heterogeneous, any TP)."""
     from megatron.core.models.mimo import MimoModel
+    from megatron.core.models.mimo.config.role import ModuleLayout, ModuleStageInfo
     from megatron.core.utils import unwrap_model
 
     class SeededMimoModel(MimoModel):
@@ -35,6 +36,23 @@ def _seeded_mimo_model_class():
         seed_tracker = None
         _rows = None
         _embeddings = None
+        _exchange = None
+        _device = None
+
+        def __init__(self, mimo_config, **kwargs):
+            super().__init__(mimo_config, **kwargs)
+            # The LLM's pipeline stages on the encoders' ranks: megatron-core sees one grid of ranks (colocated)
+            # and would run the LLM whole; each rank runs its stage instead, fed the step's encoder embeddings
+            # (core/forward/encoders_beside_stages.py) on stage 0 and the previous stage's hidden states after.
+            self.stages_beside_encoders = self.role.mode is ModuleLayout.COLOCATED and _pp(self._llm_grid) > 1
+            if self.stages_beside_encoders:
+                pp = self._llm_grid.get_pg("pp")
+                self.role.modules[LANGUAGE] = ModuleStageInfo(is_first_stage=pp.rank() == 0,
+                                                              is_last_stage=pp.rank() == pp.size() - 1)
+
+        @property
+        def _llm_grid(self):
+            return self.mimo_config.module_to_grid_map[LANGUAGE]
 
         def _initialize_submodules(self):
             torch.manual_seed(self.init_seed)
@@ -53,21 +71,53 @@ def _seeded_mimo_model_class():
             # bridge (and it refuses CP > 1 grids). Every colocated rank's encoder reads its LLM lane's samples
             # (topology.data_positions): the whole merged sequence is on each CP rank before the split, and the
             # embeddings pass through as they are. The CP ranks' encoder gradients add up in the encoders' DDP.
-            if _cp(self.mimo_config.module_to_grid_map[LANGUAGE]) > 1:
+            if _cp(self._llm_grid) > 1 or _pp(self._llm_grid) > 1:  # megatron-core's bridge refuses PP > 1 too
                 return
             super()._build_colocated_communicators()
 
-        def forward(self, *args, placeholder_rows=None, modality_embeddings=None, **kwargs):
+        def forward(self, *args, placeholder_rows=None, modality_embeddings=None, exchange_rows=None, **kwargs):
             """`modality_embeddings` {modality: [placeholders, hidden]}: encoder outputs computed already (the
             encoders ran once for the step, core/forward/encoder_pass.py), merged in place of running the encoders;
-            they need `placeholder_rows`."""
+            they need `placeholder_rows`. `exchange_rows` {modality: rows of each rank of the colocated bridge's
+            gather group}: colocated encoders at a TP of their own (shared_ranks.py)."""
             if modality_embeddings is not None and placeholder_rows is None:
                 raise ValueError("modality_embeddings need placeholder_rows")
-            self._rows, self._embeddings = placeholder_rows, modality_embeddings
+            self._rows, self._embeddings, self._exchange = placeholder_rows, modality_embeddings, exchange_rows
+            self._device = kwargs["input_ids"].device if "input_ids" in kwargs else None
             try:
+                if self.stages_beside_encoders:
+                    return self._forward_stage(*args, **kwargs)
                 return super().forward(*args, **kwargs)
             finally:
-                self._rows = self._embeddings = None
+                self._rows = self._embeddings = self._exchange = None
+
+        def _forward_stage(self, input_ids, position_ids=None, attention_mask=None, loss_mask=None, labels=None,
+                           modality_inputs=None, packing_kwargs=None):
+            """This rank's stage of the LLM (the encoders ran for the step already): megatron-core's forward of
+            an LLM stage, stage 0 merging the embeddings handed over."""
+            if self.role.is_first_stage(LANGUAGE):
+                if modality_inputs and self._embeddings is None:
+                    raise ValueError("the LLM's stages beside the encoders take the step's embeddings, not inputs")
+                inputs = dict(self._embeddings or {})
+            else:
+                inputs = {LANGUAGE: self.input_tensors}
+            output, loss_mask = self._forward_language_module(input_ids, position_ids, attention_mask, loss_mask,
+                                                              labels, inputs, packing_kwargs)
+            return (output[LANGUAGE] if isinstance(output, dict) else output), loss_mask
+
+        def _apply_colocated_comms(self, modality_embeddings):
+            if self._exchange is None:  # the same DP on both sides: megatron-core's pass-through
+                return super()._apply_colocated_comms(modality_embeddings)
+            out = dict(modality_embeddings)
+            for modality, rows in self._exchange.items():
+                comm = self.colocated_comms.get((modality, LANGUAGE))
+                if comm is None or not sum(rows):  # every rank of the group skips it alike
+                    continue
+                if out.get(modality) is None:  # this rank's samples have none; its group's others do
+                    out[modality] = torch.empty((0, self.config.hidden_size), dtype=self.config.params_dtype,
+                                                device=self._device, requires_grad=True)
+                out[modality] = shared_ranks.exchange(comm, out[modality], rows)
+            return out
 
         def _attach_modality_split_sizes(self, output, input_ids, encoder_name):
             # Fan-in (more encoder than LLM data-parallel ranks): an encoder rank sends its whole output to one
@@ -102,6 +152,10 @@ def _dp(grid) -> int:
 
 def _cp(grid) -> int:
     return grid.shape[grid.dim_names.index("cp")]
+
+
+def _pp(grid) -> int:
+    return grid.shape[grid.dim_names.index("pp")]
 
 
 def build_model(performance, *, hooks, settings, provider: str, topology: Topology, context: BuildContext,

@@ -22,11 +22,18 @@ def data_positions(parallelism: dict[str, ModuleParallelism], rank: int, micro_b
 
     An LLM rank reads its lane. An encoder rank reads the lanes it feeds through the bridge (the bridge pairs
     encoder DP rank r with LLM DP ranks in order), or its share of one lane when several encoder ranks feed it.
+    Colocated encoders at a TP of their own read their samples the same way, and the LLM's rows come from them
+    (forward/shared_rank_batches.py); beside the LLM's pipeline stages, each stage's ranks read their share of
+    their lane.
     """
-    llm = parallelism[LANGUAGE]
-    if rank in llm.ranks:
+    llm, layout = parallelism[LANGUAGE], Layout(parallelism)
+    if rank in llm.ranks and not layout.encoders_read_own_samples:
         return _dp_rank(llm, rank) * micro_batch_size, micro_batch_size
-    encoder = next(p for p in parallelism.values() if rank in p.ranks)
+    if layout.colocated and llm.pp > 1:  # each stage's ranks encode a share of their lane (encoders_beside_stages)
+        share = micro_batch_size // llm.pp
+        stage = (rank - llm.first_rank) // (llm.num_ranks // llm.pp)
+        return _dp_rank(llm, rank) * micro_batch_size + stage * share, share
+    encoder = next(p for name, p in parallelism.items() if name != LANGUAGE and rank in p.ranks)
     r, e, l = _dp_rank(encoder, rank), encoder.dp, llm.dp
     if e <= l:
         lanes = l // e
@@ -76,15 +83,26 @@ def is_loss_source(topology: Topology) -> bool:
     return pgc.pp.rank() == pgc.pp.size() - 1 and pgc.tp.rank() == 0
 
 
-def counted_once(totals, loss_source: bool, token_source: bool):
+def is_data_source(topology: Topology) -> bool:
+    """The ranks whose data counts add up to the global batch's: each lane's token source; where colocated
+    encoders read the samples (Layout.encoders_read_own_samples), each encoder replica's first TP rank."""
+    if not topology.layout.encoders_read_own_samples:
+        return is_token_source(topology)
+    encoder = next(name for name in topology.parallelism if name != LANGUAGE)
+    return topology.pg_collections[encoder].tp.rank() == 0
+
+
+def counted_once(totals, loss_source: bool, data_source: bool):
     """This rank's part of a world sum of `totals` ([loss sum, tokens, *data counts]): the loss and tokens from
-    every loss source (under CP each holds its part of the lane's sequence), the data counts from the lane's token
-    source alone (every CP rank reads the same samples)."""
-    if token_source:  # a lane's token source is one of its loss sources
+    every loss source (under CP each holds its part of the lane's sequence), the data counts from the data sources
+    alone (every CP rank of a lane reads the same samples: its token source counts them)."""
+    if loss_source and data_source:
         return totals
     part = totals.new_zeros(totals.shape)
     if loss_source:
         part[:2] = totals[:2]
+    if data_source:
+        part[2:] = totals[2:]
     return part
 
 

@@ -25,7 +25,7 @@ from ..checkpoint.layout import run_info
 from ..evaluation.evaluator import EvalSchedule, Evaluator, eval_context, eval_data_path
 from ..parallel.model import count_parameters
 from ..parallel.optim import build_optimizer, build_scheduler
-from ..parallel.topology import Topology, is_token_source
+from ..parallel.topology import Topology, is_data_source
 from ..telemetry.metrics import MetricsLogger
 from ..telemetry.memory_snapshot import MemorySnapshot
 from ..telemetry.profiler import StepProfiler
@@ -188,7 +188,7 @@ def start(plan: Plan) -> Session:
     profiler = StepProfiler(config.logging, rank=dist.get_rank(), device=device, report=logging_rank)
     model.train()
     reader = read_ahead(source, ahead, device)  # a provider's own data (a resumable source reads ahead itself)
-    skips = SkipReporter(source, enabled=is_token_source(topo),  # the rank whose count enters the total
+    skips = SkipReporter(source, enabled=is_data_source(topo),  # the rank whose count enters the total
                          rank=dist.get_rank() if plan.world_size > 1 else None)
     evaluations = None
     if config.evaluation.eval_iters:

@@ -18,11 +18,12 @@ from torch.profiler import record_function
 from mimo.data.counts import DataCounts
 from mimo.plugins import LANGUAGE
 
+from ..forward import encoders_beside_stages
 from ..forward.encoder_pass import StepEncoderPass
 from ..forward.forward_loss import ForwardLoss
 from ..forward.schedule import schedule_for
 from ..parallel.model import held_modules
-from ..parallel.topology import counted_once, is_loss_source, is_token_source
+from ..parallel.topology import counted_once, is_data_source, is_loss_source
 from ..telemetry.timers import StepTimers
 
 if TYPE_CHECKING:
@@ -66,7 +67,7 @@ class TrainStep:
         self.hooks, self.settings, self.topology = hooks, settings, topology
         self.device, self.params_dtype = device, params_dtype
         self.num_microbatches, self.global_batch_size = plan.num_microbatches, plan.global_batch_size
-        self._token_source, self._loss_source = is_token_source(topology), is_loss_source(topology)
+        self._data_source, self._loss_source = is_data_source(topology), is_loss_source(topology)
         # [loss sum, tokens, *DataCounts, counted]: one all-reduce for the loss and the data's counts
         self._totals = torch.zeros(3 + len(DataCounts.names()), dtype=torch.float64, device=device)
         self._data_counts = data_counts
@@ -86,15 +87,15 @@ class TrainStep:
         # after a non-finite loss or a data error (the iteration read empty micro-batches from some point on: no
         # update; the loop stops, saving the iteration before)
         optimizer.before_update = self._read_before_update
-        self.encoder_pass = StepEncoderPass(model, hooks=hooks, settings=settings, device=device,
-                                            params_dtype=params_dtype) if step_encoders else None
+        self.encoder_pass = encoders_beside_stages.for_step(model, topology, StepEncoderPass(
+            model, hooks=hooks, settings=settings, device=device, params_dtype=params_dtype) if step_encoders else None)
         self.data_start = self._lanes_sum(data_start)
 
     def _lanes_sum(self, counts: DataCounts | None) -> DataCounts | None:
         """`counts` (this rank's lanes') summed over the run's lanes, each counted once as the step's totals are;
         None for data that counts nothing. Collective."""
         vector = torch.zeros(len(DataCounts.names()) + 1, dtype=torch.float64, device=self.device)
-        if counts is not None and self._token_source:
+        if counts is not None and self._data_source:
             vector[:-1] = torch.tensor(counts.vector(), dtype=torch.float64)
             vector[-1] = 1
         dist.all_reduce(vector)
@@ -109,7 +110,7 @@ class TrainStep:
         if counts is not None:
             self._totals[2:-1] = torch.tensor(counts.vector(), dtype=torch.float64)
             self._totals[-1] = 1
-        totals = counted_once(self._totals, self._loss_source, self._token_source)
+        totals = counted_once(self._totals, self._loss_source, self._data_source)
         dist.all_reduce(totals)
         self._reduced_totals = totals  # read on the host where the optimizer has waited for the GPU anyway
         tokens = totals[1]

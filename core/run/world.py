@@ -65,9 +65,8 @@ class World:
     @property
     def logging_rank(self) -> bool:
         """The one rank that reports for the run: the token source of the first LLM lane."""
-        first, _ = topology.data_positions(self.plan.parallelism, dist.get_rank(),
-                                           self.plan.config.training.micro_batch_size)
-        return topology.is_token_source(self.topology) and first == 0
+        # (the lane from the LLM's DP rank: colocated encoders at a TP of their own read more than their lane)
+        return topology.is_token_source(self.topology) and self.topology.pg_collections[LANGUAGE].dp.rank() == 0
 
 
 def join(plan: Plan, *, seed: int | None = None) -> World:

@@ -10,7 +10,12 @@ the fit (fit.py) and the estimate read the same terms.
 - colocated: the encoders then the LLM on every rank, then the gradient reduce and the optimizer;
 - heterogeneous: with t_s a stage's time per micro-batch and m micro-batches, (m - 1) x max t_s + sum t_s
   (the slower stage sets the pace, the others add their fill and drain), plus the bridge per micro-batch, then
-  the slowest rank's gradient reduce and optimizer step.
+  the slowest rank's gradient reduce and optimizer step;
+- the LLM's stages beside colocated encoders: the encoders' one pass of the step on every rank first, then the
+  LLM's stages as a pipeline of their own (the same formula), then the reduce and the optimizer.
+
+Where colocated encoders read other samples than the LLM (their own TP, or beside the LLM's stages), their
+embeddings change hands on the same ranks: the bytes each GPU sends in that exchange are a term of their own.
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ class Work:
     cp_bytes: float = 0.0  # what this GPU sends in CP's key/value ring
     extra_encoder_passes: int = 0
     split_micro_batches: int = 0  # LLM micro-batches that arrive over the bridge
+    exchange_bytes: float = 0.0  # what this GPU sends moving embeddings between layouts of the same ranks
 
     def seconds(self, cal: Calibration) -> dict[str, float]:
         """Seconds per term, named for what the advisor reports."""
@@ -94,7 +100,12 @@ class Work:
                 "TP collectives": self.tp_bytes / cal.collective_bytes_per_s,
                 "CP key/value ring": self.cp_bytes / cal.collective_bytes_per_s,
                 "encoder passes": self.extra_encoder_passes * cal.encoder_pass_overhead_s,
-                "split overhead": self.split_micro_batches * cal.split_stage_overhead_s}
+                "split overhead": self.split_micro_batches * cal.split_stage_overhead_s,
+                "embedding exchange": self.exchange_bytes / cal.collective_bytes_per_s}
+
+
+# what a rank of the LLM's stages beside the encoders does before the stages' pipeline starts
+BEFORE_STAGES = ("encoder compute", "encoder passes", "embedding exchange")
 
 
 @dataclass
@@ -185,6 +196,32 @@ def _module_work(name: str, inputs: StepInputs, work: Work) -> None:
         work.encoder_flops += flops
 
 
+def _exchange_bytes(inputs: StepInputs) -> float:
+    """What each GPU sends per iteration moving the encoders' embeddings to the LLM on shared ranks: a ring
+    all-gather over n ranks sends (n - 1) / n of what it gathers. Fan-in gathers a lane's rows forward; fan-out
+    the lanes' gradients backward; beside the LLM's stages the pipeline group gathers a lane's rows forward and
+    sums their gradients backward (an all-reduce, twice that). A sample's rows are priced at the encoder's tokens
+    (an upper bound: a pixel shuffle or a merger hands the LLM fewer), each the LLM's hidden size wide."""
+    layout, llm = inputs.layout, inputs.layout.llm
+    if not layout.encoders_read_own_samples:
+        return 0.0
+    lane_samples = inputs.global_batch / llm.dp
+    width = inputs.modules[LANGUAGE].hidden_size * ACTIVATION_BYTES
+    sent = 0.0
+    for name in layout.encoders:
+        lane_rows = lane_samples * inputs.modules[name].tokens_per_sample * width
+        encoder = inputs.parallelism[name]
+        if layout.stages_beside_encoders:
+            sent += 3 * lane_rows * (llm.pp - 1) / llm.pp
+        elif encoder.dp > llm.dp:
+            n = encoder.dp // llm.dp
+            sent += lane_rows * (n - 1) / n
+        else:
+            n = llm.dp // encoder.dp
+            sent += n * lane_rows * (n - 1) / n
+    return sent
+
+
 def _stage(name: str, ranks: tuple[int, int], modules: list[str], inputs: StepInputs) -> Stage:
     stage = Stage(name, ranks, Work())
     for module in modules:
@@ -205,6 +242,7 @@ def estimate(inputs: StepInputs, cal: Calibration) -> StepEstimate:
         if colocated:
             if layout.encoders:
                 stage.work.extra_encoder_passes = 0 if inputs.step_encoders else m - 1
+            stage.work.exchange_bytes = _exchange_bytes(inputs)
         elif LANGUAGE in group.modules:
             stage.work.split_micro_batches = m
         else:
@@ -212,14 +250,15 @@ def estimate(inputs: StepInputs, cal: Calibration) -> StepEstimate:
         stages.append(stage)
     for stage in stages:
         stage.terms = {k: v for k, v in stage.work.seconds(cal).items() if v}
-    if colocated:
+    if colocated and not layout.stages_beside_encoders:
         pipeline, fill, bridge = stages[0].busy, 0.0, 0.0
     else:
-        per_micro_batch = [s.busy / m for s in stages]
+        before = [sum(s.terms.get(k, 0.0) for k in BEFORE_STAGES) if colocated else 0.0 for s in stages]
+        per_micro_batch = [(s.busy - b) / m for s, b in zip(stages, before)]
         slowest = max(per_micro_batch)
-        bridge = m * cal.bridge_s
+        bridge = 0.0 if colocated else m * cal.bridge_s
         fill = sum(per_micro_batch) - slowest
-        pipeline = m * slowest + fill + bridge
+        pipeline = max(before) + m * slowest + fill + bridge
     reduce_s = max(s.reduce_bytes for s in stages) / cal.collective_bytes_per_s
     optimizer_s = max(s.optimizer_parameters for s in stages) * cal.optimizer_s_per_parameter
     return StepEstimate(inputs, stages, pipeline, fill, bridge, reduce_s, optimizer_s)

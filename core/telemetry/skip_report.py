@@ -1,10 +1,11 @@
 """What the loop says about skipped samples: one line per sample (rate-limited), and a stop when too many are bad.
 
-Lines. The rank that counts a lane's skips into the run's total (the lane's token source, `step.is_token_source`:
-one rank per LLM lane) prints a line for each skip its loader counted: the skips it passes in the stream it
-consumed, so the lines and the log's count agree, and no sample is named twice (the lane's other ranks read the
-same samples). No collective is needed; lines carry the rank when the run has several. At most `limit` lines per
-`window` seconds per rank; the rest are counted, and the count is printed once the window is over (or at the end).
+Lines. The rank that counts a lane's skips into the run's total (the lane's data source, `topology.is_data_source`:
+one rank per LLM lane, or per share where colocated encoders read their own) prints a line for each skip its
+loader counted: the skips it passes in the stream it consumed, so the lines and the log's count agree, and no
+sample is named twice (the lane's other ranks read the same samples). No collective is needed; lines carry the
+rank when the run has several. At most `limit` lines per `window` seconds per rank; the rest are counted, and the
+count is printed once the window is over (or at the end).
 
 Stop. `skip_stop_message` says why a run whose skipped samples exceed `--max-skip-fraction` of the samples read
 (trained plus skipped, counted as samples, packed or not), once `MIN_SAMPLES_READ` have been read, stops; the loop

@@ -115,13 +115,16 @@ class LoadedModule:
     checkpoint tensor (None: all of it). Or, with `parameter`, a module holding experts' weights as 3-D parameters
     [experts, out, in] (what PEFT's `target_parameters` adapt): the checkpoint tensor is row `expert` of
     `parameter`; `parameters` lists the module's 3-D parameters in their registration order (PEFT nests its
-    wrappers in that order, which names their adapter tensors)."""
+    wrappers in that order, which names their adapter tensors). `offset`: the module fuses several checkpoint
+    tensors (Qwen's experts' `gate_up_proj` of `gate_proj` and `up_proj`): this one's rows start at row `offset`
+    of the module's weight."""
 
     path: str
     rows: tuple[int, int] | None = None
     parameter: str | None = None
     expert: int | None = None
     parameters: tuple[str, ...] = ()
+    offset: int | None = None
 
 
 @dataclass

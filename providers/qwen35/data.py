@@ -106,12 +106,13 @@ def synthetic_batches(s: Qwen35Settings, ctx):
 
 
 def prompt_format(s: Qwen35Settings):
-    """Text prompts for `mimo generate`: the `tokenizer_path` tokenizer, else UTF-8 bytes, in the `chat_template`
-    setting's template (a Qwen folder's own ChatML template where it has one). Images are not offered to
-    generation yet: mimo's decoder gives text positions, and Qwen's image tokens need their 3-D ones."""
+    """Prompts for `mimo generate` and `--eval-samples`: the `tokenizer_path` tokenizer, else UTF-8 bytes, in the
+    `chat_template` setting's template (a Qwen folder's own ChatML template where it has one); images through the
+    processor's grid, and the prompt's 3-D positions as training has them (the answer goes on from the largest)."""
     from mimo import PromptFormat
 
-    return PromptFormat(data_tokenizer(s), template_of(s))
+    return PromptFormat(data_tokenizer(s), template_of(s), image_mode=s.image_mode(), modality=IMAGES,
+                        encoder=ENCODER, positions=MRoPEPositions(image_token_id(s), s.spatial_merge_size))
 
 
 def energon_batches(s: Qwen35Settings, ctx):
@@ -125,7 +126,7 @@ def energon_batches(s: Qwen35Settings, ctx):
                                       encoder_name=ENCODER, pack_sequences=ctx.pack_sequences,
                                       segment_multiple=ctx.segment_multiple,
                                       positions=MRoPEPositions(image_id, s.spatial_merge_size))
-    return ctx.energon_loader(encoder)
+    return ctx.energon_loader(encoder, shuffle_buffer_size=s.shuffle_buffer or None)
 
 
 def data_provider(s: Qwen35Settings, ctx):

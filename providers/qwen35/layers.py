@@ -102,6 +102,9 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
         super().__init__(*args, **kwargs)
         torch.set_rng_state(generator)
         self.out_norm.tp_group = self.tp_group
+        # the sections this rank's in_proj rows stack (as Mamba's in_proj declares them): a LoRA adapter's B is
+        # saved in the same parts as the weight, so that it reshards and exports part by part
+        self.in_proj.weight.partition_sizes = list(self.in_proj_split_sections)
 
     def reset_parameters(self):
         super().reset_parameters()  # dt_bias to ones

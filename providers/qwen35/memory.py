@@ -121,8 +121,9 @@ def vision_memory(s: Qwen35Settings) -> ModuleMemory:
                         lambda mode, v: TokenBytes(replicated=row * v + 2 * vh * v))
     merged = vh * m2
     # per patch: the norm's input and output, then fc1's output and GELU's (a merged token's share)
-    last = LayerMemory("patch merger", Weights(tp=merged * merged + merged * s.vision_output_size,
-                                               replicated=2 * vh + merged + s.vision_output_size),
+    # (fc1 column-parallel with its bias, fc2 row-parallel: its bias whole on every TP rank)
+    last = LayerMemory("patch merger", Weights(tp=merged * merged + merged + merged * s.vision_output_size,
+                                               replicated=2 * vh + s.vision_output_size),
                        lambda mode, v: TokenBytes(replicated=2 * vh * v + ml.STATS, tp=2 * vh * v))
     patches = min(s.max_pixels // s.patch_size ** 2, s.seq_length * m2)
     lo, hi = s.min_pixels, max(largest_image_area(s), s.min_pixels)  # the synthetic areas: log-uniform

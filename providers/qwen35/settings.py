@@ -75,6 +75,8 @@ class Qwen35Settings(Qwen35VisionSettings):
                 "it has one, else plain")
     image_token_id: int | None = setting(
         None, "image placeholder token (Qwen3.5's <|image_pad|> is 248056; default: vocab_size - 1)", minimum=0)
+    shuffle_buffer: int = setting(100, "--data: energon's sample shuffle buffer (0: none; shards still shuffle)",
+                                  minimum=0)
 
     # -- synthetic data
     num_classes: int = setting(16, "synthetic data: caption classes; a sample is an image of its class's pattern "

@@ -38,6 +38,15 @@ use_wheels() {
   fi
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl || exit 3
+  # mimo itself from this checkout, not the wheel `prepare` built: a wheel built before the latest commits measures
+  # old code and lacks newer entry points (providers). setuptools is on the GPU image; no network is needed.
+  if python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+      --target /tmp/mimo-src . >/dev/null 2>&1; then
+    rm -rf /tmp/site/mimo /tmp/site/mimo-*.dist-info && cp -r /tmp/mimo-src/mimo /tmp/mimo-src/mimo-*.dist-info /tmp/site/
+    echo "mimo: built from this checkout"
+  else
+    echo "mimo: the wheel from prepare (building this checkout failed): run prepare again after each commit"
+  fi
   export PYTHONPATH=/tmp/site:/tmp/te-site
 }
 

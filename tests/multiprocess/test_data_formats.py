@@ -1,4 +1,4 @@
-"""Every accepted data format reaches the model, for both built-in providers: datasets of real images (drawn with
+"""Every accepted data format reaches the model, for the built-in providers: datasets of real images (drawn with
 PIL in many sizes and modes) written with webdataset's ShardWriter and prepared with energon's own `energon prepare`
 command; every text field in the micro-batch, each image's placeholders as many as its tokens, the loss on the
 answers only; unreadable types and non-datasets refused in one line; `mimo run` on a blend of all formats alike
@@ -22,7 +22,7 @@ from mimo.testing import ContractError, check_model_shape, check_specs
 from mimo.testing.data_path_check import check_data_path
 from mimo.testing.subject import load_subject
 
-PROVIDERS = ("mock-vlm", "nemotron-moe-vlm-tiny")
+PROVIDERS = ("mock-vlm", "nemotron-moe-vlm-tiny", "qwen3.5-vl-tiny")
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +56,19 @@ def data_tools(provider: str, settings):
         tok = ByteTokenizer(vocab_size=settings.vocab_size)
         tok.image_token_id = settings.image_token_id
         return tok, lambda h, w: settings.image_tokens
+    if provider == "qwen3.5-vl-tiny":  # the processor's grid, 3-D positions
+        from mimo.providers.qwen35.tokens import data_tokenizer
+
+        return data_tokenizer(settings), settings.image_mode().num_tokens
     from mimo.providers.nemotron.data import image_mode
     from mimo.providers.nemotron.tokens import data_tokenizer
 
     return data_tokenizer(settings), image_mode(settings).num_tokens
 
 
-def read_rows(provider: str, path, count: int, *assignments: str):
-    """(settings, [(key, input_ids row, labels row, loss_mask row)], [micro-batches]) of `count` micro-batches."""
+def read_rows(provider: str, path, count: int, *assignments: str, skipped: int = 0):
+    """(settings, [(key, input_ids row, labels row, loss_mask row)], [micro-batches]) of `count` micro-batches, at
+    most `skipped` samples skipped."""
     registry, settings = provider_settings(provider, *assignments)
     ctx = DataContext(micro_batch_size=2, num_microbatches=1, num_lanes=1, seed=0, data_path=str(path))
     loader = registry.hooks(provider).data_provider(settings=settings, ctx=ctx)
@@ -74,7 +79,7 @@ def read_rows(provider: str, path, count: int, *assignments: str):
             batches.append(batch)
             for r, (_, _, _, key) in enumerate(loader.last_rows):
                 rows.append((key, batch["input_ids"][r], batch["labels"][r], batch["loss_mask"][r]))
-        assert loader.skipped_samples == 0
+        assert loader.skipped_samples <= skipped
     finally:
         loader.close()
     return settings, rows, batches
@@ -84,7 +89,12 @@ def read_rows(provider: str, path, count: int, *assignments: str):
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_every_text_field_and_image_reaches_the_model(datasets, provider, name):
     path, expected = datasets[name]
-    settings, rows, batches = read_rows(provider, path, -(-len(expected) // 2), "seq_length=512")
+    # Qwen's processor refuses images of aspect ratio above 200 (3 x 700): skipped samples, as in transformers
+    refused = {key for key, want in expected.items() if provider.startswith("qwen")
+               and any(max(h, w) > 200 * min(h, w) for h, w in want["images"])}
+    expected = {key: want for key, want in expected.items() if key not in refused}
+    settings, rows, batches = read_rows(provider, path, -(-len(expected) // 2), "seq_length=512",
+                                        skipped=len(refused))
     tok, tokens_of = data_tools(provider, settings)
     assert {key for key, *_ in rows} == set(expected)  # one epoch, every sample once
     for key, ids, labels, mask in rows:
@@ -102,8 +112,8 @@ def test_every_text_field_and_image_reaches_the_model(datasets, provider, name):
         assert not (labels[mask > 0] == tok.image_token_id).any()  # never trained to predict a placeholder
     images = sum(len(expected[key]["images"]) for key, *_ in rows)
     encoder_inputs = [next(iter(b["modality_inputs"]["images"].values())) for b in batches if b["modality_inputs"]]
-    counted = sum(int(x["imgs_sizes"].shape[0]) if "imgs_sizes" in x else int(x["x"].shape[0])
-                  for x in encoder_inputs)
+    counted = sum(int(x["imgs_sizes"].shape[0]) if "imgs_sizes" in x else int(x["grid_thw"].shape[0])
+                  if "grid_thw" in x else int(x["x"].shape[0]) for x in encoder_inputs)
     assert counted == images
 
 
@@ -247,8 +257,13 @@ def train(tmp_path, name, *args):
 
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_a_blend_of_every_format_trains_alike_colocated_and_heterogeneous(tmp_path, datasets, provider):
-    common = ("--provider", provider, "--data", str(datasets["blend"][0]), "--train-iters", "3", "--seed", "5",
-              "--set", "seq_length=512", "--packing-buffer-size", "8")
+    # Qwen's processor refuses the 3 x 700 images (aspect ratio above 200): a quarter of the samples are skipped, so
+    # the first sequence samples come later
+    qwen = provider.startswith("qwen")
+    iterations = 4 if qwen else 3
+    common = ("--provider", provider, "--data", str(datasets["blend"][0]), "--train-iters", str(iterations),
+              "--seed", "5", "--set", "seq_length=512", "--packing-buffer-size", "8",
+              *(("--max-skip-fraction", "1") if qwen else ()))
     # the samples these runs train on (packed, as --data packs by default): every format is among them
     registry = Registry()
     settings = build_settings(registry.get(provider)[0], ["seq_length=512"])
@@ -257,7 +272,7 @@ def test_a_blend_of_every_format_trains_alike_colocated_and_heterogeneous(tmp_pa
     loader = registry.hooks(provider).data_provider(settings=settings, ctx=ctx)
     keys = []
     try:
-        for _ in range(3):
+        for _ in range(iterations):
             batch = next(loader)
             keys += [key for row in loader.last_rows for key in row[3].split(",")]
     finally:
@@ -267,10 +282,11 @@ def test_a_blend_of_every_format_trains_alike_colocated_and_heterogeneous(tmp_pa
 
     colocated = train(tmp_path, "colocated", *common)
     split = train(tmp_path, "split", *common, "--nproc-per-node", "2", "--encoder-ranks", "1")
-    assert len(colocated) == len(split) == 3
+    assert len(colocated) == len(split) == iterations
     for a, b in zip(colocated, split):
         assert b["lm_loss"] == pytest.approx(a["lm_loss"], rel=1e-5), a["iteration"]
-        assert a.get("skipped_samples", 0) == b.get("skipped_samples", 0) == 0
+        assert a.get("skipped_samples", 0) == b.get("skipped_samples", 0)
+        assert qwen or a.get("skipped_samples", 0) == 0
 
 
 def test_the_nemotron_vlm_trains_on_a_chat_dataset(tmp_path):

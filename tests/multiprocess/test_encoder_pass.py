@@ -241,6 +241,18 @@ def test_auto_is_micro_batch_on_cpu_and_step_is_step():
     assert _plan("step", provider="nemotron-moe-vlm-tiny").step_encoders is True
 
 
+def test_the_llms_stages_beside_colocated_encoders_run_them_once_per_step_and_refuse_micro_batch():
+    """core/forward/encoders_beside_stages.py: the encoders leave the LLM's pipeline, on the CPU too; the colocated
+    encoders at a TP of their own run per micro-batch (they read other samples than the LLM)."""
+    beside = LayoutOptions(llm_pp=2)
+    assert _plan("auto", world_size=2, layout=beside).step_encoders is True
+    with pytest.raises(UsageError, match="^--encoder-pass micro-batch cannot run the encoders beside the LLM's "
+                                         "pipeline stages"):
+        _plan("micro-batch", world_size=2, layout=beside)
+    with pytest.raises(UsageError, match="^--encoder-pass step: the colocated encoders run at a TP of their own"):
+        _plan("step", world_size=2, layout=LayoutOptions(llm_tp=2))
+
+
 def test_auto_is_step_on_a_gpu_where_it_can_run_and_a_provider_without_the_hook_cannot():
     """`step_encoders`: auto picks step for a GPU device with the hook, never without it; step without the
     provider's concat_encoder_inputs hook is one UsageError naming the hook."""
@@ -294,7 +306,7 @@ def test_the_language_models_gradients_are_finished_before_the_encoders_backward
     order = []
     model = SimpleNamespace(modality_submodules={"images": "vision"}, language_model="llm")
     step = TrainStep.__new__(TrainStep)
-    step.model, step._data_counts, step._token_source, step._loss_source = model, lambda: None, True, True
+    step.model, step._data_counts, step._data_source, step._loss_source = model, lambda: None, True, True
     step._totals = torch.tensor([6.0, 3.0, 0.0], dtype=torch.float64)
     step.timers = StepTimers(False, modules=[], held=[], device=CPU)
     monkeypatch.setattr(step, "_finalize_modules", lambda modules, scale, force: order.extend(

@@ -94,6 +94,9 @@ def allocated_in_world(cfg: RunConfig, tmp_path) -> list[dict]:
     ("mock-vlm", 2, "bf16", True, {"llm_tp": 2, "encoder_tp": 2}),  # TP-split and replicated parameters
     (TINY_NEMOTRON, 2, "bf16", True, {}),  # dense and expert buffers, both sharded over DP 2
     (TINY_NEMOTRON, 2, "bf16", False, {"llm_ep": 2}),  # experts split over EP: a chained optimizer
+    # Qwen3.5: the gated delta net and the vision tower split over TP; routed and shared experts over EP
+    ("qwen3.5-vl-tiny", 2, "bf16", True, {"llm_tp": 2, "encoder_tp": 2}),
+    ("qwen3.5-vl-moe-tiny", 2, "bf16", False, {"llm_ep": 2}),
 ])
 def test_estimate_matches_megatron_buffers(provider, world, precision, distopt, layout, tmp_path):
     cfg = config(provider, world, precision, distopt, **layout)

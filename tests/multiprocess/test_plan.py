@@ -30,8 +30,10 @@ def plan(world, micro_batch_size=4, settings=(), **layout):
     # encoder DP 2 and LLM DP 3 do not divide one another; fan-in needs the micro-batch to split evenly
     (5, {"encoder_ranks": 2}, 4, "encoder DP 2 and LLM DP 3 must divide one another for the bridge: try --encoder-ranks 1"),
     (4, {"encoder_ranks": 2, "llm_tp": 2}, 3, "--micro-batch-size 3 cannot be split over the 2 encoder ranks"),
-    (2, {"encoder_tp": 2}, 4, "colocated modules share the LLM's TP: set --encoder-tp 1"),
-    (4, {"llm_pp": 2}, 4, "--llm-pp > 1 needs the encoders on ranks of their own"),
+    # colocated encoders at a TP of their own: each rank encodes its share of the lane's micro-batch
+    (2, {"llm_tp": 2}, 3, "--micro-batch-size 3 cannot be split over the 2 encoder ranks that share each LLM lane"),
+    # the LLM's stages beside colocated encoders: the encoders at the LLM's TP, each stage encoding a share
+    (4, {"llm_pp": 2, "llm_tp": 2}, 4, "--llm-pp 2 with colocated encoders needs them at the LLM's TP and no CP"),
 ])
 def test_invalid_layouts_are_refused(world, layout, mbs, message):
     with pytest.raises(UsageError) as err:
@@ -52,6 +54,9 @@ def test_tp_must_divide_the_vocabulary():
     (4, {"encoder_ranks": 2, "encoder_tp": 2}, {"images": 1, "language": 2}),
     (4, {"encoder_ranks": 2, "llm_tp": 2}, {"images": 2, "language": 1}),
     (4, {}, {"images": 4, "language": 4}),
+    (2, {"encoder_tp": 2}, {"images": 1, "language": 2}),  # colocated, one encoder replica feeding two lanes
+    (2, {"llm_tp": 2}, {"images": 2, "language": 1}),  # colocated, two encoder ranks sharing one lane
+    (4, {"llm_pp": 2}, {"images": 4, "language": 2}),  # the LLM's two stages beside the encoders
 ])
 def test_valid_layouts(world, layout, dps):
     assert {n: p.dp for n, p in plan(world, **layout).parallelism.items()} == dps

@@ -1,8 +1,11 @@
 """The qwen3.5-vl providers train through `mimo run` on CPU (local backend): the tiny model's loss falls on the
 synthetic captions, and from a Hugging Face Qwen3.5 folder (`--pretrained`) a model split over TP (the gated delta
-net's heads split, its output norm's gradient summed over them) or EP trains as the whole one does."""
+net's heads split, its output norm's gradient summed over them) or EP trains as the whole one does; a checkpoint
+resumes in another layout."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 
@@ -55,3 +58,25 @@ def test_a_split_model_trains_as_a_whole_one_from_hugging_face_weights(tmp_path,
     for ref, got in zip(one, two):
         assert got["lm_loss"] == pytest.approx(ref["lm_loss"], rel=1e-5), ref["iteration"]
         assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5), ref["iteration"]
+
+
+def test_a_checkpoint_resumes_in_another_layout_as_the_run_it_was_saved_in(tmp_path):
+    """Saved by one process, resumed with the language model and the tower split over TP 2: the run continues with
+    the uninterrupted run's losses. The RNG state, saved per TP rank, has no place in the new grid: it is left out
+    with a note (it failed the load before)."""
+    common = ("--train-iters", "4", "--log-interval", "1")
+    save = tmp_path / "save"
+    whole = train(tmp_path, "whole", "qwen3.5-vl-tiny", *common, "--save", str(save), "--save-interval", "2")
+    from2 = tmp_path / "from2"
+    shutil.copytree(save / "iter_0000002", from2 / "iter_0000002")
+    (from2 / "latest_checkpointed_iteration.txt").write_text("2\n")
+    metrics = tmp_path / "tp2.jsonl"
+    result = run_mimo("run", "--provider", "qwen3.5-vl-tiny", "--device", "cpu", "--seed", "3", *common, "--load",
+                      str(from2), "--nproc-per-node", "2", "--llm-tp", "2", "--encoder-tp", "2", "--metrics-file",
+                      str(metrics), env=ENV)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "RNG state is per images TP1 x PP1 rank, this run has TP2 x PP1" in result.stdout
+    resumed = read_metrics(metrics)
+    assert [r["iteration"] for r in resumed] == [3, 4]
+    for got in resumed:
+        assert got["lm_loss"] == pytest.approx(whole[got["iteration"] - 1]["lm_loss"], rel=1e-5)

@@ -190,3 +190,25 @@ def test_generation_prompts_in_a_qwen_folders_own_chat_template(tmp_path, backen
     assert text == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nWhat colour is "
                     "the circle?<|im_end|>\n<|im_start|>assistant\n")
     assert qwen35.prompt_format(qwen35.Qwen35Settings(**qwen35.TINY)).template.name == "plain"
+
+
+@pytest.mark.parametrize("provider, layout, message", [
+    ("qwen3.5-vl-tiny", {"llm_cp": 2}, "provider 'qwen3.5-vl-tiny': --llm-cp 2 needs backend te (the gated delta "
+                                       "net's context parallelism is flash-linear-attention's): --set backend=te, or "
+                                       "--llm-cp 1"),
+    ("qwen3.5-vl-moe-tiny", {"llm_tp": 2, "encoder_tp": 2},
+     "--llm-tp 2 with a mixture-of-experts LLM needs --sequence-parallel (megatron-core's MoE layers under TP), or "
+     "keep --llm-tp 1 and split the experts with --llm-ep"),
+])
+def test_layouts_the_local_backend_cannot_build_are_refused_in_one_line_before_any_process(provider, layout, message):
+    """What the local backend cannot split (the gated delta net's sequence; MoE layers under TP, which need
+    sequence parallelism) is refused by `mimo plan` and the launcher in one line, before any process starts."""
+    from mimo.core.config import LaunchOptions, LayoutOptions, RunConfig, TrainingOptions
+    from mimo.core.run.plan import prepare
+    from mimo.errors import UsageError
+
+    config = RunConfig(provider=provider, provider_settings=["backend=local"], launch=LaunchOptions(nproc_per_node=2),
+                       layout=LayoutOptions(**layout), training=TrainingOptions(device="cpu"))
+    with pytest.raises(UsageError) as err:
+        prepare(config, world_size=2, planning=True)
+    assert str(err.value) == message

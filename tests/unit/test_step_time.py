@@ -141,7 +141,7 @@ def test_suggest_ranks_the_layouts_that_fit_by_estimated_tokens_per_gpu():
     for row in layouts:
         assert row["ms_per_iteration"] > 0 and row["why"].startswith(f"{milliseconds(row['ms_per_iteration'] / 1e3)} "
                                                                     f"ms/iteration")
-    split = next(row for row in layouts if row["layout"]["encoder_ranks"])
+    split = next(row for row in layouts if row["layout"]["encoder_ranks"] or row["layout"]["llm_pp"] > 1)
     assert "slower stage" in split["why"] and split["slower_stage"]
     text = " ".join(suggest().split())
     assert "most tokens/s/GPU first" in text and "use #1" in text and "#1 " in text
@@ -179,13 +179,14 @@ def test_without_model_flops_the_order_is_least_communication_and_says_so():
 LONG = ["seq_length=65536", "hidden_size=1024", "num_layers=4", "num_attention_heads=1"]  # no TP: 1 head
 
 
-def mock_plan(gpus, settings=()):
+def mock_plan(gpus, settings=(), micro_batch_size=1):
     from mimo.core.config import LaunchOptions, RunConfig, TrainingOptions
     from mimo.core.run.plan import prepare
 
     return prepare(RunConfig(provider="mock-vlm", provider_settings=list(settings),
                              launch=LaunchOptions(nproc_per_node=gpus),
-                             training=TrainingOptions(device="cuda", precision="bf16", micro_batch_size=1)),
+                             training=TrainingOptions(device="cuda", precision="bf16",
+                                                      micro_batch_size=micro_batch_size)),
                    world_size=gpus)
 
 
@@ -200,6 +201,40 @@ def test_cp_ring_sends_the_local_keys_and_values_per_attention_layer():
     assert est.slowest.terms["CP key/value ring"] == pytest.approx(3 * 1 * 4 * local_kv / 1e9)
     # the encoders are not split over CP: each rank runs its lane's 4 samples
     assert est.slowest.terms["encoder compute"] == pytest.approx(4 * 3 * 1.0)
+
+
+def test_colocated_encoders_at_their_own_tp_send_their_embeddings_to_the_llms_layout():
+    lane_rows = 4 * 100 * 128 * 2  # a lane's 4 samples x 100 encoder tokens x the LLM's 128 wide, bf16
+    fan_in = estimate(inputs({"images": ModuleParallelism(0, 2), LANGUAGE: ModuleParallelism(0, 2, tp=2)}), CAL)
+    # the LLM's one lane gathered from the two encoder ranks: each sends half of it
+    assert fan_in.slowest.terms["embedding exchange"] == pytest.approx(lane_rows / 2 / 1e9)
+    assert fan_in.slowest.terms["encoder compute"] == pytest.approx(2 * 3 * 1.0)  # each rank encodes 2 samples
+    fan_out = estimate(inputs({"images": ModuleParallelism(0, 2, tp=2), LANGUAGE: ModuleParallelism(0, 2)}), CAL)
+    # backward, the two lanes' gradients gathered on both ranks of the one encoder replica
+    assert fan_out.slowest.terms["embedding exchange"] == pytest.approx(2 * lane_rows / 2 / 1e9)
+    alike = estimate(inputs({"images": ModuleParallelism(0, 2), LANGUAGE: ModuleParallelism(0, 2)}), CAL)
+    assert "embedding exchange" not in alike.slowest.terms
+
+
+def test_the_llms_stages_beside_the_encoders_run_after_the_encoders_pass():
+    beside = {"images": ModuleParallelism(0, 2), LANGUAGE: ModuleParallelism(0, 2, pp=2)}
+    est = estimate(inputs(beside), CAL)
+    assert [s.name for s in est.stages] == ["LLM stage 0", "LLM stage 1"]
+    # gathered forward, summed backward over the two stages' ranks
+    exchange = 3 * (4 * 100 * 128 * 2) / 2 / 1e9
+    assert est.stages[0].terms["embedding exchange"] == pytest.approx(exchange)
+    # each rank encodes its 2 samples first (6 s); then each stage's half of the LLM, 3 s a micro-batch: 4 x 3 + 3
+    assert est.pipeline_s == pytest.approx(6 + exchange + 4 * 3 + 3)
+
+
+def test_suggest_ranks_the_shared_rank_layouts_with_the_others():
+    from mimo.core.step_time.advisor import advise
+
+    # a micro-batch of 2: each of the LLM's 2 stages' ranks encodes one sample of it
+    layouts = [a.suggestion.layout for a in advise(mock_plan(2, micro_batch_size=2), 2, 80, top=100).layouts]
+    assert any(lo.encoder_ranks == 0 and lo.encoder_tp != lo.llm_tp for lo in layouts)  # own TP, colocated
+    assert any(lo.encoder_ranks == 0 and lo.llm_pp == 2 for lo in layouts)  # the LLM's stages beside
+    assert any(lo.encoder_ranks == 1 for lo in layouts) and any(lo.encoder_tp == lo.llm_tp == 1 for lo in layouts)
 
 
 def test_a_sequence_that_fits_only_with_cp_gets_a_cp_layout_first():

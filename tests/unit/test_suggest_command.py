@@ -39,8 +39,8 @@ def test_each_row_shows_its_global_batch_and_tokens_per_gpu_comes_first():
     batches = {row["global_batch_samples"] for row in rows}
     assert len(batches) > 1  # CP and TP take data-parallel lanes: the batches differ
     for row in rows:
-        lanes = 4 // (row["layout"]["llm_tp"] * row["layout"]["llm_cp"]) if not row["layout"]["encoder_ranks"] \
-            else None
+        llm = row["layout"]
+        lanes = 4 // (llm["llm_tp"] * llm["llm_cp"] * llm["llm_pp"]) if not llm["encoder_ranks"] else None
         if lanes:
             assert row["global_batch_samples"] == 4 * lanes * row["num_microbatches"]  # micro-batch 4
         assert row["global_batch_tokens"] == pytest.approx(row["global_batch_samples"] * 64)  # mock: 64 tokens
@@ -155,3 +155,18 @@ def test_without_a_gpu_device_auto_plans_for_gpus_and_device_cpu_for_the_cpu():
     assert any(row["sequence_parallel"] for row in auto)
     assert all("--device" not in row["command"] for row in auto)  # only what was typed
     assert not any(row["sequence_parallel"] for row in layouts("--device", "cpu"))
+
+
+def test_the_qwen_moe_vlm_is_laid_out_with_its_experts_split_and_each_layout_is_one_mimo_plan_accepts():
+    """qwen3.5-vl-35b-a3b on 16 GPUs: its 256 experts fit only split over EP; the suggested commands are layouts
+    `mimo plan` accepts at the same memory limit (its hooks' estimate, the gated delta net's TP and CP under the
+    GPU backend)."""
+    report = json.loads(mimo("plan", "--provider", "qwen3.5-vl-35b-a3b", "--device", "cuda", "--micro-batch-size",
+                             "1", "--suggest", "--gpus", "16", "--json").output)
+    rows = report["layouts"]
+    assert rows and all(row["layout"]["llm_ep"] > 1 for row in rows)
+    for row in rows[:3]:
+        result = mimo("plan", *row["command"][2:], "--gpu-memory", str(report["limit_gib"]), "--json")
+        assert result.exit_code == 0, (row["command"], result.output)
+        language = next(m for m in json.loads(result.output)["modules"] if m["module"] == "language")
+        assert language["ep"] == row["layout"]["llm_ep"]

@@ -15,10 +15,11 @@ processor defaults); an export writes them as preprocessor_config.json.
 from __future__ import annotations
 
 import json
+import re
 
 from mimo import LANGUAGE, module_prefix
 from mimo.errors import UsageError
-from mimo.plugins.kit.tensor_map import HFExport, TensorMap
+from mimo.plugins.kit.tensor_map import HFExport, LoadedModule, TensorMap
 
 from . import qwen3_5, vision
 from ..settings import ENCODER, IMAGES, Qwen35Settings
@@ -123,4 +124,26 @@ def hf_export(settings: Qwen35Settings) -> HFExport:
     files = {"preprocessor_config.json": json.dumps(vision.processor_config(settings), indent=2) + "\n"}
     note = (f"a {config['architectures'][0]} folder with the image processor's settings; tokenizer files are not "
             f"written")
-    return HFExport(config, tmap, files=files, notes=[note])
+    return HFExport(config, tmap, files=files, notes=[note],
+                    loaded_modules=lambda name: loaded_module(name, settings.moe_ffn_hidden_size))
+
+
+# transformers keeps a MoE layer's routed experts as two 3-D parameters of `mlp.experts` (its conversion mapping
+# fuses each expert's gate_proj and up_proj into gate_up_proj [E, 2 ffn, h], gate rows first), in this order
+EXPERT_PARAMETERS = ("gate_up_proj", "down_proj")
+_EXPERT = re.compile(r"(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
+
+
+def loaded_module(name: str, expert_ffn: int) -> tuple[LoadedModule, ...] | str:
+    """The module of the Qwen3.5 VLM transformers loads that holds the exported weight `name` (a PEFT adapter's
+    target): a linear of the same name but for routed experts, which are rows of their layer's 3-D parameters."""
+    expert = _EXPERT.fullmatch(name)
+    if expert is not None:
+        path, index, linear = expert[1], int(expert[2]), expert[3]
+        parameter = "down_proj" if linear == "down_proj" else "gate_up_proj"
+        offset = {"gate_proj": 0, "up_proj": expert_ffn}.get(linear)
+        return (LoadedModule(path, parameter=parameter, expert=index, parameters=EXPERT_PARAMETERS, offset=offset),)
+    if not name.endswith(".weight") or name.endswith(("norm.weight", "patch_embed.proj.weight", "embed_tokens.weight",
+                                                      "pos_embed.weight")):
+        return "no linear module of the Qwen3.5 VLM transformers loads"
+    return (LoadedModule(name.removesuffix(".weight")),)
