@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -44,6 +45,7 @@ def describe(plan, estimates=None, limit=None) -> dict:
         "train_iters": plan.train_iters, "valid": True, "memory": summary(estimates, limit),
         "hf_export": _hf_export(plan), "forward_flops_per_sample": forward_flops(plan),
         "pack_image_tokens": plan.pack_image_tokens, "packs": pack_budget.describe(plan),
+        "pack_scan": dataclasses.asdict(plan.pack_scan) if plan.pack_scan is not None else None,
         "adapters": _adapters(plan),
     }
 

@@ -20,7 +20,8 @@ from .sample_reader import Member, SampleReader, split_sizes
 from .sample_view import SampleView, Viewer
 from .skips import REASONS, TOO_LONG, SkipRecord
 
-__all__ = ["Inspection", "histogram", "inspect_dataset", "pack_rows", "percentiles"]
+__all__ = ["ImageCount", "Inspection", "counted", "histogram", "inspect_dataset", "pack_rows", "pack_sizes",
+           "percentiles"]
 
 WIDTH = 80
 # the percentile table's rows: JSON key -> console label
@@ -57,15 +58,34 @@ def histogram(values, bins: int = 8, edge: int | None = None) -> list[tuple[int,
             for i in range((high - low) // width + 1)]
 
 
-def pack_rows(encoder, encoded: list, buffer_size: int) -> list[int]:
-    """The tokens of each row training would make of `encoded` (the encoder's samples, in read order): the
-    encoder's own packer (`select_samples_to_pack`, energon's call) over buffers of `buffer_size` samples; one
+def pack_sizes(encoder, encoded: list, buffer_size: int) -> list[tuple[int, int]]:
+    """(tokens, image tokens) of each row training would make of `encoded` (the encoder's samples, in read order):
+    the encoder's own packer (`select_samples_to_pack`, energon's call) over buffers of `buffer_size` samples; one
     row per sample when the encoder does not pack."""
     rows = []
     for start in range(0, len(encoded), max(1, buffer_size)):
         for group in encoder.select_samples_to_pack(encoded[start:start + buffer_size]):
-            rows.append(sum(len(sample.tokens) for sample in group))
+            rows.append((sum(len(sample.tokens) for sample in group),
+                         sum(image.num_tokens for sample in group for image in sample.images)))
     return rows
+
+
+def pack_rows(encoder, encoded: list, buffer_size: int) -> list[int]:
+    """The tokens of each row training would make of `encoded` (`pack_sizes`)."""
+    return [tokens for tokens, _ in pack_sizes(encoder, encoded, buffer_size)]
+
+
+@dataclass(frozen=True)
+class ImageCount:
+    """An encoded image without its pixels: what the packer reads of it (its image budget counts placeholders)."""
+
+    num_tokens: int
+
+
+def counted(sample):
+    """`sample` (an EncodedSample) with its images' pixels dropped and their placeholders kept, so that a bounded
+    read stays small and the packer still holds rows to their image budget."""
+    return dataclasses.replace(sample, images=[ImageCount(image.num_tokens) for image in sample.images])
 
 
 @dataclass
@@ -252,7 +272,7 @@ def inspect_dataset(path, split: str = "train", limit: int | None = 1000, encode
         view = viewer.view(read)
         result.add(view)
         if view.encoded is not None:  # its pixels are not needed to pack (nor kept: a bounded read stays small)
-            encoded.append(dataclasses.replace(view.encoded, images=[]))
+            encoded.append(counted(view.encoded))
     if encoder is not None:
         result.rows, result.encoded = pack_rows(encoder, encoded, buffer_size), len(encoded)
     return result

@@ -23,6 +23,7 @@ import yaml
 
 from mimo.errors import UsageError
 from mimo.plugins import Registry
+from mimo.plugins.settings import given_settings
 from mimo.plugins.kit.safetensors_io import FolderSource, is_hf_folder, read_config
 
 from ..config import CheckpointOptions
@@ -187,3 +188,17 @@ def check_folder(what: str, tmap, source) -> None:
     for name, check in tmap.checks.items():
         if name in names and (problem := check(source.read(name))):
             raise UsageError(f"{what}: tensor {name} {problem}")
+
+
+def hf_base_settings(config, provider, hooks) -> dict:
+    """The settings the run's Hugging Face folders determine (--pretrained HF_DIR, --pretrained-llm,
+    --pretrained-vision), over which explicit settings may not differ: all mismatches, one line each."""
+    sources = hf_sources(config.checkpoint)
+    if not sources:
+        return {}
+    fields, origins = part_settings(hooks, config.provider, sources)
+    given = given_settings(provider, config.provider_settings, config.provider_config, config.provider_values,
+                           config.config_file)
+    if lines := mismatches(fields, origins, given):
+        raise UsageError("\n".join(lines))
+    return fields

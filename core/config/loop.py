@@ -115,6 +115,10 @@ class DataOptions(Options):
     pack_image_tokens: int | None = option(
         None, "at most this many image tokens (placeholders) in one packed row: bounds the encoders' work and memory "
               "per row, which the memory plan counts (default: the most that fits the GPU, at most seq_length)")
+    pack_scan_samples: int = option(
+        2000, "the memory plan reads this many of the first --data samples through the packer and counts the image "
+              "tokens of the largest pack they make (the run's packer then holds every row to it: "
+              "--pack-image-tokens' default); 0: none, the most that fits")
     max_skip_fraction: float = option(
         0.1, "stop the run (exit 2, saving first with --save) when more than this share of the --data samples read "
              "were skipped (unreadable, unsupported or too long), checked once 100 have been read; 1: never")
@@ -132,6 +136,8 @@ class DataOptions(Options):
                             ("--pack-image-tokens", self.pack_image_tokens)):
             if value is not None and value < 1:
                 raise UsageError(f"{name} must be 1 or more, got {value}")
+        if self.pack_scan_samples < 0:
+            raise UsageError(f"--pack-scan-samples must be 0 or more, got {self.pack_scan_samples}")
         if self.num_workers < 0:
             raise UsageError(f"--num-workers must be 0 or more, got {self.num_workers}")
         if self.data is not None and not self.data.exists():

@@ -6,9 +6,11 @@ media, which the plan used to assume. The packer (data/task_encoder.py) closes a
 tokens or the image placeholders; the estimate counts the encoders at the image budget times each encoder's tokens
 per placeholder (`ModuleMemory.tokens_per_image_token`). So a layout the plan accepts fits every pack.
 
-Default (auto): the largest budget that fits the GPU, at most `seq_length` (a row's images can take no more), at
-least a quarter of it (below that, rows of images close nearly empty; the memory check then refuses the layout
-with its usual advice). Where nothing is enforced (a CPU run), `seq_length`.
+Default (auto): the image tokens of the largest pack the dataset makes (core/run/pack_scan.py reads its first
+samples through the packer; the packer then holds every row to that), at most `seq_length` (a row's images can
+take no more); where that does not fit the GPU, the largest budget that does, at least a quarter of `seq_length`
+(below that, rows of images close nearly empty; the memory check then refuses the layout with its usual advice).
+Where nothing is enforced (a CPU run without --gpu-memory), `seq_length`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from mimo.plugins import LANGUAGE
 GRAIN = 16  # budgets are multiples of this: a few placeholders more or less do not matter, a stable value does
 
 
-def resolve(plan, fits) -> None:
-    """Set `plan.pack_image_tokens`: None unless the run packs --data; `fits(plan)` is the memory check's rule."""
+def resolve(plan, fits, scan=None) -> None:
+    """Set `plan.pack_image_tokens`: None unless the run packs --data; `fits(plan)` is the memory check's rule;
+    `scan(plan, budget)`: the packs --data makes with rows of at most `budget` image tokens (core/run/pack_scan.py),
+    or None where the dataset is not read."""
     data = plan.config.data
     seq_length = getattr(plan.settings, "seq_length", None)
+    plan.pack_scan = None
     if data.data is None or not data.pack_sequences or not seq_length:
         plan.pack_image_tokens = None
         return
@@ -33,13 +38,21 @@ def resolve(plan, fits) -> None:
         plan.pack_image_tokens = data.pack_image_tokens
         return
     plan.pack_image_tokens = seq_length
-    if not _bounded_by_memory(plan) or fits(plan):
+    if not _bounded_by_memory(plan):
         return
-    floor = max(GRAIN, seq_length // 4 // GRAIN * GRAIN)
+    packs = scan(plan, seq_length, GRAIN) if scan is not None else None
+    if packs is not None and packs.rows:  # the dataset's largest pack: the run's packer holds rows to it
+        plan.pack_scan = packs
+        plan.pack_image_tokens = min(seq_length, max(GRAIN, -(-packs.image_tokens // GRAIN) * GRAIN))
+    if fits(plan):
+        return
+    plan.pack_scan = None  # less than the dataset's packs carry: the memory decides
+    ceiling = plan.pack_image_tokens
+    floor = min(ceiling, max(GRAIN, seq_length // 4 // GRAIN * GRAIN))
     plan.pack_image_tokens = floor
     if not fits(plan):
         return  # the memory check says what would help
-    low, high = floor, seq_length  # fits at low, not at high
+    low, high = floor, ceiling  # fits at low, not at high
     while high - low > GRAIN:
         middle = (low + high) // 2 // GRAIN * GRAIN
         plan.pack_image_tokens = middle
@@ -58,6 +71,7 @@ def describe(plan) -> str | None:
     if plan.pack_image_tokens is None:
         return None
     how = "--pack-image-tokens" if plan.config.data.pack_image_tokens is not None else \
+        plan.pack_scan.line() if plan.pack_scan is not None else \
         "the most that fits" if plan.pack_image_tokens < plan.settings.seq_length else "a whole row"
     return (f"packs: rows of {plan.settings.seq_length} tokens with at most {plan.pack_image_tokens} image tokens "
             f"({how})")

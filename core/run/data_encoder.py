@@ -14,7 +14,7 @@ from mimo.plugins.settings import build_settings
 
 from .. import run_file
 from ..config import RunConfig
-from .plan import hf_base_settings
+from ..checkpoint.hf import hf_base_settings
 
 __all__ = ["ProviderEncoder", "provider_encoder"]
 

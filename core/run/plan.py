@@ -10,18 +10,18 @@ import torch
 
 from mimo.errors import UsageError
 from mimo.plugins import LANGUAGE, BuildContext, ModuleParallelism, Provider, Registry
-from mimo.plugins.settings import build_settings, given_settings
+from mimo.plugins.settings import build_settings
 
 from .. import run_file
 from ..adapters import targets as adapter_targets
-from ..checkpoint import hf
+from ..checkpoint.hf import hf_base_settings  # the settings of --pretrained's folders
 from ..config import DEFAULT_TRAIN_ITERS, RunConfig
 from ..forward import encoder_pass
 from ..memory import fit, pack_budget
 from ..parallel import optim
 from ..parallel.layout import Layout
 from ..parallel.provider_refusal import provider_refusal
-from . import launch
+from . import launch, pack_scan
 
 
 @dataclass
@@ -42,6 +42,7 @@ class Plan:
     encoders_recomputed: bool = False  # --encoder-pass auto made the encoders' --recompute full for that
     adapter_targets: dict | None = None  # --lora-rank: {module: layer names} (core/adapters/targets.py)
     pack_image_tokens: int | None = None  # packed --data: image placeholders a row may carry (memory/pack_budget.py)
+    pack_scan: object = None  # the packs --data makes, where the budget came from them (pack_scan.py)
 
     @property
     def parallelism(self) -> dict[str, ModuleParallelism]:
@@ -115,11 +116,13 @@ def prepare(config: RunConfig, registry: Registry | None = None, world_size: int
     if refused := provider_refusal(plan):  # what every worker's build would refuse, before any process starts
         raise UsageError(f"provider '{plan.config.provider}': {refused}")
     fits = functools.partial(fit.fits, planning=planning)
-    pack_budget.resolve(plan, fits)  # packed rows' images: the most that fits
+    # the dataset's packs are read only where a memory limit is enforced (a CPU run without one needs no bound)
+    scan = pack_scan.scan if fit.gpu_limit_gib(config, planning) is not None else None
+    pack_budget.resolve(plan, fits, scan)  # packed rows' images: the dataset's largest pack, at most what fits
     encoder_pass_before = (plan.step_encoders, plan.encoders_recomputed)
     encoder_pass.fit_auto(plan, fits)  # auto: the step's encoder activations must fit the GPU
     if (plan.step_encoders, plan.encoders_recomputed) != encoder_pass_before:
-        pack_budget.resolve(plan, fits)  # the encoders keep less now: the budget may grow
+        pack_budget.resolve(plan, fits, scan)  # the encoders keep less now: the budget may grow
     return plan
 
 
@@ -144,17 +147,3 @@ def _check_chosen_iterations(logging, train_iters: int) -> None:
         if iteration is not None and iteration > train_iters:
             raise UsageError(f"{option} {iteration} is past the run's last iteration ({train_iters}): choose one "
                              f"the run reaches, or train longer")
-
-
-def hf_base_settings(config: RunConfig, provider: Provider, hooks) -> dict:
-    """The settings the run's Hugging Face folders determine (--pretrained HF_DIR, --pretrained-llm,
-    --pretrained-vision), over which explicit settings may not differ: all mismatches, one line each."""
-    sources = hf.hf_sources(config.checkpoint)
-    if not sources:
-        return {}
-    fields, origins = hf.part_settings(hooks, config.provider, sources)
-    given = given_settings(provider, config.provider_settings, config.provider_config, config.provider_values,
-                           config.config_file)
-    if lines := hf.mismatches(fields, origins, given):
-        raise UsageError("\n".join(lines))
-    return fields
