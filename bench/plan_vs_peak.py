@@ -21,8 +21,9 @@ LOOP_ONLY = {"--train-iters", "--log-interval", "--metrics-file", "--memory-snap
              "--memory-snapshot-iteration", "--tensorboard-dir"}
 
 
-def plan_options(command: str, data: str | None, gpu_memory: float) -> list[str]:
-    """The `mimo run` command's options that `mimo plan` takes, the device and the GPU's memory set."""
+def plan_options(command: str, data: str | None, gpu_memory: float, scan: int = 2000) -> list[str]:
+    """The `mimo run` command's options that `mimo plan` takes, the device and the GPU's memory set, and with
+    --data the plan's scan of the dataset's packs (`--pack-scan-samples scan`)."""
     words, kept = shlex.split(command)[2:], []  # after `mimo run`
     while words:
         word = words.pop(0)
@@ -30,8 +31,9 @@ def plan_options(command: str, data: str | None, gpu_memory: float) -> list[str]
             words.pop(0)
             continue
         kept.append(word)
-    return kept + ["--device", "cuda", "--gpu-memory", str(gpu_memory)] + (["--data", data] if data and
-                                                                           "--data" in command else [])
+    packed = data and "--data" in command
+    return kept + ["--device", "cuda", "--gpu-memory", str(gpu_memory)] + (
+        ["--data", data, "--pack-scan-samples", str(scan)] if packed else [])
 
 
 def plan_now(options: list[str]) -> dict:

@@ -116,9 +116,9 @@ class DataOptions(Options):
         None, "at most this many image tokens (placeholders) in one packed row: bounds the encoders' work and memory "
               "per row, which the memory plan counts (default: the most that fits the GPU, at most seq_length)")
     pack_scan_samples: int = option(
-        2000, "the memory plan reads this many of the first --data samples through the packer and counts the image "
-              "tokens of the largest pack they make (the run's packer then holds every row to it: "
-              "--pack-image-tokens' default); 0: none, the most that fits")
+        0, "the memory plan reads this many of the first --data samples through the packer and counts the image "
+           "tokens of the largest pack they make, a tighter plan (the run's packer then holds every row to it, and "
+           "a later sample whose own images take more is skipped as too long); 0 (default): the most that fits")
     max_skip_fraction: float = option(
         0.1, "stop the run (exit 2, saving first with --save) when more than this share of the --data samples read "
              "were skipped (unreadable, unsupported or too long), checked once 100 have been read; 1: never")

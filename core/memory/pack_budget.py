@@ -6,9 +6,9 @@ media, which the plan used to assume. The packer (data/task_encoder.py) closes a
 tokens or the image placeholders; the estimate counts the encoders at the image budget times each encoder's tokens
 per placeholder (`ModuleMemory.tokens_per_image_token`). So a layout the plan accepts fits every pack.
 
-Default (auto): the image tokens of the largest pack the dataset makes (core/run/pack_scan.py reads its first
-samples through the packer; the packer then holds every row to that), at most `seq_length` (a row's images can
-take no more); where that does not fit the GPU, the largest budget that does, at least a quarter of `seq_length`
+Default (auto): `seq_length` (a row's images can take no more); with --pack-scan-samples N, the image tokens of
+the largest pack the dataset makes (core/run/pack_scan.py reads its first N samples through the packer; the packer
+then holds every row to that); where that does not fit the GPU, the largest budget that does, at least a quarter of `seq_length`
 (below that, rows of images close nearly empty; the memory check then refuses the layout with its usual advice).
 Where nothing is enforced (a CPU run without --gpu-memory), `seq_length`.
 """

@@ -51,6 +51,7 @@ def fresh(monkeypatch):
 
 
 def config(path, gpu_memory=80.0, **data) -> RunConfig:
+    data.setdefault("pack_scan_samples", 2000)  # opted in (the default, 0, reads nothing)
     return RunConfig(provider="nemotron-moe-vlm-tiny", provider_settings=list(TINY),
                      training=TrainingOptions(micro_batch_size=2, num_microbatches=2, device="cpu"),
                      data=DataOptions(data=path, **data), memory=MemoryOptions(gpu_memory=gpu_memory),
@@ -160,6 +161,7 @@ def test_plan_vs_peak_plans_a_recorded_run_with_its_options_on_the_dataset_made_
                "m.jsonl")
     assert script.plan_options(command, "here/dataset", 140.4) == [
         "--provider", "nemotron-moe-vlm-52l", "--set", "hybrid_pattern=MEMEM*EMEM", "--precision", "bf16",
-        "--micro-batch-size", "1", "--device", "cuda", "--gpu-memory", "140.4", "--data", "here/dataset"]
+        "--micro-batch-size", "1", "--device", "cuda", "--gpu-memory", "140.4", "--data", "here/dataset",
+        "--pack-scan-samples", "2000"]
     synthetic = command.split(" --data")[0]
     assert "--data" not in script.plan_options(synthetic, "here/dataset", 140.4)
