@@ -53,6 +53,15 @@ class Stack:
 Spec = Union[Src, Cat, Stack]
 
 
+def prefixed(spec: Spec, prefix: str) -> Spec:
+    """`spec` with `prefix` before each Hugging Face name it reads (a layer's map placed at its layer's path)."""
+    if isinstance(spec, Src):
+        return Src(prefix + spec.name, spec.rows)
+    if isinstance(spec, Cat):
+        return Cat(tuple(prefixed(p, prefix) for p in spec.parts))
+    return Stack(tuple(prefixed(i, prefix) for i in spec.items))
+
+
 @dataclass
 class TensorMap:
     """One part of a model (or a whole model) against one Hugging Face folder.

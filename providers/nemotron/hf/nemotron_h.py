@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import torch
 
 from mimo.errors import UsageError
-from mimo.plugins.kit.tensor_map import Cat, LoadedModule, Src, Stack, TensorMap
+from mimo.plugins.kit.tensor_map import Cat, LoadedModule, Src, Stack, TensorMap, prefixed
 
 # layers_block_type entries -> the provider's hybrid_pattern symbols (and the legacy spellings transformers remaps).
 LAYER_SYMBOLS = {"linear_attention": "M", "mamba": "M", "moe": "E", "full_attention": "*", "attention": "*",
@@ -140,17 +140,10 @@ def tensor_map(f: Mapping) -> TensorMap:
          "decoder.final_norm.weight": Src("backbone.norm_f.weight"),
          "output_layer.weight": Src("lm_head.weight")}
     for i, symbol in enumerate(f["hybrid_pattern"]):
-        t.update({f"decoder.layers.{i}.{key}": _in_layer(spec, f"backbone.layers.{i}.")
+        t.update({f"decoder.layers.{i}.{key}": prefixed(spec, f"backbone.layers.{i}.")
                   for key, spec in _layer(symbol, f).items()})
     return TensorMap(t, covers=("",), ignored=IGNORED_PREFIXES)
 
-
-def _in_layer(spec, prefix: str):
-    if isinstance(spec, Src):
-        return Src(prefix + spec.name, spec.rows)
-    if isinstance(spec, Cat):
-        return Cat(tuple(_in_layer(p, prefix) for p in spec.parts))
-    return Stack(tuple(_in_layer(i, prefix) for i in spec.items))
 
 
 def _layer(symbol: str, f: Mapping) -> dict:

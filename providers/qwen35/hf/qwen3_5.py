@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from mimo.errors import UsageError
-from mimo.plugins.kit.tensor_map import Cat, Src, Stack, TensorMap
+from mimo.plugins.kit.tensor_map import Cat, Src, Stack, TensorMap, prefixed
 
 from ..settings import HF_LAYER_TYPES
 
@@ -94,17 +94,10 @@ def tensor_map(f: Mapping, text_prefix: str) -> TensorMap:
         t["output_layer.weight"] = Src("lm_head.weight")
     for i, symbol in enumerate(f["layer_pattern"]):
         layer = {**_mixer(symbol, f), **_mlp(f)}
-        t.update({f"decoder.layers.{i}.{key}": _in_layer(spec, f"{text_prefix}layers.{i}.")
+        t.update({f"decoder.layers.{i}.{key}": prefixed(spec, f"{text_prefix}layers.{i}.")
                   for key, spec in layer.items()})
     return TensorMap(t, covers=("",), ignored=IGNORED_PREFIXES + (("lm_head.",) if tied else ()))
 
-
-def _in_layer(spec, prefix: str):
-    if isinstance(spec, Src):
-        return Src(prefix + spec.name, spec.rows)
-    if isinstance(spec, Cat):
-        return Cat(tuple(_in_layer(p, prefix) for p in spec.parts))
-    return Stack(tuple(_in_layer(i, prefix) for i in spec.items))
 
 
 def _rows(name: str, start: int, size: int) -> Src:
