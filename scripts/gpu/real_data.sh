@@ -22,6 +22,10 @@ case "${1:-}" in
   prepare) prepare ;;
   install) install_te ;;
   run|first|probe)
+    pack() {  # what has finished comes back even if a later step runs into the call's limit
+      cp /tmp/mimo-gpu/kernel-cache/kernel_configs.json "$results/" 2>/dev/null  # the choices autotuned here
+      tar czf "$OUT/real_data.tgz" --exclude='trace_*' --exclude='*.pickle' -C /tmp/mimo-gpu real_data 2>/dev/null
+    }
     use_wheels te
     results=/tmp/mimo-gpu/real_data
     mkdir -p "$results"
@@ -34,9 +38,11 @@ case "${1:-}" in
         timeout -k 10 $(( 2 * ${c#*:} + 10 )) python3 bench/real_data.py --out "$results/probe" \
           --data /tmp/mimo-gpu/real/dataset --cases ${c%:*} --iterations 3 --warmup 1 --timeout ${c#*:} --snapshot \
           2>&1 | tee -a "$results/console.log"
+        pack
       done
-      timeout -k 10 160 python3 bench/real_data.py --out "$results/lora52" --data /tmp/mimo-gpu/real/dataset \
-        --cases lora52 --only real --iterations 12 --warmup 4 --timeout 150 2>&1 | tee -a "$results/console.log"
+      timeout -k 10 140 python3 bench/real_data.py --out "$results/lora52" --data /tmp/mimo-gpu/real/dataset \
+        --cases lora52 --only real --iterations 10 --warmup 4 --timeout 130 2>&1 | tee -a "$results/console.log"
+      pack  # the steps' limits (260 + 160 + 140 s) leave the rest of 560 s to the last
       left=$(( 560 - SECONDS )); (( left > 60 )) && timeout -k 10 $left python3 bench/real_data.py \
         --out "$results/qwen" --data /tmp/mimo-gpu/real/dataset --cases qwen-slice --iterations 15 --warmup 5 \
         --timeout $(( left / 2 )) 2>&1 | tee -a "$results/console.log"
@@ -48,8 +54,7 @@ case "${1:-}" in
         --cases "${2:-slice}" --iterations "${REAL_ITERATIONS:-40}" --warmup "${REAL_WARMUP:-10}" --timeout 260 \
         2>&1 | tee -a "$results/console.log"
     fi
-    cp /tmp/mimo-gpu/kernel-cache/kernel_configs.json "$results/" 2>/dev/null  # the choices autotuned here
-    tar czf "$OUT/real_data.tgz" --exclude='trace_*' -C /tmp/mimo-gpu real_data 2>/dev/null
+    pack
     ;;
   *) echo "usage: real_data.sh prepare | install | run [slice|mid|lora52|qwen-slice] | first | probe"; exit 2 ;;
 esac
