@@ -206,3 +206,8 @@ def train_steps(model, optimizer, loss_of: Callable, steps: int) -> list[float]:
         optimizer.step()
         losses.append(loss.item())
     return losses
+
+
+def relative_error(got, want) -> float:
+    """max |got - want| / max |want| of two tensors: the parity tests' measure against a reference model."""
+    return float((got - want).abs().max() / want.abs().max())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import world_of_one
+from helpers import relative_error, world_of_one
 from mimo.core.checkpoint.hf_load import global_tensors, hf_loader
 from mimo.core.config import CheckpointOptions, RunConfig, TrainingOptions
 from mimo.core.run.plan import prepare
@@ -28,10 +28,6 @@ IMAGE, START, END = TOKENS["image_token_id"], TOKENS["vision_start_token_id"], T
 # 4-pixel patches merged 2 x 2 (the reference's tower): images of 16^2 to 32^2 pixels, 4 to 16 LLM tokens each
 PIXELS = ["min_pixels=256", "max_pixels=1024"]
 ROWS = [[(16, 40), (32, 24), (20, 20)], [(24, 16)]]  # images of each row, (height, width) in pixels
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max())
 
 
 def _inputs(settings, seed: int = 5) -> dict:

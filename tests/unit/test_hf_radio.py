@@ -13,7 +13,7 @@ import json
 
 import pytest
 import torch
-from helpers import build_nemotron_encoder, world_of_one
+from helpers import build_nemotron_encoder, relative_error, world_of_one
 from megatron.core.models.vision.radio import RADIOViTModel
 from safetensors.torch import load_file, save_file
 from transformers import RadioConfig, RadioModel
@@ -39,10 +39,6 @@ TINY_RADIO = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, ml
 IMAGE_SIZES = [(64, 96), (128, 64), (96, 96)]  # (height, width) in pixels: grids 4x6, 8x4, 6x6
 TOLERANCE = 1e-4  # max |mimo - reference| / max |reference|
 ALONE = {"dp_cp_group": None}  # modules outside mimo's model wrapper: their world is this process
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max())
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:

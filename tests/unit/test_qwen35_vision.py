@@ -14,7 +14,7 @@ import json
 
 import pytest
 import torch
-from helpers import world_of_one
+from helpers import relative_error, world_of_one
 from megatron.core.transformer.spec_utils import build_module
 from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
@@ -42,10 +42,6 @@ VISUAL = "model.visual."
 LLM = ("model.language_model.", "lm_head.")
 TOLERANCE = 1e-4  # max |mimo - reference| / max |reference|
 ALONE = {"dp_cp_group": None}  # modules outside mimo's model wrapper: their world is this process
-
-
-def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got - want).abs().max() / want.abs().max())
 
 
 def _randomize(model: torch.nn.Module, seed: int) -> None:
