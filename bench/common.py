@@ -232,3 +232,16 @@ def profile_notes(rows: list[dict]) -> list[str]:
 def settings_args(settings: dict) -> list[str]:
     """Provider settings as `--set key=value` options."""
     return [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
+
+
+def plan_json(options: list[str]) -> tuple[dict | None, str]:
+    """`mimo plan OPTIONS --json` as a dict with `largest` (its largest rank: total, allocated, ...) added, or
+    (None, the plan's last line of output) where it refused or failed."""
+    out = subprocess.run([sys.executable, "-m", "mimo.cli", "plan", *options, "--json"], capture_output=True,
+                         text=True)
+    try:
+        plan = json.loads(out.stdout)
+        plan["largest"] = max(plan["memory"]["ranks"], key=lambda rank: rank["total"])
+        return plan, ""
+    except (ValueError, KeyError, TypeError):
+        return None, ((out.stderr or out.stdout).strip().splitlines() or [""])[-1]

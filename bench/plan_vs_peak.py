@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import subprocess
-import sys
 from pathlib import Path
+
+from common import plan_json
 
 LOOP_ONLY = {"--train-iters", "--log-interval", "--metrics-file", "--memory-snapshot-dir",
              "--memory-snapshot-iteration", "--tensorboard-dir"}
@@ -37,14 +37,10 @@ def plan_options(command: str, data: str | None, gpu_memory: float, scan: int = 
 
 
 def plan_now(options: list[str]) -> dict:
-    out = subprocess.run([sys.executable, "-m", "mimo.cli", "plan", *options, "--json"], capture_output=True,
-                         text=True)
-    try:
-        plan = json.loads(out.stdout)
-    except ValueError:
-        return {"error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
-    largest = max(plan["memory"]["ranks"], key=lambda rank: rank["total"])
-    return {"allocated": largest["allocated"], "total": largest["total"], "packs": plan["packs"]}
+    plan, failure = plan_json(options)
+    if plan is None:
+        return {"error": [failure]}
+    return {"allocated": plan["largest"]["allocated"], "total": plan["largest"]["total"], "packs": plan["packs"]}
 
 
 def main() -> None:

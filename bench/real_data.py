@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import Results, device_description, mimo_run, settings_args, spread
+from common import Results, device_description, mimo_run, plan_json, settings_args, spread
 
 SLICE = dict(hybrid_pattern="MEMEM*EMEM", num_experts=16, backend="te")
 # name -> (provider, settings, micro-batch size, micro-batches, extra `mimo run` options)
@@ -77,17 +77,13 @@ def plan_args(args: list[str]) -> list[str]:
 
 
 def plan_estimate(args: list[str]) -> dict:
-    """`mimo plan --json`'s largest rank (GiB) for the run's options: its total (allowance included) and what it
-    expects allocated (the total less the allowance; a measured peak compares with this)."""
-    out = subprocess.run([sys.executable, "-m", "mimo.cli", "plan", *plan_args(args), "--json"], capture_output=True,
-                         text=True)
-    try:
-        plan = json.loads(out.stdout)
-        largest = max(plan["memory"]["ranks"], key=lambda rank: rank["total"])
-        # the packs the plan counted (with --data: the dataset's largest, core/run/pack_scan.py)
-        return {"plan_gib": largest["total"], "plan_allocated_gib": largest["allocated"], "plan_packs": plan["packs"]}
-    except (ValueError, KeyError, TypeError):
+    """`mimo plan`'s largest rank (GiB) for the run's options: its total (allowance included) and what it expects
+    allocated (the total less the allowance; a measured peak compares with this), and the packs it counted."""
+    plan, _ = plan_json(plan_args(args))
+    if plan is None:
         return {"plan_gib": None, "plan_allocated_gib": None, "plan_packs": None}
+    return {"plan_gib": plan["largest"]["total"], "plan_allocated_gib": plan["largest"]["allocated"],
+            "plan_packs": plan.get("packs")}
 
 
 def run_one(name: str, case, out: Path, device: str, iterations: int, warmup: int, data: Path | None,

@@ -148,11 +148,12 @@ def test_inspect_packs_rows_to_the_image_budget(dataset):
     assert len(result.rows) > len(packs(dataset, 16, packed_at=None))
 
 
-def test_plan_vs_peak_plans_a_recorded_run_with_its_options_on_the_dataset_made_again():
+def test_plan_vs_peak_plans_a_recorded_run_with_its_options_on_the_dataset_made_again(monkeypatch):
     import importlib.util
 
     from helpers import REPO
 
+    monkeypatch.syspath_prepend(str(REPO / "bench"))  # the script imports bench/common.py, as when run
     spec = importlib.util.spec_from_file_location("plan_vs_peak", REPO / "bench" / "plan_vs_peak.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
