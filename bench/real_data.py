@@ -34,6 +34,8 @@ CASES = {
     # 32 experts one GPU holds under EP8 (issue 62)
     "qwen-slice": ("qwen3.5-vl-35b-a3b", {"layer_pattern": "GGG*" * 4, "num_experts": 32, "backend": "te"}, 1, 8,
                    []),
+    # the whole 35B-A3B (every layer and expert) with LoRA rank 16 on one GPU (issue 62)
+    "qwen-lora": ("qwen3.5-vl-35b-a3b", {"backend": "te", "seq_length": 4096}, 1, 8, ["--lora-rank", "16"]),
 }
 QUICK_CASES = {"tiny": ("nemotron-moe-vlm-tiny", {"backend": "local"}, 2, 2, [])}
 # metrics-file keys: the real-token figures, with --data; the synthetic run's tokens are all real

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Qwen3.5-VL on one GPU (issue 62, docs/benchmarks.md (k)): the te backend checked on the tiny MoE model, then the
+# production-width 35B-A3B slice (bench/real_data.py's qwen-slice: every released width, 16 of 40 layers, the 32
+# experts one GPU holds under EP8) on synthetic data and on the real-shaped dataset, in one call. From the
+# repository root:
+#   here, once:                                  bash scripts/gpu/qwen.sh prepare
+#   device call 1, carry [".whl-te"], 420 s:     bash scripts/gpu/qwen.sh install
+#   device call 2, carry [".whl"], 600 s:        bash scripts/gpu/qwen.sh run
+#   then, on the same machine (MIMO_WHEELS_READY=1): bash scripts/gpu/qwen.sh lora     (the whole 35B-A3B with
+#                                                LoRA 16 on the real-shaped data, within its plan)
+# (each call right after the one before: scripts/gpu/common.sh). Results: $OUT/qwen.tgz, rewritten after each step.
+# QWEN_ITERATIONS (40) and QWEN_WARMUP (10) set the slice's iterations.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/common.sh"
+R=/tmp/mimo-gpu/qwen
+pack() { tar czf "$OUT/qwen.tgz" --exclude='trace_*' --exclude='*.pickle' -C /tmp/mimo-gpu qwen 2>/dev/null; true; }
+dataset() {  # the real-shaped dataset, made on the machine (about 10 s on 16 cores)
+  test -d /tmp/mimo-gpu/real/dataset || python3 bench/real_shaped_data.py --out /tmp/mimo-gpu/real --workers 8 \
+    2>&1 | tail -3
+}
+case "${1:-}" in
+  prepare) prepare ;;
+  install) install_te ;;
+  run)
+    use_wheels te
+    mkdir -p "$R"
+    export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
+    versions "$R/versions.txt"
+    python3 -c "import transformers, fla; print('transformers', transformers.__version__, 'fla', fla.__version__)" \
+      2>&1 | tee -a "$R/versions.txt"
+    # the te backend (transformer-engine layers, fla's gated delta-net kernels) on the tiny MoE model, packed data
+    dataset
+    timeout -k 10 150 python3 -m mimo.cli run --provider qwen3.5-vl-moe-tiny --set backend=te --device cuda \
+      --precision bf16 --train-iters 6 --log-interval 1 --data /tmp/mimo-gpu/real/dataset \
+      --metrics-file "$R/tiny_te.jsonl" > "$R/tiny_te.log" 2>&1
+    echo "== tiny te, packed real-shaped data: exit $?"; tail -4 "$R/tiny_te.log"
+    pack
+    timeout -k 10 $(( 560 - SECONDS )) python3 bench/real_data.py --out "$R/slice" --data /tmp/mimo-gpu/real/dataset \
+      --cases qwen-slice --iterations "${QWEN_ITERATIONS:-40}" --warmup "${QWEN_WARMUP:-10}" \
+      --timeout $(( (540 - SECONDS) / 2 )) 2>&1 | tee -a "$R/console.log"
+    pack
+    ;;
+  lora)
+    use_wheels te
+    mkdir -p "$R"
+    export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
+    dataset
+    timeout -k 10 540 python3 bench/real_data.py --out "$R/lora" --data /tmp/mimo-gpu/real/dataset \
+      --cases qwen-lora --only real --iterations 10 --warmup 4 --timeout 520 2>&1 | tee -a "$R/console.log"
+    pack
+    ;;
+  *) echo "usage: qwen.sh prepare | install | run | lora"; exit 2 ;;
+esac
