@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # Qwen3.5-VL on one GPU (issue 62, docs/benchmarks.md (k)): the te backend checked on the tiny MoE model, then the
 # production-width 35B-A3B slice (bench/real_data.py's qwen-slice: every released width, 16 of 40 layers, the 32
-# experts one GPU holds under EP8) on synthetic data and on the real-shaped dataset, in one call. From the
-# repository root:
+# experts one GPU holds under EP8) on synthetic data and on the real-shaped dataset, in one call.
+#
+# flash-linear-attention refuses the gated delta net's backward on Hopper GPUs with the image's Triton 3.6 (wrong
+# gradients from 3.4 to 3.7.0), so Triton 3.7.1 travels along, in four parts (a call carries 64 MiB at most).
+# From the repository root:
 #   here, once:                                  bash scripts/gpu/qwen.sh prepare
 #   device call 1, carry [".whl-te"], 420 s:     bash scripts/gpu/qwen.sh install
-#   device call 2, carry [".whl"], 600 s:        bash scripts/gpu/qwen.sh run
+#   device calls 2-4, carry [".whl-trN"], 60 s:  bash scripts/gpu/qwen.sh part N       (N = 1, 2, 3)
+#   device call 5, carry [".whl", ".whl-tr4"]:   bash scripts/gpu/qwen.sh run
 #   then, on the same machine (MIMO_WHEELS_READY=1): bash scripts/gpu/qwen.sh lora     (the whole 35B-A3B with
 #                                                LoRA 16 on the real-shaped data, within its plan)
 # (each call right after the one before: scripts/gpu/common.sh). Results: $OUT/qwen.tgz, rewritten after each step.
@@ -19,14 +23,32 @@ dataset() {  # the real-shaped dataset, made on the machine (about 10 s on 16 co
   test -d /tmp/mimo-gpu/real/dataset || python3 bench/real_shaped_data.py --out /tmp/mimo-gpu/real --workers 8 \
     2>&1 | tail -3
 }
+triton_3_7() {  # the parts put together and installed into /tmp/triton-site, ahead of the image's Triton
+  if [ ! -f /tmp/triton-site/ok ]; then
+    cp .whl-tr4/part-* /tmp/triton-parts/ 2>/dev/null
+    local wheel=/tmp/triton-wheel/$(cat .whl-tr4/name)
+    mkdir -p /tmp/triton-wheel && cat /tmp/triton-parts/part-* > "$wheel"
+    [ "$(sha256sum "$wheel" | cut -c1-64)" = "$(cat .whl-tr4/sha256)" ] \
+      || { echo "triton parts missing or damaged: $(ls /tmp/triton-parts)"; return 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/triton-site "$wheel" \
+      && touch /tmp/triton-site/ok || return 1
+  fi
+  export PYTHONPATH=/tmp/triton-site:$PYTHONPATH
+  # torch's compiler (megatron-core's fused functions) with this Triton: kept on only if it compiles
+  python3 -c "import torch, triton; f = torch.compile(lambda x: x * 2 + 1); f(torch.ones(8, device='cuda')); \
+print('triton', triton.__version__, 'torch.compile works')" 2>&1 | tail -1 | tee -a "$R/versions.txt"
+  [ "${PIPESTATUS[0]}" = 0 ] || { export TORCH_COMPILE_DISABLE=1; echo "torch.compile off" | tee -a "$R/versions.txt"; }
+}
 case "${1:-}" in
-  prepare) prepare ;;
+  prepare) prepare && bash "$(dirname "$0")/carry_triton.sh" ;;
   install) install_te ;;
+  part) mkdir -p /tmp/triton-parts && cp ".whl-tr$2"/part-* /tmp/triton-parts/ && ls /tmp/triton-parts ;;
   run)
     use_wheels te
     mkdir -p "$R"
     export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
     versions "$R/versions.txt"
+    triton_3_7 || exit 3
     python3 -c "import transformers, fla; print('transformers', transformers.__version__, 'fla', fla.__version__)" \
       2>&1 | tee -a "$R/versions.txt"
     # the te backend (transformer-engine layers, fla's gated delta-net kernels) on the tiny MoE model, packed data
@@ -44,11 +66,12 @@ case "${1:-}" in
   lora)
     use_wheels te
     mkdir -p "$R"
+    triton_3_7 || exit 3
     export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache
     dataset
     timeout -k 10 540 python3 bench/real_data.py --out "$R/lora" --data /tmp/mimo-gpu/real/dataset \
       --cases qwen-lora --only real --iterations 10 --warmup 4 --timeout 520 2>&1 | tee -a "$R/console.log"
     pack
     ;;
-  *) echo "usage: qwen.sh prepare | install | run | lora"; exit 2 ;;
+  *) echo "usage: qwen.sh prepare | install | part N | run | lora"; exit 2 ;;
 esac
