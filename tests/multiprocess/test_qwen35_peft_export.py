@@ -77,7 +77,9 @@ def test_a_peft_adapter_on_the_base_gives_the_merged_models_logits(tmp_path, moe
     model = AutoModelForImageTextToText.from_pretrained(base, dtype=torch.float32)
     assert (logits(model) - reference).abs().max() > 0.05  # the adapters matter
     model = PeftModel.from_pretrained(model, peft_dir)
-    torch.testing.assert_close(logits(model), reference, atol=2e-5, rtol=1e-5)
+    # W x + B A x (peft) and (W + B A) x (merged) round apart: about 1e-5 of logits near 1 in fp32, more on
+    # some CPUs' kernels; the adapters themselves move the logits by over 0.05
+    torch.testing.assert_close(logits(model), reference, atol=1e-4, rtol=1e-4)
 
     config = json.loads((peft_dir / "adapter_config.json").read_text())
     saved = load_file(peft_dir / "adapter_model.safetensors")
