@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_layer import (
 from mimo.plugins import SDPAttention
 from mimo.plugins.kit.grouped_mm_moe import with_grouped_mm_experts
 from mimo.plugins.kit.linear_bias import with_biases_in_gemm
+from mimo.plugins.kit.packed_seq_aux_loss import with_per_sample_seq_aux_loss
 from .layers import LayerNormColumnParallelLinear, LocalHybridStack
 from .mamba_mixer import LocalMambaMixer, MambaMixerSubmodules
 
@@ -80,7 +81,7 @@ def _te_hybrid_stack(conv_kernel: int, grouped_mm: bool) -> ModuleSpec:
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
     sub = hybrid_stack_spec.submodules
-    moe = with_grouped_mm_experts(sub.moe_layer) if grouped_mm else sub.moe_layer
+    moe = with_per_sample_seq_aux_loss(with_grouped_mm_experts(sub.moe_layer) if grouped_mm else sub.moe_layer)
     mixer = sub.mamba_layer.submodules.mixer  # copied, not changed: the spec is megatron-core's module global
     mixer = dataclasses.replace(mixer, params={**mixer.params, "d_conv": conv_kernel})
     mamba = dataclasses.replace(sub.mamba_layer, submodules=dataclasses.replace(sub.mamba_layer.submodules,
@@ -117,6 +118,7 @@ def _local_hybrid_stack(conv_kernel: int, num_experts: int, dt_clamp_min: float 
         mlp_bda=get_bias_dropout_add))
     if grouped_mm:
         moe = with_grouped_mm_experts(moe)
+    moe = with_per_sample_seq_aux_loss(moe)
     return ModuleSpec(module=LocalHybridStack, submodules=HybridStackSubmodules(
         mamba_layer=mamba, attention_layer=attention, moe_layer=moe, mlp_layer=mlp))
 
