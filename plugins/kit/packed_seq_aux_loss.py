@@ -88,6 +88,8 @@ def per_sample_seq_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, sam
     `group`: the router's TP x CP group, over which the shares add up to the loss."""
     experts, padding = scores.shape[-1], samples.count
     bins = (samples.count + 1, experts)  # one per sample, and one for the padding
+    # index_add on a GPU adds in no fixed order, as megatron-core's token permutation does: both are fixed by
+    # torch.use_deterministic_algorithms
     routed = scores.new_zeros(bins).index_add_(0, samples.ids, routing_map.to(scores.dtype))
     routed = reduce_from_tensor_model_parallel_region(routed, group)[:padding]  # T: every rank's tokens
     summed = scores.new_zeros(bins).index_add(0, samples.ids, scores)[:padding]  # P: this rank's tokens

@@ -4,6 +4,9 @@
 `vit_layer_specs`). `local` is the same architecture from megatron-core's local pieces: each TE module is replaced
 by the local module in `TE_TO_LOCAL`, and nothing else changes (tests walk both specs side by side to check it).
 Parameter names are therefore equal in both backends except inside the routed experts (see README.md).
+Both build their MoE layers with the kit's per-sample sequence-level auxiliary loss
+(`mimo.plugins.kit.packed_seq_aux_loss`): a packed micro-batch balances each sample, as if it were alone; unpacked
+rows are megatron-core's own.
 """
 
 from __future__ import annotations
