@@ -368,9 +368,12 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         whose real length is not a multiple of 2 x CP differs from the rows' split), and the padding, after its
         sample's tokens, reaches none of them under causal attention and the causal scan.
 
-        `tokens_per_sample` (the row length) lets megatron-core's MoE layers see the flattened batch as its rows
-        again, so the sequence-level auxiliary loss is each row's, as unpacked rows give it, not the whole
-        micro-batch's (the loop adapts it to a context-parallel rank's share: core/parallel/context_parallel.py)."""
+        The sequence-level MoE auxiliary loss is each sample's: a layer of `mimo.plugins.kit.packed_seq_aux_loss`
+        (Nemotron's) reads each token's sample from these boundaries, its first `cu_seqlens_q` length real and the
+        rest of its place padding (under CP the places are the sequences: their padding counts as the sample's).
+        `tokens_per_sample` (the row length) is megatron-core's own way, for MoE layers without it: they see the
+        flattened batch as its rows again and balance each row, not the whole micro-batch (the loop adapts it to a
+        context-parallel rank's share: core/parallel/context_parallel.py)."""
         lengths, padded = [], []
         for sample in samples:
             seqlens = list(sample.seqlens) or [0]

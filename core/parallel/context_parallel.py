@@ -38,7 +38,9 @@ def local_rows(model, packing_kwargs: dict | None) -> dict | None:
     tokens of a row this rank's MoE layers hold, which megatron-core divides their tokens by to restore the rows
     (its sequence-level auxiliary loss is then each row's): a CP rank holds 1/CP of every row (transformer-engine
     splits each of a row's segments); sequence parallelism cuts the flattened rows over TP, which no row length
-    describes, so there it is left out (the loss then spans the micro-batch's rows)."""
+    describes, so there it is left out (the loss then spans the micro-batch's rows). MoE layers of
+    `mimo.plugins.kit.packed_seq_aux_loss` (Nemotron's) ignore it: they balance each packed sample, on any
+    layout."""
     if not packing_kwargs or not packing_kwargs.get("tokens_per_sample"):
         return packing_kwargs
     cfg = getattr(getattr(model, "partition_adapter", None), "cfg", None)

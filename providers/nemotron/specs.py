@@ -4,6 +4,9 @@
 `vit_layer_specs`). `local` is the same architecture from megatron-core's local pieces: each TE module is replaced
 by the local module in `TE_TO_LOCAL`, and nothing else changes (tests walk both specs side by side to check it).
 Parameter names are therefore equal in both backends except inside the routed experts (see README.md).
+Both build their MoE layers with the kit's per-sample sequence-level auxiliary loss
+(`mimo.plugins.kit.packed_seq_aux_loss`): a packed micro-batch balances each sample, as if it were alone; unpacked
+rows are megatron-core's own.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from megatron.core.transformer.transformer_layer import (
 from mimo.plugins import SDPAttention
 from mimo.plugins.kit.grouped_mm_moe import with_grouped_mm_experts
 from mimo.plugins.kit.linear_bias import with_biases_in_gemm
+from mimo.plugins.kit.packed_seq_aux_loss import with_per_sample_seq_aux_loss
 from .layers import LayerNormColumnParallelLinear, LocalHybridStack
 from .mamba_mixer import LocalMambaMixer, MambaMixerSubmodules
 
@@ -80,7 +84,7 @@ def _te_hybrid_stack(conv_kernel: int, grouped_mm: bool) -> ModuleSpec:
     from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec
 
     sub = hybrid_stack_spec.submodules
-    moe = with_grouped_mm_experts(sub.moe_layer) if grouped_mm else sub.moe_layer
+    moe = with_per_sample_seq_aux_loss(with_grouped_mm_experts(sub.moe_layer) if grouped_mm else sub.moe_layer)
     mixer = sub.mamba_layer.submodules.mixer  # copied, not changed: the spec is megatron-core's module global
     mixer = dataclasses.replace(mixer, params={**mixer.params, "d_conv": conv_kernel})
     mamba = dataclasses.replace(sub.mamba_layer, submodules=dataclasses.replace(sub.mamba_layer.submodules,
@@ -117,6 +121,7 @@ def _local_hybrid_stack(conv_kernel: int, num_experts: int, dt_clamp_min: float 
         mlp_bda=get_bias_dropout_add))
     if grouped_mm:
         moe = with_grouped_mm_experts(moe)
+    moe = with_per_sample_seq_aux_loss(moe)
     return ModuleSpec(module=LocalHybridStack, submodules=HybridStackSubmodules(
         mamba_layer=mamba, attention_layer=attention, moe_layer=moe, mlp_layer=mlp))
 
