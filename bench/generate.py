@@ -11,6 +11,11 @@ Hugging Face folder, and loaded by transformers' `NemotronH_Omni_Reasoning_V3`
 same prompt (one 768 x 1024 image and a question, rendered by mimo's prompt format: the same token ids and image
 patches), greedy, forced to `--new-tokens` tokens (256; no stop token).
 
+`--family qwen`: the same for Qwen3.5-VL (`FAMILIES`: the 35B-A3B at every width, 8 layers, 64 experts; transformers'
+`AutoModelForImageTextToText` of its export, fed mimo's token ids, pixels and image grids). With `--compare-logits`
+the first engine's teacher-forced logits are also compared with transformers' on the same tokens (one forward over
+the prompt and the answer): the bf16 parity of issue 62 at a mid size.
+
 For each engine, after one warm-up (first-use compilation), `--repeats` times: a 1-token call (the prefill: the
 encoder and the prompt, and the first token) and a full call; decode tokens/s = (new tokens - 1) / (full - 1-token
 call), wall time with the GPU synchronized. Printed: min / median / max; written: `<out>/generate.json`.
@@ -27,6 +32,7 @@ ops by self CPU and CUDA time.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -46,6 +52,66 @@ QUESTION = "Describe everything in this picture in detail."
 # norm after pixel shuffle, dynamic resolution, RADIO with a video patch embedder. The LLM is the variant's.
 OMNI_FORM = ["pixel_shuffle=true", "projection=mlp", "projection_norm=true", "dynamic_resolution=true",
              "video_temporal_patch_size=2"]
+
+
+# --family: the provider and settings measured on a GPU and with --quick on a CPU, and transformers' side of it
+FAMILIES = {
+    # RADIO 660M + the 20-layer Mamba/MoE/attention LLM, in the omni model's form
+    "nemotron": dict(provider="nemotron-moe-vlm-mid", settings=["backend=te", *OMNI_FORM],
+                     quick_provider="nemotron-moe-vlm-tiny", quick_settings=["backend=local", *OMNI_FORM]),
+    # Qwen3.5-VL 35B-A3B at every released width, 8 of its 40 layers (the 3:1 gated delta net / attention
+    # pattern), 64 of its 256 experts (top 8): a mid size whose export transformers loads beside it on one GPU
+    "qwen": dict(provider="qwen3.5-vl-35b-a3b",
+                 settings=["backend=te", "layer_pattern=GGG*GGG*", "num_experts=64", "max_pixels=1048576"],
+                 quick_provider="qwen3.5-vl-moe-tiny", quick_settings=["backend=local"]),
+}
+
+
+def transformers_side(family: str, folder: Path, prompt, plan, fmt, dtype, device):
+    """transformers' model of the exported folder, its inputs for mimo's prompt (the same token ids and pixels),
+    and where its kernels come from."""
+    import torch
+
+    if family == "nemotron":
+        from transformers.models.nemotron_h import modeling_nemotron_h
+        from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import NemotronH_Omni_Reasoning_V3
+
+        hf = NemotronH_Omni_Reasoning_V3.from_pretrained(folder, dtype=dtype).to(device).eval()
+        patches = prompt.modality_inputs["images"]["radio"]
+        inputs = dict(input_ids=prompt.input_ids.to(device), pixel_values=patches["x"][0].to(device, dtype),
+                      image_grid_hw=(patches["imgs_sizes"] // plan.settings.patch_size).to(device))
+        kernels = {name: getattr(getattr(modeling_nemotron_h, name, None), "__module__", None) for name in (
+            "causal_conv1d_fn", "causal_conv1d_update", "mamba2_selective_state_update", "mamba2_chunk_scan")}
+        return hf, inputs, kernels
+    from transformers import AutoModelForImageTextToText
+
+    hf = AutoModelForImageTextToText.from_pretrained(folder, dtype=dtype).to(device).eval()
+    images = prompt.modality_inputs["images"]["visual"]
+    ids = prompt.input_ids.to(device)
+    image_token = json.loads((folder / "config.json").read_text())["image_token_id"]
+    inputs = dict(input_ids=ids, pixel_values=images["pixel_values"].to(device, dtype),
+                  image_grid_thw=images["grid_thw"].to(device), mm_token_type_ids=(ids == image_token).int())
+    # transformers takes the gated delta rule from the Hugging Face kernels hub where it can (package `kernels`,
+    # network), else its torch fallback
+    delta_net = next((m for m in hf.modules() if type(m).__name__.endswith("GatedDeltaNet")), None)
+    kernels = {"gated_delta_net": type(delta_net).__module__ if delta_net is not None else None,
+               "hub_kernels_installed": importlib.util.find_spec("kernels") is not None}
+    return hf, inputs, kernels
+
+
+def teacher_forced_logits(hf, inputs: dict, answer: list[int]) -> "torch.Tensor":
+    """transformers' logits for each answer token, the prompt and the answer before it given (one forward)."""
+    import torch
+
+    ids = torch.cat([inputs["input_ids"], torch.tensor([answer[:-1]], device=inputs["input_ids"].device)], dim=1)
+    forced = {**inputs, "input_ids": ids}
+    if "mm_token_type_ids" in inputs:
+        forced["mm_token_type_ids"] = torch.cat([inputs["mm_token_type_ids"],
+                                                 torch.zeros(1, len(answer) - 1, dtype=torch.int32,
+                                                             device=ids.device)], dim=1)
+    with torch.no_grad():
+        logits = hf(**forced).logits[0, inputs["input_ids"].shape[1] - 1:]
+    return logits.float()
 
 
 def build_mimo(provider: str, settings: list[str], precision: str, device: str):
@@ -142,7 +208,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="nemotron-moe-vlm-tiny, backend local, CPU, fp32")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="nemotron")
+    parser.add_argument("--quick", action="store_true", help="the family's tiny provider, backend local, CPU, fp32")
     parser.add_argument("--profile", type=Path, help="also profile a few decode steps of each engine into DIR")
     parser.add_argument("--profile-steps", type=int, default=16)
     parser.add_argument("--steps", nargs="+", default=["auto"], choices=STEPS,
@@ -155,17 +222,17 @@ def main(argv=None) -> int:
 
     import torch
 
+    family = FAMILIES[args.family]
     if args.quick:
-        provider, settings, precision, device_name, image_size = ("nemotron-moe-vlm-tiny",
-                                                                  ["backend=local", *OMNI_FORM], "fp32", "cpu",
-                                                                  (48, 80))
+        provider, settings, precision, device_name, image_size = (family["quick_provider"], family["quick_settings"],
+                                                                  "fp32", "cpu", (48, 80))
         args.new_tokens = min(args.new_tokens, 16)
     else:
         if not torch.cuda.is_available():
             print("error: bench/generate.py needs a GPU (or --quick)", file=sys.stderr)
             return 2
-        provider, settings, precision, device_name, image_size = ("nemotron-moe-vlm-mid", ["backend=te", *OMNI_FORM],
-                                                                  "bf16", "cuda", (768, 1024))
+        provider, settings, precision, device_name, image_size = (family["provider"], family["settings"], "bf16",
+                                                                  "cuda", (768, 1024))
     world, model = build_mimo(provider, settings, precision, device_name)
     device, dtype = world.device, world.params_dtype
     plan = world.plan
@@ -185,7 +252,7 @@ def main(argv=None) -> int:
     try:
         export(world, model, scratch / "hf")
         sampler = Sampler(SamplingOptions(), device)
-        engines, profiles, reference = [], {}, []
+        engines, profiles, reference, parity = [], {}, [], None
         for steps in args.steps:  # each way of stepping with its own decoder, one after the other
             decoder = Decoder(model, device=device, params_dtype=dtype, steps=steps)
             mimo_generate = lambda n: decoder.generate(prompt, max_new_tokens=n,  # noqa: E731
@@ -205,13 +272,7 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-        from transformers.models.nemotron_h import modeling_nemotron_h
-        from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import NemotronH_Omni_Reasoning_V3
-
-        hf = NemotronH_Omni_Reasoning_V3.from_pretrained(scratch / "hf", dtype=dtype).to(device).eval()
-        patches = prompt.modality_inputs["images"]["radio"]
-        inputs = dict(input_ids=prompt.input_ids.to(device), pixel_values=patches["x"][0].to(device, dtype),
-                      image_grid_hw=(patches["imgs_sizes"] // plan.settings.patch_size).to(device))
+        hf, inputs, kernels = transformers_side(args.family, scratch / "hf", prompt, plan, fmt, dtype, device)
 
         def hf_generate(n: int) -> list[int]:
             with torch.no_grad():
@@ -223,8 +284,12 @@ def main(argv=None) -> int:
         if args.profile:
             profiles["transformers"] = profile_decode("transformers", hf_generate, hf, args.profile_steps, device,
                                                       args.profile)
-        kernels = {name: getattr(getattr(modeling_nemotron_h, name, None), "__module__", None) for name in (
-            "causal_conv1d_fn", "causal_conv1d_update", "mamba2_selective_state_update", "mamba2_chunk_scan")}
+        if reference:  # the first mimo engine's logits fed its own greedy answer, against transformers' (bf16 parity)
+            theirs = teacher_forced_logits(hf, inputs, engines[0]["tokens"])
+            ours = torch.stack(reference).reshape(theirs.shape).to(theirs.device)
+            parity = {"max_abs_diff": float((ours - theirs).abs().max()), "logits_std": float(theirs.std()),
+                      "relative_error": float((ours - theirs).norm() / theirs.norm()),
+                      "same_top_token": int((ours.argmax(-1) == theirs.argmax(-1)).sum()), "steps": len(reference)}
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -237,7 +302,7 @@ def main(argv=None) -> int:
     record = {"benchmark": "generate", "device": device_description(), "provider": provider, "settings": settings,
               "precision": precision, "steps": [e["steps"] for e in engines], "prompt_tokens": prompt.num_tokens,
               "new_tokens": args.new_tokens, "repeats": args.repeats, "engines": [*engines, transformers],
-              "transformers_kernels": kernels,
+              "transformers_kernels": kernels, "teacher_forced_against_transformers": parity,
               "seconds": time.perf_counter() - started, "command": " ".join([sys.executable, *sys.argv])}
     for engine in record["engines"]:
         engine.pop("tokens")
@@ -251,7 +316,11 @@ def main(argv=None) -> int:
               f"{d['min']:.1f} / {d['median']:.1f} / {d['max']:.1f} tokens/s")
     print(f"  greedy tokens shared with {mimo['engine']}: " + ", ".join(
         f"{e['engine']} {e['agrees_with_first_for']} of {args.new_tokens}" for e in record["engines"][1:])
-        + f"; transformers' Mamba kernels: {sorted(set(kernels.values()))}")
+        + f"; transformers' kernels: {kernels}")
+    if parity:
+        print(f"  teacher-forced logits, {mimo['engine']} against transformers on {parity['steps']} answer tokens: "
+              f"relative error {parity['relative_error']:.3g}, at most {parity['max_abs_diff']:.3g} apart (logits' "
+              f"std {parity['logits_std']:.3g}), same top token at {parity['same_top_token']}")
     for e in engines[1:] if args.compare_logits else ():
         c = e["logits"]
         print(f"  {e['engine']} against {mimo['engine']}, fed the same tokens: logits differ by at most "

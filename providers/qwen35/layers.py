@@ -17,6 +17,7 @@ parameters and checkpoint keys.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import zlib
 
@@ -28,6 +29,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import Multimod
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, common as gdn_common
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
+from mimo.errors import UsageError
 from mimo.plugins.kit.local_norms import RMSNorm, rms_norm
 
 from . import delta_decode
@@ -89,6 +91,32 @@ class HeadNorm(RMSNorm):
         return rms_norm(x, weight, self.eps, False)
 
 
+@functools.cache
+def fla_backward_refusal() -> str | None:
+    """Why flash-linear-attention will refuse the gated delta net's backward here, or None.
+
+    fla refuses (in the first backward, with a traceback) on Hopper GPUs with Triton 3.4 to 3.7.0, whose compiler
+    gives wrong gradients for its gated `chunk_bwd_dqkwg` kernel, unless its tilelang backend can run. The same
+    condition, read from fla's own flags, is said in one line at the first training forward; decoding and
+    evaluation (forward only) are unaffected."""
+    import fla.utils as fla_utils
+    import triton
+
+    broken = (getattr(fla_utils, "IS_NVIDIA_HOPPER", False) and getattr(fla_utils, "TRITON_ABOVE_3_4_0", False)
+              and not getattr(fla_utils, "TRITON_ABOVE_3_7_1", True))
+    if not broken:
+        return None
+    try:
+        from fla.backends import TileLangBackend
+        if TileLangBackend.can_use():
+            return None
+    except ImportError:
+        pass
+    return (f"backend 'te': flash-linear-attention refuses the gated delta net's backward on Hopper GPUs with "
+            f"Triton {triton.__version__} (its compiler gives wrong gradients from 3.4 to 3.7.0): install "
+            f"triton>=3.7.1, or tilelang with a CUDA compiler; or use backend=local")
+
+
 class Qwen35GatedDeltaNet(GatedDeltaNet):
     """megatron-core's GatedDeltaNet whose output norm (a HeadNorm) sums its gradient over the TP group, and whose
     weights start from the same values in every layout: in_proj, the convolution, the decay and out_proj drawn whole
@@ -105,6 +133,11 @@ class Qwen35GatedDeltaNet(GatedDeltaNet):
         # the sections this rank's in_proj rows stack (as Mamba's in_proj declares them): a LoRA adapter's B is
         # saved in the same parts as the weight, so that it reshards and exports part by part
         self.in_proj.weight.partition_sizes = list(self.in_proj_split_sections)
+
+    def forward(self, hidden_states, *args, **kwargs):
+        if self.training and torch.is_grad_enabled() and (refusal := fla_backward_refusal()):
+            raise UsageError(refusal)  # before fla's own refusal, a traceback in the first backward
+        return super().forward(hidden_states, *args, **kwargs)
 
     def reset_parameters(self):
         super().reset_parameters()  # dt_bias to ones

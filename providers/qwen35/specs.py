@@ -39,30 +39,6 @@ def te_available() -> bool:
     return te.HAVE_TE and HAVE_FLA and torch.cuda.is_available()
 
 
-def fla_backward_refusal() -> str | None:
-    """Why flash-linear-attention will refuse the gated delta net's backward here, or None.
-
-    fla refuses (in the first backward, with a traceback) on Hopper GPUs with Triton 3.4 to 3.7.0, whose compiler
-    gives wrong gradients for its gated `chunk_bwd_dqkwg` kernel, unless its tilelang backend can run. The same
-    condition, read from fla's own flags, is said here in one line before anything starts."""
-    import fla.utils as fla_utils
-    import triton
-
-    broken = (getattr(fla_utils, "IS_NVIDIA_HOPPER", False) and getattr(fla_utils, "TRITON_ABOVE_3_4_0", False)
-              and not getattr(fla_utils, "TRITON_ABOVE_3_7_1", True))
-    if not broken:
-        return None
-    try:
-        from fla.backends import TileLangBackend
-        if TileLangBackend.can_use():
-            return None
-    except ImportError:
-        pass
-    return (f"backend 'te': flash-linear-attention refuses the gated delta net's backward on Hopper GPUs with "
-            f"Triton {triton.__version__} (its compiler gives wrong gradients from 3.4 to 3.7.0): install "
-            f"triton>=3.7.1, or tilelang with a CUDA compiler; or use backend=local")
-
-
 def resolve_backend(requested: str) -> str:
     if requested == "auto":
         requested = "te" if te_available() else "local"
@@ -72,8 +48,6 @@ def resolve_backend(requested: str) -> str:
                                          ("a visible GPU", torch.cuda.is_available())) if not ok]
         raise ValueError(f"backend 'te' needs {', '.join(missing) or 'transformer-engine and fla'}; use "
                          f"backend=local (or auto)")
-    if requested == "te" and (refusal := fla_backward_refusal()):
-        raise ValueError(refusal)
     return requested
 
 

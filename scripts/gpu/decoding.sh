@@ -9,7 +9,8 @@
 # (call 2 right after call 1: scripts/gpu/common.sh). Results: $OUT/decoding.tgz (console, records), rewritten
 # after each part. DECODING_STEPS: the ways of stepping measured (default "graph device sync-free");
 # DECODING_REPEATS (3) and DECODING_ARGS (e.g. --compare-logits) go to the bench; DECODING_WORKER=0 leaves the
-# tiny model's check out.
+# tiny model's check out. Qwen3.5-VL: DECODING_ARGS="--family qwen --compare-logits" DECODING_WORKER=0 (transformers
+# needs its qwen3_5_moe model: the record names the version).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 source "$(dirname "$0")/common.sh"
