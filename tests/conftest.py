@@ -34,8 +34,8 @@ SLOW: dict[str, float] = {
     "test_data_loop.py": 210,
     "test_qwen35_alone.py::test_the_family_installed_alone_passes_the_contract_trains_resumes_and_exports": 116,
     "test_fault_battery.py::test_the_fault_battery_passes": 112,
-    "test_hf_parts.py": 105,
-    "test_hf_stages.py::test_the_documented_stage_recipe_runs_and_trains_what_each_stage_names": 84,
+    "test_hf_parts.py": 36,
+    "test_hf_stages.py::test_the_documented_stage_recipe_runs_and_trains_what_each_stage_names": 12,
     "test_lora.py": 70,
     "test_data_formats.py": 70,
     "test_real_shaped_data.py": 70,  # 162 s at a load average of 8-16, 45 s of CPU
