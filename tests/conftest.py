@@ -40,7 +40,6 @@ SLOW: dict[str, float] = {
     "test_data_formats.py": 70,
     "test_real_shaped_data.py": 70,  # 162 s at a load average of 8-16, 45 s of CPU
     "test_layouts.py": 65,
-    "test_memory.py::test_estimate_matches_megatron_buffers": 48,
     "test_peft_export.py::test_a_peft_adapter_on_the_base_gives_the_merged_models_logits": 45,
     "test_orphans.py::test_kills_of_the_main_process_leave_nothing_behind": 38,
     "test_generation_cli.py": 34,

@@ -68,6 +68,16 @@ def run_mimo(*args: str, extra_path: list[Path] = (), timeout: int = 600, env: d
         return subprocess.CompletedProcess(command, code, out.read(), err.read())
 
 
+def start_world(function: Callable, args: tuple, nprocs: int) -> None:
+    """torch.multiprocessing.start_processes(function, args, nprocs), the processes forked from the server
+    forked_mimo keeps (torch, megatron-core and mimo imported once per pytest worker) rather than spawned
+    interpreters that import them each (about 5 s a process). `function` sets up its process group itself."""
+    import torch.multiprocessing
+
+    forked_mimo.context()  # the server imports what a command imports before it starts
+    torch.multiprocessing.start_processes(function, args=args, nprocs=nprocs, start_method="forkserver")
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
