@@ -78,6 +78,21 @@ def start_world(function: Callable, args: tuple, nprocs: int) -> None:
     torch.multiprocessing.start_processes(function, args=args, nprocs=nprocs, start_method="forkserver")
 
 
+def _torchrun_member(rank: int, nprocs: int, port: int, function: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    function(*args)
+
+
+def torchrun_world(function: Callable, args: tuple, nprocs: int) -> None:
+    """`function(*args)` in each of `nprocs` processes with the environment torchrun gives its ranks (RANK,
+    WORLD_SIZE, MASTER_ADDR, ...: init_process_group("gloo") joins them), forked as start_world's are."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start_world(_torchrun_member, (nprocs, port, function, args), nprocs)
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
