@@ -51,7 +51,6 @@ SLOW: dict[str, float] = {
     "test_nemotron_pretrained.py": 27,
     "test_data_stops.py": 27,
     "test_context_parallel.py::test_cp2_gives_the_losses_and_gradient_norms_of_one_process": 27,
-    "test_generation.py::test_cached_decoding_gives_the_tokens_of_recomputing_everything": 26,
     "test_api_contract.py": 35,  # the built-in providers' full checks, shared with the hookspec test
     "test_lora.py::test_expert_parallel_adapters_give_the_single_process_losses": 23,
     "test_hf_generate_parity.py": 22,

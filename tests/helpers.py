@@ -78,6 +78,15 @@ def start_world(function: Callable, args: tuple, nprocs: int) -> None:
     torch.multiprocessing.start_processes(function, args=args, nprocs=nprocs, start_method="forkserver")
 
 
+def _call(rank: int, function: Callable, args: tuple) -> None:
+    function(*args)
+
+
+def forked_call(function: Callable, args: tuple) -> None:
+    """`function(*args)` in a process of its own (a world of its own, if it makes one), forked as start_world's."""
+    start_world(_call, (function, args), 1)
+
+
 def _torchrun_member(rank: int, nprocs: int, port: int, function: Callable, args: tuple) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
