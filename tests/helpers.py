@@ -71,11 +71,16 @@ def run_mimo(*args: str, extra_path: list[Path] = (), timeout: int = 600, env: d
 def start_world(function: Callable, args: tuple, nprocs: int) -> None:
     """torch.multiprocessing.start_processes(function, args, nprocs), the processes forked from the server
     forked_mimo keeps (torch, megatron-core and mimo imported once per pytest worker) rather than spawned
-    interpreters that import them each (about 5 s a process). `function` sets up its process group itself."""
+    interpreters that import them each (about 5 s a process); spawned with MIMO_TEST_FRESH_PROCESSES=1, as
+    forked_mimo's commands then are. `function` sets up its process group itself."""
     import torch.multiprocessing
 
-    forked_mimo.context()  # the server imports what a command imports before it starts
-    torch.multiprocessing.start_processes(function, args=args, nprocs=nprocs, start_method="forkserver")
+    if os.environ.get("MIMO_TEST_FRESH_PROCESSES") == "1":
+        start_method = "spawn"
+    else:
+        start_method = "forkserver"
+        forked_mimo.context()  # the server imports what a command imports before it starts
+    torch.multiprocessing.start_processes(function, args=args, nprocs=nprocs, start_method=start_method)
 
 
 def _call(rank: int, function: Callable, args: tuple) -> None:
