@@ -34,13 +34,12 @@ SLOW: dict[str, float] = {
     "test_data_loop.py": 210,
     "test_qwen35_alone.py::test_the_family_installed_alone_passes_the_contract_trains_resumes_and_exports": 116,
     "test_fault_battery.py::test_the_fault_battery_passes": 112,
-    "test_hf_parts.py": 105,
-    "test_hf_stages.py::test_the_documented_stage_recipe_runs_and_trains_what_each_stage_names": 84,
+    "test_hf_parts.py": 36,
+    "test_hf_stages.py::test_the_documented_stage_recipe_runs_and_trains_what_each_stage_names": 12,
     "test_lora.py": 70,
     "test_data_formats.py": 70,
     "test_real_shaped_data.py": 70,  # 162 s at a load average of 8-16, 45 s of CPU
     "test_layouts.py": 65,
-    "test_memory.py::test_estimate_matches_megatron_buffers": 48,
     "test_peft_export.py::test_a_peft_adapter_on_the_base_gives_the_merged_models_logits": 45,
     "test_orphans.py::test_kills_of_the_main_process_leave_nothing_behind": 38,
     "test_generation_cli.py": 34,
@@ -52,14 +51,12 @@ SLOW: dict[str, float] = {
     "test_nemotron_pretrained.py": 27,
     "test_data_stops.py": 27,
     "test_context_parallel.py::test_cp2_gives_the_losses_and_gradient_norms_of_one_process": 27,
-    "test_generation.py::test_cached_decoding_gives_the_tokens_of_recomputing_everything": 26,
-    "test_api_contract.py::test_builtin_provider_builds_trains_and_checkpoints": 23,
+    "test_api_contract.py": 35,  # the built-in providers' full checks, shared with the hookspec test
     "test_lora.py::test_expert_parallel_adapters_give_the_single_process_losses": 23,
     "test_hf_generate_parity.py": 22,
     "test_first_contact.py::test_a_whole_run_in_one_file": 22,
     # scaled from 5.3 s and 4.7 s on idle cores as the CP 2 test's 27 from its 6.6 s there
     "test_context_parallel.py::test_heterogeneous_cp2_gives_the_losses_and_gradient_norms_of_one_process": 22,
-    "test_nemotron_checkpoint.py::test_nemotron_checkpoints_load_strictly_in_any_layout": 21,
     "test_hf_train_parity.py::test_the_first_training_loss_from_hugging_face_weights_is_transformers_loss": 21,
     "test_scaffold.py::test_scaffolded_provider_installs_trains_and_passes_its_tests": 20,
     "test_context_parallel.py::test_a_heterogeneous_cp2_checkpoint_resumes_exactly": 19,
@@ -69,7 +66,6 @@ SLOW: dict[str, float] = {
     "test_finetune_path.py::test_convert_finetune_resume_evaluate_answer_export_and_load_in_transformers": 16,
     "test_save_interrupt.py::test_a_second_ctrl_c_during_the_stop_save_finishes_it": 15,
     "test_launch.py::test_srun_tasks_are_the_ranks": 15,
-    "test_hf_slices.py::test_each_rank_reads_its_slices_and_nothing_more": 15,
     "test_checkpoint.py::test_resume_matches_an_uninterrupted_run_bit_for_bit": 14,
     "test_nemotron_training.py::test_tiny_trains_alike_colocated_and_heterogeneous": 12,
     "test_data_convert.py::test_a_converted_llava_dataset_trains_evaluates_and_answers_on_the_qwen_vlm": 40,
@@ -150,3 +146,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.xdist_group(_file_of(item)))
     # Slowest first; a stable sort, so a file's cases keep their order (and a group stays in one piece).
     items.sort(key=lambda item: -_seconds(item))
+
+
+
+class _GroupSuffix:
+    """An xdist worker under --dist loadgroup names each grouped test "nodeid@group": the scheduler reads the group
+    there. pytest-xdist 3.8 writes it to `item._nodeid`, which pytest 9.2 no longer reads (its node ids are
+    structured: pytest-xdist issue 1386), and every group was silently split over both workers, each building the
+    group's module-scoped fixtures; this writes the suffix where pytest reads the node id, where it is missing. (A
+    plugin of its own: a conftest module holds one function of a hook's name.)"""
+
+    @pytest.hookimpl(trylast=True)  # after the conftest's marks and pytest-xdist's own suffixing
+    def pytest_collection_modifyitems(self, config, items):
+        if not getattr(config.option, "loadgroup", False):
+            return
+        from _pytest.nodeid import NodeId
+
+        for item in items:
+            mark = item.get_closest_marker("xdist_group")
+            if mark is None or "@" in item.nodeid.rpartition("]")[2]:  # no group, or suffixed already
+                continue
+            group = mark.args[0] if mark.args else mark.kwargs.get("name", "default")
+            item._id = NodeId.parse(f"{item.nodeid}@{group}")
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_GroupSuffix(), "mimo-loadgroup-suffix")

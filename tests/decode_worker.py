@@ -1,4 +1,4 @@
-"""Run by tests/multiprocess/test_generation.py in a fresh interpreter (a world of one on the CPU): for a provider and
+"""Run by tests/multiprocess/test_generation.py in a process of its own (a world of one on the CPU): for a provider and
 settings, mimo's incremental decoding against recomputing the whole sequence at every step, on prompts with and
 without an image. Prints one JSON line per prompt. On a GPU (the te backend's kernels):
 

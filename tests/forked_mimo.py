@@ -42,20 +42,28 @@ def can_fork(args: list[str], environment: dict[str, str]) -> bool:
                if key.startswith(IMPORT_TIME_PREFIXES) and key != "PYTHONPATH")  # the command's sys.path takes it
 
 
-def start(args: list[str], environment: dict[str, str], cwd: str, stdout_path: str, stderr_path: str):
-    """A started multiprocessing.Process running `mimo ARGS`; its pid leads a session (os.killpg reaches all)."""
+def context() -> multiprocessing.context.ForkServerContext:
+    """The forkserver context whose server has imported PRELOAD (multiprocessing keeps one server per process:
+    torch.multiprocessing.start_processes(..., start_method="forkserver") forks from it too, after this)."""
     global _context
     if _context is None:
         # torch imports tqdm, which reads TQDM_* when it is imported: the server imports it with the value mimo's
-        # console sets for every command before torch loads (no progress bars), and this process passes it on
+        # console sets for every command before torch loads (no progress bars), and commands get it passed on
         os.environ.setdefault("TQDM_DISABLE", "1")
-        environment.setdefault("TQDM_DISABLE", os.environ["TQDM_DISABLE"])
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
+def start(args: list[str], environment: dict[str, str], cwd: str, stdout_path: str, stderr_path: str):
+    """A started multiprocessing.Process running `mimo ARGS`; its pid leads a session (os.killpg reaches all)."""
+    process_context = context()
+    environment.setdefault("TQDM_DISABLE", os.environ["TQDM_DISABLE"])
+    if not _fresh_path:
         environment_without_path = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         _fresh_path[:] = json.loads(subprocess.check_output(
             [sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], env=environment_without_path))
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
-    process = _context.Process(target=_run_mimo, daemon=False,
+    process = process_context.Process(target=_run_mimo, daemon=False,
                                args=(list(args), dict(environment), cwd, stdout_path, stderr_path, list(_fresh_path)))
     process.start()
     return process

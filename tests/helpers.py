@@ -68,6 +68,45 @@ def run_mimo(*args: str, extra_path: list[Path] = (), timeout: int = 600, env: d
         return subprocess.CompletedProcess(command, code, out.read(), err.read())
 
 
+def start_world(function: Callable, args: tuple, nprocs: int) -> None:
+    """torch.multiprocessing.start_processes(function, args, nprocs), the processes forked from the server
+    forked_mimo keeps (torch, megatron-core and mimo imported once per pytest worker) rather than spawned
+    interpreters that import them each (about 5 s a process); spawned with MIMO_TEST_FRESH_PROCESSES=1, as
+    forked_mimo's commands then are. `function` sets up its process group itself."""
+    import torch.multiprocessing
+
+    if os.environ.get("MIMO_TEST_FRESH_PROCESSES") == "1":
+        start_method = "spawn"
+    else:
+        start_method = "forkserver"
+        forked_mimo.context()  # the server imports what a command imports before it starts
+    torch.multiprocessing.start_processes(function, args=args, nprocs=nprocs, start_method=start_method)
+
+
+def _call(rank: int, function: Callable, args: tuple) -> None:
+    function(*args)
+
+
+def forked_call(function: Callable, args: tuple) -> None:
+    """`function(*args)` in a process of its own (a world of its own, if it makes one), forked as start_world's."""
+    start_world(_call, (function, args), 1)
+
+
+def _torchrun_member(rank: int, nprocs: int, port: int, function: Callable, args: tuple) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    function(*args)
+
+
+def torchrun_world(function: Callable, args: tuple, nprocs: int) -> None:
+    """`function(*args)` in each of `nprocs` processes with the environment torchrun gives its ranks (RANK,
+    WORLD_SIZE, MASTER_ADDR, ...: init_process_group("gloo") joins them), forked as start_world's are."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    start_world(_torchrun_member, (nprocs, port, function, args), nprocs)
+
+
 def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 

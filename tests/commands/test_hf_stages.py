@@ -8,7 +8,7 @@ import re
 import shlex
 
 import torch
-from format_datasets import build_captions
+from format_datasets import QUICK_LOOKS, build_captions
 from helpers import REPO, run_mimo
 from safetensors.torch import load_file
 
@@ -31,7 +31,7 @@ def _changed(exported, original) -> set[str]:
 
 def test_the_documented_stage_recipe_runs_and_trains_what_each_stage_names(tmp_path, omni_folder):
     hf_dir, data = omni_folder, tmp_path / "captions"  # save_omni(), built once per test run (conftest.py)
-    build_captions(data, random.Random(0))
+    build_captions(data, random.Random(0), QUICK_LOOKS)
     runs = tmp_path / "runs"
     imported = None
     for line in recipe():

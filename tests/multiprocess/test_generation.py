@@ -5,15 +5,13 @@ template's generation prompt and stop ids, and the answer scores."""
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO
+from helpers import forked_call
 
 from mimo.core.generation.sampling import Sampler, SamplingOptions
 from mimo.core.generation.text_metrics import exact_match, normalize, token_f1
@@ -21,12 +19,18 @@ from mimo.data import NEMOTRON, PLAIN, ByteTokenizer
 from mimo.data.conversation import IMAGE, Turn
 
 
-def decode(provider: str, *assignments: str) -> list[dict]:
-    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(REPO / "tests" / "decode_worker.py"), provider, *assignments],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+def _decode_into(out: str, provider: str, assignments: tuple[str, ...]) -> None:
+    import decode_worker
+
+    with open(out, "w") as stdout, contextlib.redirect_stdout(stdout):
+        decode_worker.main(provider, list(assignments))
+
+
+def decode(tmp_path, provider: str, *assignments: str) -> list[dict]:
+    """tests/decode_worker.py's lines, run in a process of its own (a world of one)."""
+    out = tmp_path / "decoded.jsonl"
+    forked_call(_decode_into, (str(out), provider, assignments))
+    return [json.loads(line) for line in out.read_text().splitlines() if line.startswith("{")]
 
 
 @pytest.mark.parametrize("provider, assignments", [
@@ -36,8 +40,8 @@ def decode(provider: str, *assignments: str) -> list[dict]:
     # resolution
     ("nemotron-moe-vlm-tiny", ("backend=local", "seq_length=256")),
 ])
-def test_cached_decoding_gives_the_tokens_of_recomputing_everything(provider, assignments):
-    results = decode(provider, *assignments)
+def test_cached_decoding_gives_the_tokens_of_recomputing_everything(provider, assignments, tmp_path):
+    results = decode(tmp_path, provider, *assignments)
     assert [r["prompt"] for r in results] == ["image", "text", "long"]
     for r in results:
         assert r["cached"] == r["recomputed"] and len(r["cached"]) == 24, r

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 import torch
-from format_datasets import build_captions
+from format_datasets import QUICK_LOOKS, build_captions
 from helpers import REPO, read_metrics, run_mimo
 from hf_models import DENSE_TEXT, save_llm, save_radio
 
@@ -56,7 +56,7 @@ def recipe() -> list[str]:
 def test_the_documented_recipe_assembles_trains_and_exports_what_transformers_computes(parts, tmp_path):
     llm, radio = parts
     data = tmp_path / "captions"
-    build_captions(data, random.Random(0))
+    build_captions(data, random.Random(0), QUICK_LOOKS)
     runs = tmp_path / "runs"
     outputs = []
     for line in recipe():

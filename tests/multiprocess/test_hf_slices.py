@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,14 +16,11 @@ SCRIPT = Path(__file__).resolve()
 
 def test_each_rank_reads_its_slices_and_nothing_more(tmp_path):
     sys.path.insert(0, str(SCRIPT.parent))
+    from helpers import torchrun_world
     from hf_models import DENSE_TEXT, save_llm, save_radio
 
     llm, radio = save_llm(tmp_path / "llm", DENSE_TEXT), save_radio(tmp_path / "radio")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(29500 + os.getpid() % 1000 + 7), str(SCRIPT), str(llm), str(radio), str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    torchrun_world(_main, (str(llm), str(radio), tmp_path), 2)  # as torchrun --nproc-per-node 2 runs this file
     for rank in range(2):
         record = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert record["errors"] == [] and record["nan_left"] == [], record

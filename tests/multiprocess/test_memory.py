@@ -13,7 +13,7 @@ import socket
 import pytest
 import torch
 
-from helpers import run_mimo
+from helpers import run_mimo, start_world
 from mimo.core.memory import fit
 from mimo.core.config import (
     LaunchOptions, LayoutOptions, MemoryOptions, OptimizerOptions, PerformanceOptions, RunConfig, TrainingOptions,
@@ -84,8 +84,7 @@ def allocated_in_world(cfg: RunConfig, tmp_path) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     world = cfg.launch.nproc_per_node
-    torch.multiprocessing.start_processes(_worker, args=(cfg, port, str(tmp_path / "r")), nprocs=world,
-                                          start_method="spawn")
+    start_world(_worker, (cfg, port, str(tmp_path / "r")), world)
     return [json.loads((tmp_path / f"r.{rank}").read_text()) for rank in range(world)]
 
 

@@ -2,15 +2,14 @@
 strictly into another, in one process and into a heterogeneous two-process layout; a checkpoint lacking one key
 the model needs fails on every rank with an error naming it.
 
-dist_checkpointing's saver starts a helper process, so the work runs in subprocesses: this file is also the
-script (`python tests/multiprocess/test_nemotron_checkpoint.py single|split DIR`), which writes what it saw to DIR.
+dist_checkpointing's saver starts a helper process, so the work runs in processes of its own (forked from the
+tests' command server, helpers.torchrun_world): this file is also the script
+(`python tests/multiprocess/test_nemotron_checkpoint.py single|split DIR`), which writes what it saw to DIR.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,16 +19,15 @@ SCRIPT = Path(__file__).resolve()
 MISSING_KEY = "vision_projection.encoder.weight"  # the affine projection's one linear layer
 
 
-def _run(*args: str, nproc: int = 1):
-    launcher = ["-m", "torch.distributed.run", "--nproc-per-node", str(nproc)] if nproc > 1 else []
-    result = subprocess.run([sys.executable, *launcher, str(SCRIPT), *args], capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+def _run(mode: str, out: Path, nproc: int = 1):
+    from helpers import torchrun_world  # here: the file also runs as a script, without tests/ on sys.path
+
+    torchrun_world(_main, (mode, out), nproc)  # as torchrun --nproc-per-node NPROC runs this file
 
 
 @pytest.mark.smoke
 def test_nemotron_checkpoints_load_strictly_in_any_layout(tmp_path):
-    _run("single", str(tmp_path))
+    _run("single", tmp_path)
     single = json.loads((tmp_path / "single-0.json").read_text())
     # Nemotron's prefixes; inside them TE's names (fused norms, conv1d) and megatron-core's checkpoint layout
     # (Mamba projections split per component, the ViT's layers stacked, experts stacked as TEGroupedMLP's are)
@@ -53,7 +51,7 @@ def test_nemotron_checkpoints_load_strictly_in_any_layout(tmp_path):
     assert single["missing_error"].startswith("Nemotron checkpoint") and MISSING_KEY in single["missing_error"]
 
     # RADIO and projection on rank 0, the LLM on rank 1, loading what one process saved: same weights.
-    _run("split", str(tmp_path), nproc=2)
+    _run("split", tmp_path, nproc=2)
     for rank in (0, 1):
         split = json.loads((tmp_path / f"split-{rank}.json").read_text())
         assert split["checksums"] and all(single["checksums"][name] == value

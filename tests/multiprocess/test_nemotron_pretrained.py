@@ -3,20 +3,19 @@ provider's `load_pretrained` hook): the same weights as a mimo checkpoint of the
 process and heterogeneous, whether DIR is the dist checkpoint itself or a Megatron-LM save directory with a
 tracker; a checkpoint of another model shape is one line.
 
-dist_checkpointing's saver starts a helper process, so the checkpoints are written by this file run as a script
+dist_checkpointing's saver starts a helper process, so the checkpoints are written in a process of its own (forked
+from the tests' command server, helpers.forked_call); this file is also that script
 (`python tests/multiprocess/test_nemotron_pretrained.py DIR`)."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import read_metrics, run_mimo
+from helpers import forked_call, read_metrics, run_mimo
 
 SCRIPT = Path(__file__).resolve()
 PROVIDER = "nemotron-moe-vlm-tiny"
@@ -27,12 +26,7 @@ RUN = ("run", "--provider", PROVIDER, "--device", "cpu", "--train-iters", "1", "
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("pretrained")
-    result = subprocess.run([sys.executable, str(SCRIPT), str(root)], capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", **ENV,
-                                 # the script imports helpers, which live in tests/, above its folder
-                                 "PYTHONPATH": os.pathsep.join([str(SCRIPT.parents[1]),
-                                                                os.environ.get("PYTHONPATH", "")])})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    forked_call(_main, (root,))  # as `python tests/multiprocess/test_nemotron_pretrained.py ROOT` runs it
     # Megatron-LM's save layout: a tracker naming an iteration directory (its common.pt is not mimo's).
     megatron = root / "megatron"
     shutil.copytree(root / "nemotron", megatron / "iter_0000007")

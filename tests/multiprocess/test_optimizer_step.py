@@ -13,6 +13,8 @@ from unittest import mock
 
 import torch
 
+from helpers import start_world
+
 from mimo.core.config import LaunchOptions, LayoutOptions, RunConfig, TrainingOptions
 from mimo.core.run.plan import prepare
 
@@ -91,7 +93,7 @@ def test_one_reduction_before_the_update_and_every_rank_skips_alike(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.start_processes(_worker, args=(port, str(tmp_path / "r")), nprocs=2, start_method="spawn")
+    start_world(_worker, (port, str(tmp_path / "r")), 2)
     ranks = [json.loads((tmp_path / f"r.{rank}").read_text()) for rank in range(2)]
     for rank, r in enumerate(ranks):
         clean = r["clean"]

@@ -34,18 +34,37 @@ qwen35 = "mimo_qwen35"
 [tool.setuptools]
 packages = ["mimo_qwen35", "mimo_qwen35.hf"]
 """
-# run in the environment: transformers' logits of the export against mimo's, the export read as --pretrained
+# run in the environment, one interpreter for what needs no process of its own (each start imports torch and
+# megatron-core): where mimo and the family come from, `mimo providers list --json`, the contract kit; a JSON line
+INSTALLED = """
+import importlib.util, json, sys, mimo, mimo_qwen35
+from typer.testing import CliRunner
+from mimo.cli.main import app
+from mimo.testing import check_provider
+
+listing = CliRunner().invoke(app, ["providers", "list", "--json"])
+assert listing.exit_code == 0, listing.output
+summary = check_provider(sys.argv[1]).summary()
+print(json.dumps({"alone": importlib.util.find_spec("mimo.providers.qwen35") is None, "mimo": mimo.__file__,
+                  "family": mimo_qwen35.__file__, "listing": json.loads(listing.stdout), "contract": summary}))
+"""
+# run in the environment: `mimo ckpt export-hf SAVE EXPORT`, then transformers' logits of the export against
+# mimo's, the export read as --pretrained
 LOGITS = """
 import sys, torch, transformers
-sys.path.insert(0, sys.argv[2])
+from typer.testing import CliRunner
+sys.path.insert(0, sys.argv[3])
 from helpers import world_of_one
+from mimo.cli.main import app
 from mimo.core.checkpoint.hf_load import hf_loader
 from mimo.core.config import CheckpointOptions, RunConfig, TrainingOptions
 from mimo.core.run.plan import prepare
 from mimo.core.run.world import join
 from mimo_qwen35.positions import mrope_positions
 
-folder = sys.argv[1]
+exported = CliRunner().invoke(app, ["ckpt", "export-hf", sys.argv[1], sys.argv[2]])
+assert exported.exit_code == 0, exported.output
+folder = sys.argv[2]
 with world_of_one():
     config = RunConfig(provider="qwen3.5-vl-tiny", provider_settings=["backend=local"],
                        training=TrainingOptions(device="cpu", micro_batch_size=1),
@@ -131,16 +150,12 @@ def test_the_family_installed_alone_passes_the_contract_trains_resumes_and_expor
     def mimo(*args: str) -> subprocess.CompletedProcess:
         return run("-m", "mimo.cli", *args)
 
-    found = run("-c", "import importlib.util as u, mimo, mimo_qwen35; "
-                      "print(u.find_spec('mimo.providers.qwen35') is None, mimo.__file__, mimo_qwen35.__file__)")
-    alone, mimo_file, family_file = found.stdout.split()
-    assert alone == "True" and str(tmp_path / "venv") in mimo_file and str(tmp_path / "venv") in family_file
-    listing = json.loads(mimo("providers", "list", "--json").stdout)
+    found = json.loads(run("-c", textwrap.dedent(INSTALLED), PROVIDER).stdout.splitlines()[-1])
+    assert found["alone"] and str(tmp_path / "venv") in found["mimo"] and str(tmp_path / "venv") in found["family"]
+    listing = found["listing"]
     row = next(r for r in listing["providers"] if r["name"] == PROVIDER)
     assert row["distribution"] == "mimo-qwen35 0.1.0" and not listing["broken"], row
-
-    contract = run("-c", f"from mimo.testing import check_provider; print(check_provider({PROVIDER!r}).summary())")
-    assert PROVIDER in contract.stdout
+    assert PROVIDER in found["contract"]
 
     def train(name: str, *args: str) -> dict:
         metrics = tmp_path / f"{name}.jsonl"
@@ -158,7 +173,6 @@ def test_the_family_installed_alone_passes_the_contract_trains_resumes_and_expor
     assert resumed == {i: loss for i, loss in whole.items() if i > 2}  # exactly
     assert whole[4] < whole[1]
 
-    export = tmp_path / "export"
-    mimo("ckpt", "export-hf", str(save), str(export))
-    error = float(run("-c", textwrap.dedent(LOGITS), str(export), str(REPO / "tests")).stdout.split()[-1])
+    error = float(run("-c", textwrap.dedent(LOGITS), str(save), str(tmp_path / "export"),
+                      str(REPO / "tests")).stdout.split()[-1])
     assert error <= 1e-4, error

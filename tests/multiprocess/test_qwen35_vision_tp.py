@@ -5,8 +5,6 @@ transformers' merged tokens for packed images, within 1e-4 fp32."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,6 +20,8 @@ def test_tensor_parallel_tower_matches_the_reference(tmp_path):
     from test_qwen35_vision import IMAGE_SIZES, TINY_TEXT, TINY_VISION, _randomize
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
 
+    from helpers import torchrun_world
+
     from mimo.providers.qwen35.vision import Qwen35VisionSettings
 
     model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=TINY_TEXT, vision_config=TINY_VISION)).eval()
@@ -34,11 +34,7 @@ def test_tensor_parallel_tower_matches_the_reference(tmp_path):
     with torch.no_grad():
         want = model.model.visual(inputs["pixel_values"], grid_thw=inputs["grid_thw"]).pooler_output
     torch.save(inputs, tmp_path / "inputs.pt")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(29500 + os.getpid() % 1000 + 11), str(SCRIPT), str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"})
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    torchrun_world(_main, (tmp_path,), 2)  # as torchrun --nproc-per-node 2 runs this file
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         error = float((got["tokens"] - want).abs().max() / want.abs().max())

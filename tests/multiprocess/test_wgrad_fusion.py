@@ -11,7 +11,7 @@ import socket
 import pytest
 import torch
 
-from helpers import read_metrics, run_mimo
+from helpers import read_metrics, run_mimo, start_world
 
 
 def _layers():
@@ -88,7 +88,7 @@ def test_megatron_layers_add_their_weight_gradients_into_main_grad(tmp_path):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "result.json"
-    torch.multiprocessing.start_processes(_worker, args=(port, str(out)), nprocs=1, start_method="spawn")
+    start_world(_worker, (port, str(out)), 1)
     result = json.loads(out.read_text())
     assert result["changed"] == 3
     # every weight's gradient is in main_grad, as megatron-core's backward computes it, and DDP's hook is told

@@ -36,17 +36,22 @@ def test_the_guide_gives_every_hookspec_with_its_exact_signature():
 
 # -- built-in providers, through the same checks a third-party provider's tests run
 
-_full_checks: dict[str, object] = {}  # provider -> ContractReport or the ContractError its full check raised
+@pytest.fixture(scope="module")
+def full_check():
+    """full_check(name): the complete check of a built-in provider (static and built), run once per module: the
+    tests of each provider and the hookspec test read the same outcome (module scope keeps them on one xdist
+    worker, tests/conftest.py, so no check is built and trained twice)."""
+    outcomes: dict[str, object] = {}  # provider -> ContractReport or the ContractError its full check raised
 
+    def check(name: str):
+        if name not in outcomes:
+            try:
+                outcomes[name] = check_provider(name)
+            except ContractError as err:
+                outcomes[name] = err
+        return outcomes[name]
 
-def full_check(name: str):
-    """The complete check of a built-in provider (static and built), run once per session."""
-    if name not in _full_checks:
-        try:
-            _full_checks[name] = check_provider(name)
-        except ContractError as err:
-            _full_checks[name] = err
-    return _full_checks[name]
+    return check
 
 
 def test_mimo_registers_built_in_providers():
@@ -59,7 +64,7 @@ def test_builtin_provider_meets_the_static_contract(name):
 
 
 @pytest.mark.parametrize("name", BUILTINS)
-def test_builtin_provider_builds_trains_and_checkpoints(name):
+def test_builtin_provider_builds_trains_and_checkpoints(full_check, name):
     reason = too_large(check_model_shape(load_subject(name)))
     if reason:
         print(f"{name}: {reason}")
@@ -70,7 +75,7 @@ def test_builtin_provider_builds_trains_and_checkpoints(name):
     print(outcome.summary())
 
 
-def test_every_hookspec_is_called_by_the_contract_checks():
+def test_every_hookspec_is_called_by_the_contract_checks(full_check):
     """A hook nobody calls is a hook nobody tests: the checks of the built-in providers that build on CPU
     must call every hook mimo declares (recorded through the plugin manager, not by name)."""
     called = set()
