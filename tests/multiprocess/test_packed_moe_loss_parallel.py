@@ -12,6 +12,8 @@ import socket
 
 import torch
 
+from helpers import start_world
+
 HIDDEN = 16
 LENGTHS, PLACES = [5, 11, 2, 7, 13], [0, 8, 20, 24, 32, 48]  # places of multiples of 4 (2 x CP), rows of 16 and 32
 
@@ -105,7 +107,7 @@ def test_ranks_shares_add_up_to_one_processs_loss_and_gradient(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    torch.multiprocessing.start_processes(_worker, args=(port, str(tmp_path / "r")), nprocs=2, start_method="spawn")
+    start_world(_worker, (port, str(tmp_path / "r")), 2)
     ranks = [json.loads((tmp_path / f"r.{rank}").read_text()) for rank in range(2)]
     for layout in ("sp", "cp"):
         for rank, r in enumerate(ranks):
