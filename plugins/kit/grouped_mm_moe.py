@@ -121,11 +121,11 @@ def gated(activation, offset: float, clamp: float | None, up: torch.Tensor) -> t
     gate, linear = torch.chunk(up, 2, dim=-1)
     if clamp is not None:
         gate, linear = gate.clamp(min=None, max=clamp), linear.clamp(min=-clamp, max=clamp)
-    return activation(gate) * (linear + offset)
+    return activation(gate) * (linear + offset if offset else linear)  # no pass over the rows to add 0
 
 
 def expert_weights(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The local experts' fc1 ([ffn, H] each) and fc2 ([H, ffn] each) weights, megatron's [out, in]:
+    """The local experts' fc1 ([ffn, H] each; gated [2 ffn, H]) and fc2 ([H, ffn] each) weights, megatron's [out, in]:
     TEGroupedMLP's weight0..weightN or SequentialMLP's modules."""
     if hasattr(experts, "local_experts"):
         local = experts.local_experts
