@@ -5,7 +5,8 @@
     python bench/real_data.py --out /tmp/smoke --quick                         # the script itself, tiny, on a CPU
 
 Each case is two `mimo run`s in bf16 with the same options: the provider's synthetic data (rows of seq_length
-tokens, no padding) and `--data` of the real-shaped dataset (packed, the default). Every row has the first
+tokens, no padding) and `--data` of the real-shaped dataset (packed, the default); a case with --cuda-graphs
+(`SYNTHETIC_ONLY`) runs the synthetic data alone. Every row has the first
 iteration (its seconds, and from the process's start to its log line), and over the iterations after `--warmup`:
 ms/iter, real tokens/s/GPU (tokens that are not padding; the synthetic data has none), TFLOP/s/GPU and MFU from
 the FLOPs of the micro-batches run, samples/s, the packs' fill, the host's data wait (share of the iteration),
@@ -24,6 +25,10 @@ from pathlib import Path
 from common import Results, device_description, mimo_run, plan_json, settings_args, spread
 
 SLICE = dict(hybrid_pattern="MEMEM*EMEM", num_experts=16, backend="te")
+# images up to 768 x 768 pixels (576 tokens: two fit the 1,200 image tokens a packed row gets on one H200): the
+# processor's default (16.8 M pixels, 16,384 tokens) skipped a third of the real-shaped samples at sequence 4096
+# (docs/benchmarks.md, Qwen3.5-VL on one GPU)
+QWEN_SLICE = dict(layer_pattern="GGG*" * 4, num_experts=32, backend="te", max_pixels=768 * 768)
 # name -> (provider, settings, micro-batch size, micro-batches, extra `mimo run` options)
 CASES = {
     "slice": ("nemotron-moe-vlm-52l", SLICE, 1, 8, []),
@@ -31,16 +36,19 @@ CASES = {
     # the whole released model (RADIO-H + 52 layers, 128 experts) with LoRA rank 16 on one GPU (issue 61)
     "lora52": ("nemotron-moe-vlm-52l", {"backend": "te", "seq_length": 4096}, 1, 8, ["--lora-rank", "16"]),
     # Qwen3.5-VL 35B-A3B at every released width, 16 of its 40 layers (the 3:1 delta-net/attention pattern), the
-    # 32 experts one GPU holds under EP8 (issue 62); images up to 768 x 768 pixels (576 tokens: two fit the 1,200
-    # image tokens a packed row gets on one H200): the processor's default (16.8 M pixels, 16,384 tokens) skipped a
-    # third of the real-shaped samples at sequence 4096 (docs/benchmarks.md, Qwen3.5-VL on one GPU)
-    "qwen-slice": ("qwen3.5-vl-35b-a3b", {"layer_pattern": "GGG*" * 4, "num_experts": 32, "backend": "te",
-                                          "max_pixels": 768 * 768}, 1, 8, []),
-    # the whole 35B-A3B (every layer and expert) with LoRA rank 16 on one GPU (issue 62)
+    # 32 experts one GPU holds under EP8 (issue 62); images up to 768 x 768 pixels (QWEN_SLICE)
+    "qwen-slice": ("qwen3.5-vl-35b-a3b", QWEN_SLICE, 1, 8, []),
+    # the same with its layers' mixers and MoE routers captured as CUDA graphs (the routed experts as grouped GEMMs:
+    # expert_gemm auto); synthetic data only: packed --data refuses --cuda-graphs
+    "qwen-slice-graphs": ("qwen3.5-vl-35b-a3b", QWEN_SLICE, 1, 8, ["--cuda-graphs"]),
+    # the whole 35B-A3B (every layer and expert) with LoRA rank 16 on one GPU (issue 62); the routed experts
+    # without adapters: on backend te their adapters are refused (docs/lora.md)
     "qwen-lora": ("qwen3.5-vl-35b-a3b", {"backend": "te", "seq_length": 4096, "max_pixels": 768 * 768}, 1, 8,
-                  ["--lora-rank", "16"]),
+                  ["--lora-rank", "16", "--lora-targets",
+                   "language:linear_qkv,linear_proj,in_proj,out_proj,shared_experts;images:all;projection:all"]),
 }
 QUICK_CASES = {"tiny": ("nemotron-moe-vlm-tiny", {"backend": "local"}, 2, 2, [])}
+SYNTHETIC_ONLY = {"qwen-slice-graphs"}  # captured graphs replay fixed shapes: packed real-shaped rows have none
 # metrics-file keys: the real-token figures, with --data; the synthetic run's tokens are all real
 FIGURES = {  # row key -> metrics key (with --data, tokens and FLOPs are the samples' own, padding left out)
     "ms_per_iter": "elapsed_ms",
@@ -169,7 +177,7 @@ def main() -> None:
     results = Results("real_data", COLUMNS)
     for name in names:
         for kind, data in (("synthetic", None), ("real", args.data)):
-            if args.only and args.only != kind:
+            if (args.only and args.only != kind) or (kind == "real" and name in SYNTHETIC_ONLY):
                 continue
             results.rows.append(run_one(f"{name}-{kind}", cases[name], args.out, device, args.iterations,
                                         args.warmup, data, args.timeout, args.snapshot))

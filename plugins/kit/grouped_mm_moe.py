@@ -8,6 +8,9 @@ of a full-width Nemotron slice, its profile in docs/benchmarks.md (g)). Here:
 
 * `grouped_experts` runs fc1, the activation (times the routing probabilities) and fc2 of every expert as
   `torch.nn.functional.grouped_mm` calls whose group boundaries are the cumulative token counts, on the device.
+  The activation is the TransformerConfig's, as megatron-core's experts apply it (`expert_activation`): plain
+  (Nemotron's squared ReLU) or gated (`gated_linear_unit`: fc1's rows are the gate's then the linear half's, as
+  SwiGLU's silu(gate) * up; Qwen3.5's experts).
 * the experts' weights lie back to back in one tensor per linear (`expert_storage.py`), which those calls take
   with no copy (stacked where something moved them apart); under mimo's loop their gradients go straight into DDP's
   fp32 `main_grad`s, not through one hook and add per expert: the grouped GEMM's stacked gradient is added in one
@@ -75,10 +78,11 @@ def _grouped_linear(x: torch.Tensor, weight, offsets: torch.Tensor) -> torch.Ten
 
 def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, fc1, fc2, activation,
                     recompute=None, adapters=(None, None)) -> torch.Tensor:
-    """[tokens, H] sorted by expert -> [tokens, H]: `fc1` [E, ffn, H] and `fc2` [E, H, ffn] (megatron's [out, in]
-    weights stacked; or each a list of the E weights, whose gradients then go into their main_grads from one grouped
-    GEMM), `counts` [E] tokens per expert (any device), `probs` [tokens] routing weights applied after the
-    activation. `recompute`: a megatron-core CheckpointWithoutOutput for the activation (selective recompute).
+    """[tokens, H] sorted by expert -> [tokens, H]: `fc1` [E, ffn, H] (gated: [E, 2 ffn, H]) and `fc2` [E, H, ffn]
+    (megatron's [out, in] weights stacked; or each a list of the E weights, whose gradients then go into their
+    main_grads from one grouped GEMM), `counts` [E] tokens per expert (any device), `probs` [tokens] routing
+    weights applied after the `activation` (of fc1's output: `expert_activation`). `recompute`: a megatron-core
+    CheckpointWithoutOutput for the activation (selective recompute).
     `adapters`: for fc1 and fc2, None or `term(x, offsets)`, added to that linear's output as a low-rank adapter
     beside each expert's linear adds it (fc1's before the activation, fc2's to the probs-weighted output)."""
     # the dtype changes on the device: a host tensor converted on the host first would be a new pageable tensor,
@@ -102,8 +106,26 @@ def grouped_experts(hidden: torch.Tensor, counts: torch.Tensor, probs: torch.Ten
     return out
 
 
+def expert_activation(config):
+    """fc1's output -> fc2's input as megatron-core's experts compute it from `config`: `activation_func`, or with
+    `gated_linear_unit` activation_func(gate) * (linear + glu_linear_offset) of fc1's two halves (gate rows first),
+    each half clamped where `activation_func_clamp_value` says."""
+    if not config.gated_linear_unit:
+        return config.activation_func
+    return functools.partial(gated, config.activation_func, config.glu_linear_offset,
+                             config.activation_func_clamp_value)
+
+
+def gated(activation, offset: float, clamp: float | None, up: torch.Tensor) -> torch.Tensor:
+    """A gated linear unit of [rows, 2 ffn] -> [rows, ffn]: megatron-core's `glu` (mlp.py, experts.py)."""
+    gate, linear = torch.chunk(up, 2, dim=-1)
+    if clamp is not None:
+        gate, linear = gate.clamp(min=None, max=clamp), linear.clamp(min=-clamp, max=clamp)
+    return activation(gate) * (linear + offset if offset else linear)  # no pass over the rows to add 0
+
+
 def expert_weights(experts) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The local experts' fc1 ([ffn, H] each) and fc2 ([H, ffn] each) weights, megatron's [out, in]:
+    """The local experts' fc1 ([ffn, H] each; gated [2 ffn, H]) and fc2 ([H, ffn] each) weights, megatron's [out, in]:
     TEGroupedMLP's weight0..weightN or SequentialMLP's modules."""
     if hasattr(experts, "local_experts"):
         local = experts.local_experts
@@ -125,7 +147,9 @@ class _GroupedMMForward:
         config = self.config
         obstacles = ((self.tp_group.size() > 1, "expert tensor parallelism (--llm-expt-tp 1)"),
                      (config.fp8 or config.fp4, LOW_PRECISION),
-                     (config.gated_linear_unit, "gated experts"), (config.add_bias_linear, "biases"),
+                     (config.gated_linear_unit and config.moe_mlp_glu_interleave_size is not None,
+                      "interleaved gate and linear rows (moe_mlp_glu_interleave_size)"),
+                     (config.add_bias_linear, "biases"),
                      (config.moe_apply_probs_on_input, "routing probabilities on the input"),
                      (getattr(self, "_with_fused_impl", False), "transformer-engine's fused expert ops"),
                      (getattr(self, "offload_expert_fc1", False) or getattr(self, "offload_moe_act", False),
@@ -150,7 +174,7 @@ class _GroupedMMForward:
         if not (permuted_local_hidden_states.is_cuda and fused_wgrad_enabled() and adds_into_main_grad(fc1 + fc2)):
             fc1, fc2 = stacked(fc1), stacked(fc2)
         out = grouped_experts(permuted_local_hidden_states, tokens_per_expert, permuted_probs, fc1, fc2,
-                              self.config.activation_func, recompute, self.adapter_terms())
+                              expert_activation(self.config), recompute, self.adapter_terms())
         return out, None
 
     def _pack_weights(self) -> None:

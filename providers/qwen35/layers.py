@@ -12,6 +12,10 @@ parameters and checkpoint keys.
 * `LocalGatedDeltaNet`: megatron-core's GatedDeltaNet refuses to be built without flash-linear-attention and runs
   its kernels in the forward; this one runs the same function in PyTorch (the causal convolution, the chunked
   gated delta rule of delta_rule.py), on any device, packed (THD) sequences one after another.
+* `MRoPEAttentionLayer`: megatron-core's TransformerLayer for the full attention layers, whose CUDA graph
+  (--cuda-graphs, graphs.py) takes the rotary frequencies as an input: megatron-core gives a captured layer
+  frequencies only for plain RoPE, and transformer-engine's graphs drop any other argument at replay, so a
+  captured multimodal-RoPE layer would rotate by nothing.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_thi
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding
 from megatron.core.ssm.gated_delta_net import GatedDeltaNet, common as gdn_common
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+from megatron.core.transformer.enums import CudaGraphModule
+from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from mimo.errors import UsageError
 from mimo.plugins.kit.local_norms import RMSNorm, rms_norm
@@ -260,3 +266,36 @@ class LocalGatedDeltaNet(Qwen35GatedDeltaNet):
         else:
             out = self.gated_delta_rule(query, key, value, g, beta)
         return out.to(qkv.dtype), gate.reshape(batch, seq_len, -1, self.value_head_dim)
+
+
+class MRoPEAttentionLayer(TransformerLayer):
+    """megatron-core's TransformerLayer whose captured attention reads the rotary frequencies [S, B, 1, dims] of
+    each micro-batch (3-D image positions differ per sample) from a static input the graph copies them into. Their
+    layout is the one the eager iterations before capture saw (the loop runs one; the shapes are fixed)."""
+
+    rotary_layout: tuple[torch.Size, torch.dtype] | None = None
+
+    def forward(self, *args, **kwargs):
+        rotary = kwargs.get("rotary_pos_emb")
+        if isinstance(rotary, torch.Tensor):
+            self.rotary_layout = (rotary.shape, rotary.dtype)
+        return super().forward(*args, **kwargs)
+
+    def get_layer_static_inputs(self, seq_length, micro_batch_size):
+        inputs = super().get_layer_static_inputs(seq_length, micro_batch_size)
+        rotary = self.static_rotary(inputs["hidden_states"].device)
+        if rotary is not None:
+            inputs["rotary_pos_emb"] = rotary
+        return inputs
+
+    def static_rotary(self, device) -> torch.Tensor | None:
+        """The rotary frequencies' static input where the attention is captured (zeros: replay copies the real
+        ones in), else None."""
+        modules = self.config.cuda_graph_modules
+        if modules and CudaGraphModule.attn not in modules:
+            return None
+        if self.rotary_layout is None:
+            raise RuntimeError(f"layer {self.layer_number}: CUDA graph capture before an eager forward gave its "
+                               f"rotary frequencies' shape (the loop runs one iteration eagerly first)")
+        shape, dtype = self.rotary_layout
+        return torch.zeros(shape, dtype=dtype, device=device)

@@ -14,7 +14,7 @@ from mimo.plugins.kit.te_extras import te_extras_enabled
 
 from .counts import swiglu
 from .settings import IMAGES, Qwen35Settings
-from .specs import resolve_backend
+from .specs import resolve_backend, uses_grouped_mm
 
 CHUNK = 64  # the gated delta rule's chunk
 
@@ -81,7 +81,7 @@ def moe(s: Qwen35Settings, k: ml.Kernels) -> Part:
     gate (a weight per hidden unit)."""
     h = s.hidden_size
     base = ml.moe(h, s.num_experts, s.moe_router_topk, s.moe_ffn_hidden_size, s.moe_shared_expert_intermediate_size,
-                  k, stacked_experts=_backend(s) == "te")
+                  k, stacked_experts=uses_grouped_mm(s.expert_gemm, _backend(s)))
     weights = Weights(tp=swiglu(h, s.moe_shared_expert_intermediate_size), replicated=2 * h + s.num_experts * h,
                       expert=s.num_experts * swiglu(h, s.moe_ffn_hidden_size))
 

@@ -13,6 +13,7 @@ from mimo import LANGUAGE
 from mimo.plugins.kit.in_place_loss import InPlaceCrossEntropy
 from mimo.plugins.kit.te_extras import te_extras_enabled
 
+from .graphs import cuda_graph_fields
 from .layers import InterleavedMRoPE
 from .settings import Qwen35Settings
 from .specs import final_norm, layer_specs, resolve_backend
@@ -77,11 +78,10 @@ def language_spec(s: Qwen35Settings, ctx) -> ModuleSpec:
     if s.is_moe and llm.tp > 1 and not ctx.sequence_parallel:
         raise ValueError("--llm-tp > 1: megatron-core trains MoE layers under tensor parallelism only with "
                          "sequence parallelism: add --sequence-parallel, or use --llm-tp 1 (and --llm-ep)")
+    graphs = cuda_graph_fields(s, ctx, backend)
     if backend != "te":
         if ctx.fp8 != "none":
             raise ValueError(f"--fp8 {ctx.fp8} needs backend te: --set backend=te (transformer-engine, fla, a GPU)")
-        if ctx.cuda_graphs:
-            raise ValueError("--cuda-graphs needs backend te: --set backend=te (transformer-engine, fla, a GPU)")
         if ctx.sequence_parallel and llm.tp > 1:
             raise ValueError("--sequence-parallel needs backend te: --set backend=te, or leave it off")
         if llm.cp > 1:
@@ -98,9 +98,9 @@ def language_spec(s: Qwen35Settings, ctx) -> ModuleSpec:
             fused.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="te")
         if s.is_moe:
             fused.update(moe_grouped_gemm=True, moe_permute_fusion=True)
-    config = ctx.transformer_config(LANGUAGE, **transformer_fields(s), **fused)
+    config = ctx.transformer_config(LANGUAGE, **transformer_fields(s), **fused, **graphs)
     return ModuleSpec(module=Qwen35LanguageModel, params=dict(
-        config=config, layer_specs=layer_specs(s.layer_pattern, backend, s.num_experts),
+        config=config, layer_specs=layer_specs(s.layer_pattern, backend, s.num_experts, s.expert_gemm),
         final_norm=final_norm(backend), vocab_size=s.vocab_size, max_sequence_length=s.seq_length,
         share_embeddings_and_output_weights=s.tie_word_embeddings, rotary_percent=s.rotary_percent,
         rotary_base=s.rotary_base,

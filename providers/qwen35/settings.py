@@ -31,6 +31,11 @@ class Qwen35Settings(Qwen35VisionSettings):
     backend: Literal["auto", "te", "local"] = setting(
         "auto", "te: transformer-engine layers and flash-linear-attention's gated delta rule; local: plain "
                 "megatron-core/PyTorch modules (any device); auto: te when both are installed and a GPU is visible")
+    expert_gemm: Literal["auto", "grouped_mm", "megatron"] = setting(
+        "auto", "routed experts: grouped_mm runs them as two torch grouped GEMMs with the token counts on the GPU "
+                "(no host sync; SwiGLU times the routing probabilities between them; expert TP 1, bf16/fp32, no "
+                "FP8); megatron: megatron-core's experts (backend te: transformer-engine's grouped GEMM; local: one "
+                "MLP per expert); auto: grouped_mm with backend te where it applies")
 
     # -- language model: a hybrid of gated delta net (linear attention) and gated full attention layers
     layer_pattern: str = setting(interleaved_pattern(32), "one symbol per layer: G gated delta net (linear "

@@ -7,6 +7,9 @@ transformer-engine fuses them; `local` builds the same layers from megatron-core
 (SDPA attention, the fused norm-linear and zero-centered RMSNorm with TE's names), so both backends share every
 parameter name. The norms store `w` and apply `1 + w` (`layernorm_zero_centered_gamma`), as Qwen's do, except the
 gated delta net's output norm, which applies `w` (Qwen's RMSNormGated): it is always the package's `HeadNorm`.
+The routed experts are megatron-core's, or (the `expert_gemm` setting) the kit's grouped-GEMM experts with the
+token counts left on the device (mimo.plugins.kit.grouped_mm_moe), which keep megatron-core's parameters and keys.
+Full attention layers are `MRoPEAttentionLayer`s (layers.py): the same layer, capturable with its rotary input.
 """
 
 from __future__ import annotations
@@ -28,9 +31,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from mimo.plugins import SDPAttention
+from mimo.plugins.kit.grouped_mm_moe import with_grouped_mm_experts
 from mimo.plugins.kit.local_norms import LayerNormColumnParallelLinear, RMSNorm
 
-from .layers import HeadNorm, LocalGatedDeltaNet, Qwen35GatedDeltaNet
+from .layers import HeadNorm, LocalGatedDeltaNet, MRoPEAttentionLayer, Qwen35GatedDeltaNet
 
 
 
@@ -72,7 +76,12 @@ def _mixer(symbol: str, p: dict) -> ModuleSpec:
                                                          k_layernorm=p["norm"]))
 
 
-def layer_specs(pattern: str, backend: str, num_experts: int) -> list[ModuleSpec]:
+def uses_grouped_mm(expert_gemm: str, backend: str) -> bool:
+    """`expert_gemm` (the setting): auto is grouped_mm on backend te, megatron's experts on local."""
+    return expert_gemm == "grouped_mm" or (expert_gemm == "auto" and backend == "te")
+
+
+def layer_specs(pattern: str, backend: str, num_experts: int, expert_gemm: str = "megatron") -> list[ModuleSpec]:
     """One TransformerLayer spec per symbol of `pattern` (all of them: the model keeps its pipeline stage's)."""
     p = _pieces(backend)
     if num_experts:
@@ -82,9 +91,14 @@ def layer_specs(pattern: str, backend: str, num_experts: int) -> list[ModuleSpec
         mlp = partial(MLP.as_mlp_submodule, submodules=MLPSubmodules(linear_fc1=p["norm_linear"],
                                                                      linear_fc2=p["row"]))
         pre_mlp_norm = IdentityOp  # fused into linear_fc1
-    return [ModuleSpec(module=TransformerLayer, submodules=TransformerLayerSubmodules(
-        self_attention=_mixer(symbol, p), self_attn_bda=get_bias_dropout_add,
-        pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add)) for symbol in pattern]
+    specs = [ModuleSpec(module=TransformerLayer if symbol == "G" else MRoPEAttentionLayer,
+                        submodules=TransformerLayerSubmodules(
+                            self_attention=_mixer(symbol, p), self_attn_bda=get_bias_dropout_add,
+                            pre_mlp_layernorm=pre_mlp_norm, mlp=mlp, mlp_bda=get_bias_dropout_add))
+             for symbol in pattern]
+    if num_experts and uses_grouped_mm(expert_gemm, backend):
+        specs = [with_grouped_mm_experts(spec) for spec in specs]
+    return specs
 
 
 def final_norm(backend: str):

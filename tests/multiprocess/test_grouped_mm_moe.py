@@ -1,5 +1,6 @@
 """Routed experts as torch grouped GEMMs (plugins/kit/grouped_mm_moe.py, Nemotron's `expert_gemm` setting):
-`grouped_experts` equals a per-expert loop in values and gradients (fp32, bf16, experts without tokens); the
+`grouped_experts` equals a per-expert loop in values and gradients (fp32, bf16, experts without tokens; plain and
+gated activations), grouped SequentialMLP experts equal megatron-core's for the config's gated activations; the
 Nemotron model built with `expert_gemm=grouped_mm` uses the grouped experts and the device-counts dispatcher, keeps
 megatron's parameters and checkpoint keys, and trains like `expert_gemm=megatron`; other specs are left alone."""
 
@@ -41,27 +42,45 @@ def _loop_reference(hidden, counts, probs, fc1, fc2, activation):
     return torch.cat(outputs)
 
 
-def _leaves(dtype, counts, hidden_size, ffn, generator):
+def _swiglu(x):
+    """fc1's gate rows first, then its linear rows (megatron-core's and Hugging Face's gate_up order)."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _kit_swiglu():
+    """The kit's activation for a SwiGLU TransformerConfig."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from mimo.plugins.kit.grouped_mm_moe import expert_activation
+
+    return expert_activation(TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1,
+                                               gated_linear_unit=True, activation_func=F.silu))
+
+
+def _leaves(dtype, counts, hidden_size, ffn, generator, gated=False):
     tokens, experts = int(counts.sum()), counts.numel()
     make = lambda *shape, scale=1.0: (torch.randn(*shape, generator=generator) * scale).to(dtype).requires_grad_()
     return (make(tokens, hidden_size), torch.rand(tokens, generator=generator).to(dtype).requires_grad_(),
-            make(experts, ffn, hidden_size, scale=hidden_size ** -0.5), make(experts, hidden_size, ffn,
-                                                                               scale=ffn ** -0.5))
+            make(experts, (2 if gated else 1) * ffn, hidden_size, scale=hidden_size ** -0.5),
+            make(experts, hidden_size, ffn, scale=ffn ** -0.5))
 
 
 def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("activation", [_squared_relu, F.gelu], ids=["squared_relu", "gelu"])
+@pytest.mark.parametrize("activation, reference_activation", [(_squared_relu, _squared_relu), (F.gelu, F.gelu),
+                                                                 (_kit_swiglu(), _swiglu)],
+                         ids=["squared_relu", "gelu", "swiglu"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_grouped_experts_equals_a_loop_over_experts(dtype, activation):
+def test_grouped_experts_equals_a_loop_over_experts(dtype, activation, reference_activation):
     """`grouped_experts` gives a per-expert loop's output and input/probs/weight gradients (experts without tokens
-    included: their weight gradients are exactly zero)."""
+    included: their weight gradients are exactly zero); gated (SwiGLU): fc1 has twice the rows."""
     generator = torch.Generator().manual_seed(0)
     counts = torch.tensor([0, 5, 3, 0, 9, 1, 6, 0])  # first, middle and last expert without tokens
     hidden_size, ffn = 16, 24  # strides are multiples of 16 bytes in fp32 and bf16
-    leaves = _leaves(dtype, counts, hidden_size, ffn, generator)
+    leaves = _leaves(dtype, counts, hidden_size, ffn, generator, gated=reference_activation is _swiglu)
     upstream = torch.randn(int(counts.sum()), hidden_size, generator=generator).to(dtype)
 
     out = grouped_experts(*leaves[:1], counts, *leaves[1:], activation)
@@ -71,7 +90,7 @@ def test_grouped_experts_equals_a_loop_over_experts(dtype, activation):
     # the reference in fp32 (bf16: from the same bf16 values, upcast)
     reference_leaves = [t.detach().float().requires_grad_() for t in leaves]
     hidden, probs, fc1, fc2 = reference_leaves
-    reference = _loop_reference(hidden, counts, probs, fc1, fc2, activation)
+    reference = _loop_reference(hidden, counts, probs, fc1, fc2, reference_activation)
     reference_grads = torch.autograd.grad(reference, reference_leaves, upstream.float())
 
     if dtype == torch.float32:
@@ -96,6 +115,55 @@ def test_grouped_experts_takes_counts_as_any_integer_tensor():
     a = grouped_experts(hidden, counts, probs, fc1, fc2, F.gelu)
     b = grouped_experts(hidden, counts.to(torch.int32), probs, fc1, fc2, F.gelu)
     assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("activation, offset, clamp", [("silu", 0.0, None), ("quick_gelu", 1.0, 0.5),
+                                                       ("squared_relu", 0.0, None)],
+                         ids=["swiglu", "clamped-geglu", "squared_relu"])
+def test_grouped_sequential_experts_compute_megatrons_activation(world, activation, offset, clamp):
+    """GroupedMMSequentialMLP against megatron-core's SequentialMLP with the same weights, for the config's gated
+    activations (glu_linear_offset and activation_func_clamp_value included; the clamp cuts most values here) and a
+    plain one: the same outputs and input, probability and weight gradients (fp32)."""
+    import torch.distributed as dist
+    from megatron.core.activations import squared_relu
+    from megatron.core.fusions.fused_bias_geglu import quick_gelu
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    function = {"silu": F.silu, "quick_gelu": quick_gelu, "squared_relu": squared_relu}[activation]
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=1, ffn_hidden_size=24,
+                               moe_ffn_hidden_size=24, num_moe_experts=4,
+                               gated_linear_unit=activation != "squared_relu",
+                               activation_func=function, glu_linear_offset=offset, activation_func_clamp_value=clamp,
+                               add_bias_linear=False, use_cpu_initialization=True, bias_activation_fusion=False)
+    group = dist.group.WORLD
+    pgc = ProcessGroupCollection(tp=group, ep=group, expt_tp=group, expt_dp=group)
+    submodules = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    megatron = SequentialMLP(4, config, submodules, pg_collection=pgc)
+    grouped = GroupedMMSequentialMLP(4, config, submodules, pg_collection=pgc)
+    grouped.load_state_dict(megatron.state_dict())
+    assert grouped.grouped_mm
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.tensor([5, 0, 9, 6])
+    # fc1's outputs of about unit size (weights of std 0.02): the clamp cuts most of them
+    hidden, probs = torch.randn(20, 16, generator=generator) * 12, torch.rand(20, generator=generator)
+    upstream = torch.randn(20, 16, generator=generator)
+    results = []
+    for experts in (grouped, megatron):
+        inputs = (hidden.clone().requires_grad_(), probs.clone().requires_grad_())
+        out, _ = experts(inputs[0], counts, inputs[1])
+        out.backward(upstream)
+        results.append((out.detach(), inputs[0].grad, inputs[1].grad,
+                        [w.grad for weights in expert_weights(experts) for w in weights]))
+    (out_g, dx_g, dp_g, dw_g), (out_m, dx_m, dp_m, dw_m) = results
+    torch.testing.assert_close(out_g, out_m, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dx_g, dx_m, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(dp_g, dp_m, rtol=1e-5, atol=1e-6)
+    for got, want in zip(dw_g, dw_m):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------------------------- the spec

@@ -174,6 +174,35 @@ def test_both_backends_build_the_same_layer_kinds():
                 assert a.submodules.pre_mlp_layernorm is not b.submodules.pre_mlp_layernorm
 
 
+@pytest.mark.parametrize("kernels", ["te", "local"])
+def test_expert_gemm_chooses_the_kits_grouped_experts_over_megatrons(kernels):
+    """expert_gemm: grouped_mm (and auto on te) builds every MoE layer as the kit's DeviceCountsMoELayer with the
+    grouped-GEMM subclass of megatron-core's experts class for that backend (spec level: no GPU here); megatron
+    (and auto on local) leaves megatron-core's spec as it is."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from mimo.plugins.kit.grouped_mm_moe import DeviceCountsMoELayer, GroupedMMExperts, GroupedMMSequentialMLP
+    from mimo.providers.qwen35 import specs
+
+    megatron = specs.layer_specs("G*", kernels, 4, "megatron")
+    for expert_gemm in ("auto", "grouped_mm", "megatron"):
+        grouped = expert_gemm == "grouped_mm" or (expert_gemm == "auto" and kernels == "te")
+        assert specs.uses_grouped_mm(expert_gemm, kernels) is grouped
+        for spec, plain in zip(specs.layer_specs("G*", kernels, 4, expert_gemm), megatron):
+            assert spec.module is plain.module
+            mlp, plain_mlp = spec.submodules.mlp, plain.submodules.mlp
+            experts = mlp.keywords["submodules"].experts.func
+            plain_experts = plain_mlp.keywords["submodules"].experts.func
+            assert plain_mlp.func is MoELayer
+            if grouped:
+                assert mlp.func is DeviceCountsMoELayer and experts in (GroupedMMExperts, GroupedMMSequentialMLP)
+                assert issubclass(experts, plain_experts)
+            else:
+                assert mlp.func is MoELayer and experts is plain_experts
+    dense = specs.layer_specs("G*", kernels, 0, "grouped_mm")  # no experts: the dense MLP as it is
+    assert all(spec.submodules.mlp.func is not DeviceCountsMoELayer for spec in dense)
+
+
 def test_generation_prompts_in_a_qwen_folders_own_chat_template(tmp_path, backend):
     """chat_template=auto with a tokenizer folder that has Qwen's ChatML Jinja template: prompts render in it (the
     generation prompt opens the assistant's turn, which <|im_end|> ends); without a folder, the plain template."""
@@ -212,3 +241,105 @@ def test_layouts_the_local_backend_cannot_build_are_refused_in_one_line_before_a
     with pytest.raises(UsageError) as err:
         prepare(config, world_size=2, planning=True)
     assert str(err.value) == message
+
+
+# --------------------------------------------------------------------------------------------- --cuda-graphs
+
+
+def _graph_context(settings, **options):
+    """A BuildContext of one rank (or the LLM over `llm_tp` ranks) with --cuda-graphs and `options`."""
+    from mimo.plugins import LANGUAGE, BuildContext, ModuleParallelism
+
+    tp = options.pop("llm_tp", 1)
+    return BuildContext(params_dtype=torch.bfloat16, parallelism={LANGUAGE: ModuleParallelism(0, tp, tp=tp)},
+                        pg_collections={},
+                        **{"cuda_graphs": True, **options})
+
+
+@pytest.mark.parametrize("variant, settings, options, modules", [
+    ("moe", {}, {}, ["attn", "moe_router"]),  # expert_gemm auto: grouped GEMMs on te
+    ("moe", {"expert_gemm": "grouped_mm"}, {}, ["attn", "moe_router"]),
+    ("moe", {"expert_gemm": "megatron"}, {}, ["attn"]),  # transformer-engine's experts wait for the host
+    ("moe", {}, {"fp8": "tensorwise"}, ["attn"]),
+    ("moe", {}, {"llm_tp": 2, "sequence_parallel": True}, ["attn"]),
+    ("moe", {}, {"recompute": {"language": "selective"}}, ["attn"]),
+    ("moe", {"num_experts": 1, "moe_router_topk": 1}, {}, ["attn"]),
+    ("dense", {}, {}, ["attn"]),
+])
+def test_cuda_graphs_capture_the_mixers_and_where_nothing_waits_the_routers(variant, settings, options, modules):
+    """--cuda-graphs on backend te: every layer's mixer (gated delta net or gated attention), and the MoE layers'
+    routers (with the shared expert) where the routed experts are the kit's grouped GEMMs, LLM TP 1, no FP8, no LLM
+    recomputation; nothing without --cuda-graphs."""
+    from mimo.providers import qwen35
+    from mimo.providers.qwen35.graphs import cuda_graph_fields
+
+    s = qwen35.Qwen35Settings(**{**(qwen35.MOE_TINY if variant == "moe" else qwen35.TINY), **settings})
+    assert cuda_graph_fields(s, _graph_context(s, **options), "te") == {"cuda_graph_modules": modules}
+    assert cuda_graph_fields(s, _graph_context(s, cuda_graphs=False), "te") == {}
+
+
+@pytest.mark.parametrize("backend, options, message", [
+    ("local", {}, "--cuda-graphs needs backend te: --set backend=te (transformer-engine, fla, a GPU)"),
+    ("te", {"llm_input_packed": True}, "--cuda-graphs: packed --data gives the LLM sequences of another length "
+                                       "every micro-batch"),
+    ("te", {"recompute": {"language": "full"}}, "--cuda-graphs with --recompute full for the language model: "
+                                                "megatron-core captures its layers only without full recomputation"),
+])
+def test_cuda_graphs_the_run_cannot_capture_are_refused_in_one_line(backend, options, message):
+    from mimo.providers import qwen35
+    from mimo.providers.qwen35.graphs import cuda_graph_fields
+
+    s = qwen35.Qwen35Settings(**qwen35.MOE_TINY)
+    with pytest.raises(ValueError) as err:
+        cuda_graph_fields(s, _graph_context(s, **options), backend)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_a_captured_attention_layer_takes_the_multimodal_rotary_frequencies_as_an_input():
+    """transformer-engine's graph of a layer takes the static inputs megatron-core's layer names (only plain RoPE's
+    frequencies besides the hidden states and mask) and drops every other argument at replay. Replayed that way
+    (the layer's capture function run on its static inputs, the call's tensors copied into those it has), a full
+    attention layer with 3-D image positions computes its eager output: its frequencies are a static input of the
+    shape the eager forward saw. Without that input the attention would rotate by nothing."""
+    from megatron.core.transformer.enums import CudaGraphModule
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from mimo.providers.qwen35.layers import MRoPEAttentionLayer
+
+    seq, batch = 16, 2
+    tokens = torch.randint(0, 264, (batch, seq), generator=torch.Generator().manual_seed(0))
+    grid = torch.arange(seq)
+    positions = torch.stack([grid.expand(batch, seq), (grid // 4).expand(batch, seq), (grid % 4).expand(batch, seq)])
+    calls = {}
+    with world_of_one(), torch.no_grad():
+        model = _tiny_model()
+        layers = list(model.decoder.layers)
+        assert [type(layer) for layer in layers] == [TransformerLayer, TransformerLayer, MRoPEAttentionLayer,
+                                                     TransformerLayer]  # GG*G
+        attention = layers[2]
+        with pytest.raises(RuntimeError, match="capture before an eager forward gave its rotary frequencies' shape"):
+            attention.get_layer_static_inputs(seq, batch)
+        attention.register_forward_hook(lambda m, args, kwargs, out: calls.update(kwargs=kwargs, out=out),
+                                        with_kwargs=True)
+        model(tokens, position_ids=positions, attention_mask=None)
+        call = dict(calls["kwargs"])
+        hidden, rotary = call.pop("hidden_states"), call["rotary_pos_emb"]
+        assert attention.rotary_layout == (rotary.shape, torch.float32) and rotary.shape[:2] == (seq, batch)
+
+        def replay(static):
+            inputs = {k: call[k] if call.get(k) is not None else v for k, v in static.items() if k != "hidden_states"}
+            inputs["attention_mask"] = torch.zeros_like(static["attention_mask"])  # megatron-core's replay mask
+            return attention._te_cuda_graph_capture(hidden, **inputs)[0]
+
+        static = attention.get_layer_static_inputs(seq, batch)
+        assert static["rotary_pos_emb"].shape == rotary.shape and not static["rotary_pos_emb"].any()
+        torch.testing.assert_close(replay(static), calls["out"][0], rtol=0, atol=0)
+        plain = TransformerLayer.get_layer_static_inputs(attention, seq, batch)  # megatron-core's own
+        assert "rotary_pos_emb" not in plain
+        assert (replay(plain) - calls["out"][0]).abs().max() > 1e-4
+        modules = attention.config.cuda_graph_modules
+        attention.config.cuda_graph_modules = [CudaGraphModule.moe_router]  # attention left eager: no input
+        try:
+            assert "rotary_pos_emb" not in attention.get_layer_static_inputs(seq, batch)
+        finally:
+            attention.config.cuda_graph_modules = modules
