@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Qwen3.5-VL on one GPU (issue 62; docs/benchmarks.md, "Qwen3.5-VL on one GPU"): the production-width 35B-A3B slice (bench/real_data.py's
-# qwen-slice: every released width, 16 of 40 layers, the 32 experts one GPU holds under EP8; its routed experts
-# the kit's grouped GEMMs, expert_gemm auto) on synthetic data, the same with --cuda-graphs (qwen-slice-graphs:
-# the mixers and MoE routers captured), then qwen-slice on the real-shaped dataset, in one call. QWEN_TINY=1
+# Qwen3.5-VL on one GPU (issue 62; docs/benchmarks.md, "Qwen3.5-VL on one GPU"): the production-width 35B-A3B
+# slice (bench/real_data.py's qwen-slice: every released width, 16 of 40 layers, the 32 experts one GPU holds under
+# EP8; its routed experts the kit's grouped GEMMs, expert_gemm auto) on synthetic data, the same with --cuda-graphs
+# (qwen-slice-graphs: the mixers and MoE routers captured), then qwen-slice on the real-shaped dataset, in one
+# call. QWEN_TINY=1
 # first checks the te backend on the tiny MoE model with packed data (about 120 s, most of it Triton's autotuning).
 #
 # flash-linear-attention refuses the gated delta net's backward on Hopper GPUs with the image's Triton 3.6 (wrong
