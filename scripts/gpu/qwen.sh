@@ -3,8 +3,8 @@
 # slice (bench/real_data.py's qwen-slice: every released width, 16 of 40 layers, the 32 experts one GPU holds under
 # EP8; its routed experts the kit's grouped GEMMs, expert_gemm auto) on synthetic data, the same with --cuda-graphs
 # (qwen-slice-graphs: the mixers and MoE routers captured), then qwen-slice on the real-shaped dataset, in one
-# call. QWEN_TINY=1
-# first checks the te backend on the tiny MoE model with packed data (about 120 s, most of it Triton's autotuning).
+# call. QWEN_TINY=1 first checks the te backend on the tiny MoE model with packed data (about 120 s, most of it
+# Triton's autotuning).
 #
 # flash-linear-attention refuses the gated delta net's backward on Hopper GPUs with the image's Triton 3.6 (wrong
 # gradients from 3.4 to 3.7.0), so Triton 3.7.1 travels along, in four parts (a call carries 64 MiB at most).
