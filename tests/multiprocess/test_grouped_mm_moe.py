@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from grouped_mm_pair import forward_backward_pair
 from helpers import read_metrics, run_mimo, world_of_one
 from mimo.plugins.kit.expert_storage import pack_contiguously, packed_view
 from mimo.plugins.kit.grouped_mm_moe import (
@@ -21,7 +22,6 @@ from mimo.plugins.kit.grouped_mm_moe import (
 from mimo.plugins.kit.main_grad import stacked
 
 ENV = {"OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
-CPU = torch.device("cpu")
 
 
 # --------------------------------------------------------------------------------------------- the kernel
@@ -305,24 +305,8 @@ def test_nemotron_grouped_mm_model_uses_grouped_experts_and_keeps_megatrons_chec
     assert _keys(nemotron_sharded_state_dict(grouped)) == _keys(nemotron_sharded_state_dict(megatron))
 
     # the same weights give the same per-token losses and gradients (a batch's forward and backward)
-    from mimo.core.forward.batch_transfer import to_device
-
-    batch = next(iter(plan.hooks.data_provider(settings=plan.settings, ctx=run.data_context())))
-    from mimo.plugins.kit import grouped_mm_moe
-
-    calls = []  # the grouped forward ran (not its parent's fallback): one call per MoE layer
-    kernel = grouped_mm_moe.grouped_experts
-    monkeypatch.setattr(grouped_mm_moe, "grouped_experts", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    results = []
-    for model in (grouped, megatron):
-        model.zero_grad_buffer()
-        inputs = to_device({k: v for k, v in batch.items() if k != "modality_inputs"}, CPU, torch.float32)
-        modality = to_device(batch["modality_inputs"], CPU, torch.float32)
-        output, _ = model(**inputs, modality_inputs=modality or None)
-        output.sum().backward()
-        results.append((output.detach(), {n: p.main_grad.clone() for n, p in model.named_parameters()
-                                          if p.requires_grad}))
-    assert len(calls) == len(layers)
+    calls, results = forward_backward_pair(plan, run, grouped, megatron, monkeypatch)
+    assert calls == len(layers)  # the grouped forward ran, not its parent's fallback: one call per MoE layer
     (out_g, grads_g), (out_m, grads_m) = results
     torch.testing.assert_close(out_g, out_m, rtol=1e-5, atol=1e-6)
     assert grads_g.keys() == grads_m.keys()

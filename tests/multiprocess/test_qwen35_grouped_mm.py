@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grouped_mm_pair import forward_backward_pair
 from helpers import read_metrics, run_mimo, world_of_one
 from mimo.plugins.kit.expert_storage import packed_view
 from mimo.plugins.kit.grouped_mm_moe import (
@@ -14,7 +15,6 @@ from mimo.plugins.kit.grouped_mm_moe import (
 )
 
 ENV = {"OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
-CPU = torch.device("cpu")
 PROVIDER = "qwen3.5-vl-moe-tiny"
 
 
@@ -72,23 +72,8 @@ def test_qwen_grouped_mm_experts_compute_megatrons_swiglu_experts(world, monkeyp
     assert all(torch.equal(grouped_state[n], v) for n, v in megatron_state.items() if isinstance(v, torch.Tensor))
     assert _keys(grouped.sharded_state_dict()) == _keys(megatron.sharded_state_dict())
 
-    from mimo.core.forward.batch_transfer import to_device
-    from mimo.plugins.kit import grouped_mm_moe
-
-    batch = next(iter(plan.hooks.data_provider(settings=plan.settings, ctx=run.data_context())))
-    calls = []  # the grouped forward ran, not its parent's fallback: one call per MoE layer
-    kernel = grouped_mm_moe.grouped_experts
-    monkeypatch.setattr(grouped_mm_moe, "grouped_experts", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    results = []
-    for model in (grouped, megatron):
-        model.zero_grad_buffer()
-        inputs = to_device({k: v for k, v in batch.items() if k != "modality_inputs"}, CPU, torch.float32)
-        modality = to_device(batch["modality_inputs"], CPU, torch.float32)
-        output, _ = model(**inputs, modality_inputs=modality or None)
-        output.sum().backward()
-        results.append((output.detach(), {n: p.main_grad.clone() for n, p in model.named_parameters()
-                                          if p.requires_grad}))
-    assert len(calls) == len(layers)
+    calls, results = forward_backward_pair(plan, run, grouped, megatron, monkeypatch)
+    assert calls == len(layers)  # the grouped forward ran, not its parent's fallback: one call per MoE layer
     (out_g, grads_g), (out_m, grads_m) = results
     torch.testing.assert_close(out_g, out_m, rtol=1e-5, atol=1e-6)
     assert grads_g.keys() == grads_m.keys()

@@ -1,0 +1,31 @@
+"""One batch through a model with the kit's grouped_mm experts and through the same weights with megatron-core's
+experts, for the grouped-experts tests of each family (test_grouped_mm_moe.py, test_qwen35_grouped_mm.py)."""
+
+from __future__ import annotations
+
+import torch
+
+CPU = torch.device("cpu")
+
+
+def forward_backward_pair(plan, run, grouped, megatron, monkeypatch) -> tuple[int, list]:
+    """(how many times the grouped kernel ran, [(output, {parameter: main_grad}) for grouped, megatron]) for the
+    plan's first synthetic batch in fp32; the kernel's calls are counted, so that a fallback to the parent's
+    forward cannot pass for the grouped one."""
+    from mimo.core.forward.batch_transfer import to_device
+    from mimo.plugins.kit import grouped_mm_moe
+
+    batch = next(iter(plan.hooks.data_provider(settings=plan.settings, ctx=run.data_context())))
+    calls = []
+    kernel = grouped_mm_moe.grouped_experts
+    monkeypatch.setattr(grouped_mm_moe, "grouped_experts", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    results = []
+    for model in (grouped, megatron):
+        model.zero_grad_buffer()
+        inputs = to_device({k: v for k, v in batch.items() if k != "modality_inputs"}, CPU, torch.float32)
+        modality = to_device(batch["modality_inputs"], CPU, torch.float32)
+        output, _ = model(**inputs, modality_inputs=modality or None)
+        output.sum().backward()
+        results.append((output.detach(), {n: p.main_grad.clone() for n, p in model.named_parameters()
+                                          if p.requires_grad}))
+    return len(calls), results
