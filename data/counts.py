@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .skips import TOO_LONG, UNREADABLE, UNSUPPORTED
+from .skips import OVER_IMAGE_BUDGET, TOO_LONG, UNREADABLE, UNSUPPORTED
 
 __all__ = ["DataCounts"]
 
@@ -27,6 +27,7 @@ class DataCounts:
     images: int = 0  # the trained samples' images
     rows: int = 0  # rows (packs, or single samples) trained: each takes a row of seq_length tokens
     flops: int = 0  # forward FLOPs of the trained samples, every module (0: the data source counts none)
+    over_image_budget: int = 0  # skipped: packed, its images over a row's image budget (last: older states lack it)
 
     @classmethod
     def names(cls) -> tuple[str, ...]:
@@ -41,10 +42,11 @@ class DataCounts:
 
     @property
     def skipped(self) -> int:
-        return self.unreadable + self.unsupported + self.too_long
+        return self.unreadable + self.unsupported + self.too_long + self.over_image_budget
 
     def by_reason(self) -> dict[str, int]:
-        return {UNREADABLE: self.unreadable, UNSUPPORTED: self.unsupported, TOO_LONG: self.too_long}
+        return {UNREADABLE: self.unreadable, UNSUPPORTED: self.unsupported, TOO_LONG: self.too_long,
+                OVER_IMAGE_BUDGET: self.over_image_budget}
 
     def __add__(self, other: DataCounts) -> DataCounts:
         return DataCounts(*(getattr(self, n) + getattr(other, n) for n in self.names()))

@@ -34,7 +34,7 @@ from megatron.energon.flavors.webdataset.sample_decoder import SampleDecoder
 
 from .damaged_shards import SHARD_UNREADABLE, UNCOOKED, guard_shard_reads
 from .skips import (
-    TOO_LONG, UNREADABLE, UNSUPPORTED, TooLong, UnreadableSample, UnreadableShard, UnsupportedSample,
+    UNREADABLE, UNSUPPORTED, TooLong, UnreadableSample, UnreadableShard, UnsupportedSample,
     describe_error, record_of,
 )
 from .task_encoder import tombstone
@@ -133,7 +133,7 @@ def _tombstone_for(sample, err: BaseException):
     """The tombstone of a sample that failed with `err`: too long, unsupported content (a ValueError: what mimo's
     readers raise for content they do not take), or else unreadable."""
     if isinstance(err, TooLong):
-        return tombstone(sample, record_of(sample, TOO_LONG, err, needed_tokens=err.needed_tokens))
+        return tombstone(sample, record_of(sample, err.reason, err, needed_tokens=err.needed_tokens))
     if isinstance(err, UnreadableShard):
         return tombstone(sample, record_of(sample, UNREADABLE, err, whole_shard=True))
     if isinstance(err, UnreadableSample) or not isinstance(err, ValueError):

@@ -204,8 +204,10 @@ class LaneStream:
         last = list(self.counted)[-MAX_SKIPS_IN_A_ROW:]
         reasons = {r: sum(x.reason == r for x in last) for r in REASONS}
         why = ", ".join(f"{n} {REASONS[r]}" for r, n in reasons.items() if n)
-        hint = ("raise seq_length (--set seq_length=N)" if reasons["too_long"] == max(reasons.values())
-                else "repair the dataset (the lines above name the samples)")
+        most = max(reasons.values())
+        hint = ("raise seq_length (--set seq_length=N)" if reasons["too_long"] == most else
+                "make the images smaller or raise --pack-image-tokens where `mimo plan` says it fits"
+                if reasons["over_image_budget"] == most else "repair the dataset (the lines above name the samples)")
         return (f"--data {self.path}: the last {MAX_SKIPS_IN_A_ROW} samples read were all skipped ({why}): "
                 f"{hint}")
 

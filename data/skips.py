@@ -12,6 +12,8 @@ Reasons are apart:
   unsupported  decoded, but mimo cannot train on the content (a chat form or role it does not know, placeholders
                that do not match the images, an image with an unusable channel count, nothing to train on)
   too_long     cut to seq_length, the sample leaves fewer than `min_text_tokens` tokens to train on
+  over_image_budget  packed, the sample's images take more image tokens than a row's image budget
+               (`--pack-image-tokens`): a longer seq_length does not help, smaller images or a larger budget do
 
 What still fails inside energon (e.g. a joined dataset's own loading) reaches `SkippedSampleCounter`, energon's
 error handler, and counts at once as unreadable: the only count that does not wait for consumption.
@@ -26,12 +28,14 @@ import traceback
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["REASONS", "SkipRecord", "SkippedSampleCounter", "TOO_LONG", "TooLong", "UNREADABLE", "UNSUPPORTED",
+__all__ = ["OVER_IMAGE_BUDGET", "REASONS", "SkipRecord", "SkippedSampleCounter", "TOO_LONG", "TooLong", "UNREADABLE",
+           "UNSUPPORTED",
            "UnreadableSample", "UnreadableShard", "UnsupportedSample", "describe_error", "record_of",
            "sample_key_of"]
 
-UNREADABLE, UNSUPPORTED, TOO_LONG = "unreadable", "unsupported", "too_long"
-REASONS = {UNREADABLE: "unreadable", UNSUPPORTED: "unsupported", TOO_LONG: "too long for seq_length"}
+UNREADABLE, UNSUPPORTED, TOO_LONG, OVER_IMAGE_BUDGET = "unreadable", "unsupported", "too_long", "over_image_budget"
+REASONS = {UNREADABLE: "unreadable", UNSUPPORTED: "unsupported", TOO_LONG: "too long for seq_length",
+           OVER_IMAGE_BUDGET: "images over a packed row's image budget"}
 
 
 @dataclass(frozen=True)
@@ -63,11 +67,12 @@ class UnsupportedSample(ValueError):
 
 
 class TooLong(Exception):
-    """The sample cut to seq_length leaves nothing to train on; `needed_tokens`: its whole length."""
+    """The sample cut to seq_length leaves nothing to train on (`reason` TOO_LONG), or its images do not fit a
+    packed row's image budget (OVER_IMAGE_BUDGET); `needed_tokens`: its whole length."""
 
-    def __init__(self, message: str, needed_tokens: int):
+    def __init__(self, message: str, needed_tokens: int, reason: str = TOO_LONG):
         super().__init__(message)
-        self.needed_tokens = needed_tokens
+        self.needed_tokens, self.reason = needed_tokens, reason
 
 
 def sample_key_of(sample: Any) -> str | None:
@@ -135,7 +140,7 @@ class SkippedSampleCounter:
     def __call__(self, exception: BaseException, sample: Any = None, sources: list | None = None) -> None:
         if self.verbose:
             traceback.print_exception(exception)
-        reason = (TOO_LONG if isinstance(exception, TooLong) else
+        reason = (exception.reason if isinstance(exception, TooLong) else
                   UNSUPPORTED if isinstance(exception, UnsupportedSample) else UNREADABLE)
         self.add(record_of(sample, reason, exception, sources))
 

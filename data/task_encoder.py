@@ -27,7 +27,7 @@ import torch
 from megatron.energon import DefaultTaskEncoder, Sample, edataclass, stateless
 
 from .images import FixedTiles, ImageMode, to_float_image
-from .skips import SkipRecord, TooLong
+from .skips import OVER_IMAGE_BUDGET, SkipRecord, TooLong
 from .tokenizer import Tokenizer
 
 __all__ = ["EncodedSample", "MultimodalTaskEncoder", "is_tombstone", "tombstone"]
@@ -172,7 +172,7 @@ class MultimodalTaskEncoder(DefaultTaskEncoder):
         if self.pack_sequences and self.image_token_budget is not None and image_tokens > self.image_token_budget:
             raise TooLong(f"its images take {image_tokens} image tokens, more than a packed row's "
                           f"{self.image_token_budget} (--pack-image-tokens): raise it if the memory plan allows, or "
-                          f"lower the provider's largest image size", needed)
+                          f"lower the provider's largest image size", needed, reason=OVER_IMAGE_BUDGET)
 
     def encode_tokens(self, text: str, image_tokens: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor,
                                                                                torch.Tensor]:

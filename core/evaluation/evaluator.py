@@ -150,6 +150,7 @@ class Evaluator:
         data = None if not ctx.data_path else {
             "skipped_samples": counts.skipped, "skipped_unreadable": counts.unreadable,
             "skipped_unsupported": counts.unsupported, "skipped_too_long": counts.too_long,
+            "skipped_over_image_budget": counts.over_image_budget,
             "truncated_answer_tokens": counts.cut_answer_tokens, "answer_tokens": counts.answer_tokens}
         return EvalResult(iteration, ctx.split, loss_sum / tokens if tokens else float("nan"), int(tokens),
                           self.eval_iters * self.global_batch_size, time.perf_counter() - started, predictions,

@@ -75,11 +75,15 @@ def skip_stop_message(counts, max_fraction: float, data_path, seq_length: int | 
     if read < MIN_SAMPLES_READ or skipped <= max_fraction * read:
         return None
     at = f" {seq_length}" if seq_length else ""
-    names = {"unreadable": "unreadable", "unsupported": "unsupported", "too_long": f"too long for seq_length{at}"}
+    names = {"unreadable": "unreadable", "unsupported": "unsupported", "too_long": f"too long for seq_length{at}",
+             "over_image_budget": "with images over a packed row's image tokens (--pack-image-tokens)"}
     reasons = ", ".join(f"{n} {names[r]}" for r, n in counts.by_reason().items() if n)
     hints = []
     if counts.too_long:
         hints.append("raise seq_length (--set seq_length=N)")
+    if counts.over_image_budget:
+        hints.append("make the images smaller (the provider's largest image size, e.g. --set max_pixels=N) or raise "
+                     "--pack-image-tokens where `mimo plan` says it fits")
     if counts.unreadable or counts.unsupported:
         hints.append(f"repair --data {data_path}")
     hints.append("raise --max-skip-fraction")

@@ -24,6 +24,7 @@ class DataReport:
         self._since, first = iteration + 1, self._since or 1
         return {"samples": data.samples, "skipped_samples": data.skipped, "skipped_unreadable": data.unreadable,
                 "skipped_unsupported": data.unsupported, "skipped_too_long": data.too_long,
+                "skipped_over_image_budget": data.over_image_budget,
                 "truncated_tokens": interval.cut_tokens, "truncated_answer_tokens": interval.cut_answer_tokens,
                 "answer_tokens": interval.answer_tokens, "interval_first_iteration": first}
 
@@ -47,7 +48,8 @@ class DataReport:
                 f"{raise_it}, or see docs/data.md (Truncation)")
 
 
-REASONS = (("unreadable", "unreadable"), ("unsupported", "unsupported"), ("too_long", "too long"))  # key, words
+REASONS = (("unreadable", "unreadable"), ("unsupported", "unsupported"), ("too_long", "too long"),  # key, words
+           ("over_image_budget", "images over the row's budget"))
 
 
 def data_parts(r: dict) -> list[str]:

@@ -190,3 +190,22 @@ def test_data_that_turns_all_bad_stops_at_the_boundary_saved(tmp_path, data):
     assert [r["iteration"] for r in records][-1] == 9 and (save / "iter_0000008" / "common.pt").is_file()
     assert not (save / "iter_0000009").exists()
     assert json.loads(json.dumps(records[-2]))["samples"] == 16
+
+
+def test_images_over_a_packed_rows_budget_are_counted_apart_from_too_long(data):
+    """A packed row's image budget below every sample's images: each is skipped as over the image budget (its own
+    reason and hint: a longer seq_length would not help), not as too long for seq_length, and the loader gives up
+    after a run of them with the hint for that reason."""
+    from mimo.data.lane_stream import DataError
+
+    root, _, _ = data
+    encoder = mock_encoder(FITS, pack=True)
+    encoder.image_token_budget = 2  # every image takes 4 tokens (16-pixel images of 8-pixel patches)
+    loader = LaneLoader(root / "clean64", encoder, micro_batch_size=2, num_lanes=1, num_workers=1, seed=4,
+                        shuffle_buffer_size=None)
+    with pytest.raises(DataError, match=r"the last 100 samples read were all skipped \(100 images over a packed "
+                                        r"row's image budget\): make the images smaller or raise --pack-image-tokens"):
+        consumed_rows(loader, 4)
+    counts = loader.data_counts()
+    loader.close()
+    assert counts.over_image_budget >= 100 and counts.too_long == counts.unreadable == counts.samples == 0

@@ -11,7 +11,9 @@ from mimo.core.memory import fit
 from mimo.core.memory.pack_budget import GRAIN
 from mimo.core.run.plan import prepare
 from mimo.data import ByteTokenizer, FixedTiles, MultimodalTaskEncoder
-from mimo.data.skips import TooLong
+from mimo.core.telemetry.skip_report import skip_stop_message
+from mimo.data.counts import DataCounts
+from mimo.data.skips import OVER_IMAGE_BUDGET, TooLong
 from mimo.plugins.context import packing_buffer_for
 
 SEQ = 256
@@ -51,12 +53,22 @@ def test_rows_close_at_the_image_budget_as_at_the_token_budget():
     assert len(bounded.select_samples_to_pack(text)) == 1
 
 
-def test_a_sample_whose_images_exceed_the_budget_is_too_long():
+def test_a_sample_whose_images_exceed_the_budget_is_skipped_for_its_own_reason():
     te = encoder(budget=24)
     te.encode_sample(captions(1, images=1)[0])  # 16 image tokens: fits
     with pytest.raises(TooLong, match=r"its images take 32 image tokens, more than a packed row's 24 "
-                                      r"\(--pack-image-tokens\)"):
+                                      r"\(--pack-image-tokens\)") as raised:
         te.encode_sample(captions(1, images=2)[0])
+    assert raised.value.reason == OVER_IMAGE_BUDGET  # not "too long for seq_length": a longer one would not help
+
+
+def test_the_stop_line_names_images_over_the_budget_apart_with_their_own_fix():
+    counts = DataCounts(samples=60, too_long=4, over_image_budget=36)
+    line = skip_stop_message(counts, 0.1, "DATA", seq_length=4096)
+    assert ("40 of the 100 samples read were skipped (40.0%: 4 too long for seq_length 4096, 36 with images over a "
+            "packed row's image tokens (--pack-image-tokens))") in line
+    assert "raise seq_length" in line and "--set max_pixels=N) or raise --pack-image-tokens" in line
+    assert counts.skipped == 40 and DataCounts(**{"samples": 1, "too_long": 2}).over_image_budget == 0  # older state
 
 
 def slice_config(tmp_path, **data) -> RunConfig:
