@@ -8,6 +8,8 @@ experts cannot adapt is one line."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -139,15 +141,21 @@ def _adapter_keys(model):
                   for e in nested_values(state) if isinstance(e, ShardedTensor) and "lora" in e.key)
 
 
-def _train(expert_gemm, layout, steps=4):
-    plan, model, batch = _build(expert_gemm, layout)
+def _train(expert_gemm, layout, steps=4, provider=NEMOTRON, monkeypatch=None):
+    with monkeypatch.context() if monkeypatch else contextlib.nullcontext() as patch:
+        if patch:  # per-expert adapters held by the experts module
+            patch.setattr(grouped_experts, "holds_per_expert", lambda experts: True)
+        plan, model, batch = _build(expert_gemm, layout, provider=provider)
     optimizer = build_optimizer(plan.config.optimizer, model=model, params_dtype=torch.float32)
     return train_steps(model, optimizer, lambda: _forward(model, batch).mean(), steps)
 
 
-@pytest.mark.parametrize("layout", ["shared", "per-expert", "shared-outer"])
-def test_a_lora_run_on_grouped_experts_learns_as_on_sequential_mlp(world, layout):
-    grouped, sequential = _train("grouped_mm", layout), _train("megatron", layout)
+@pytest.mark.parametrize("provider, layout, hold", [(NEMOTRON, "shared", False), (NEMOTRON, "per-expert", False),
+                                                    (NEMOTRON, "shared-outer", False), (QWEN, "per-expert", True)],
+                         ids=["shared", "per-expert", "shared-outer", "qwen-per-expert-held"])
+def test_a_lora_run_on_grouped_experts_learns_as_on_sequential_mlp(world, monkeypatch, provider, layout, hold):
+    grouped = _train("grouped_mm", layout, provider=provider, monkeypatch=monkeypatch if hold else None)
+    sequential = _train("megatron", layout, provider=provider)
     assert grouped[-1] < grouped[0]
     assert grouped == pytest.approx(sequential, rel=1e-5)
 
