@@ -41,11 +41,10 @@ CASES = {
     # the same with its layers' mixers and MoE routers captured as CUDA graphs (the routed experts as grouped GEMMs:
     # expert_gemm auto); synthetic data only: packed --data refuses --cuda-graphs
     "qwen-slice-graphs": ("qwen3.5-vl-35b-a3b", QWEN_SLICE, 1, 8, ["--cuda-graphs"]),
-    # the whole 35B-A3B (every layer and expert) with LoRA rank 16 on one GPU (issue 62); the routed experts
-    # without adapters: on backend te their adapters are refused (docs/lora.md)
+    # the whole 35B-A3B (every layer and expert) with LoRA rank 16 on one GPU (issue 62), on the provider's default
+    # targets: routed experts included (held by the grouped experts, fc1's B in gate and up parts: docs/lora.md)
     "qwen-lora": ("qwen3.5-vl-35b-a3b", {"backend": "te", "seq_length": 4096, "max_pixels": 768 * 768}, 1, 8,
-                  ["--lora-rank", "16", "--lora-targets",
-                   "language:linear_qkv,linear_proj,in_proj,out_proj,shared_experts;images:all;projection:all"]),
+                  ["--lora-rank", "16"]),
 }
 QUICK_CASES = {"tiny": ("nemotron-moe-vlm-tiny", {"backend": "local"}, 2, 2, [])}
 SYNTHETIC_ONLY = {"qwen-slice-graphs"}  # captured graphs replay fixed shapes: packed real-shaped rows have none

@@ -23,11 +23,12 @@ def add_adapters(model, options: AdapterOptions, targets: dict[str, tuple[str, .
         if hasattr(module, "frozen_expert_bias"):
             module.frozen_expert_bias = True
 
-    def make_lora(sharding, weight, name: str, expert: bool, linear=None) -> LoRA:
-        # the base's weight (megatron-core's output layer may take the embedding's instead: then any parameter)
+    def make_lora(sharding, weight, name: str, expert: bool, base=None) -> LoRA:
+        # the base's weight (megatron-core's output layer may take the embedding's instead: then any parameter);
+        # `base` the adapted linear, or the experts module holding its experts' adapters (experts.py)
         weight = weight if weight is not None else next(model.parameters())
         lora = LoRA(sharding, options.lora_rank, options.scale, options.lora_dropout, weight.dtype, weight.device,
-                    expert=expert, row_parts=_row_parts(linear, weight, name) if linear is not None else None)
+                    expert=expert, row_parts=_row_parts(base, weight, name) if base is not None else None)
         lora.initialize(seed, name)
         return lora
 
@@ -48,13 +49,14 @@ def add_adapters(model, options: AdapterOptions, targets: dict[str, tuple[str, .
     return count
 
 
-def _row_parts(linear, weight, name: str) -> list[int] | None:
+def _row_parts(base, weight, name: str) -> list[int] | None:
     """The base weight's stacked outputs on this rank: as a layer declares them (`partition_sizes`, Mamba's
-    in_proj), or a gated MLP's fc1 (gate and up halves, which megatron-core saves apart)."""
+    in_proj), or a gated MLP's fc1 (gate and up halves, which megatron-core saves apart; `base` a linear or an
+    experts module, whose config says whether it is gated)."""
     sizes = getattr(weight, "partition_sizes", None)
     if sizes:
         return list(sizes)
-    config = getattr(linear, "config", None)
+    config = getattr(base, "config", None)
     if name.endswith("linear_fc1") and getattr(config, "gated_linear_unit", False):
         return [weight.shape[0] // 2] * 2
     return None

@@ -63,15 +63,17 @@ def check_experts(experts: torch.nn.Module, where: str) -> None:
 
 
 def adapt_experts(experts: torch.nn.Module, layout: str, make_lora, name: str, hold: bool | None = None) -> int:
-    """Give every local expert of `experts` adapters on fc1 and fc2. `make_lora(sharding, weight, name, expert)`
-    builds one for an expert linear's sharding and weight, `name` layout-independent. Per-expert adapters go on
+    """Give every local expert of `experts` adapters on fc1 and fc2. `make_lora(sharding, weight, name, expert,
+    base)` builds one for an expert linear's sharding and weight, `name` layout-independent, `base` the linear (or
+    the experts module, for adapters it holds: its config, as the linear's, says whether fc1 is gated, whose B is
+    then saved in gate and linear parts). Per-expert adapters go on
     the experts' linears, or (`hold`; by default where there are no per-expert linears) into the experts module.
     Returns how many adapters this rank built."""
     hold = grouped_experts.holds_per_expert(experts) if hold is None else hold
     if layout == "shared-outer":
         make_lora = _borrowing_outer(experts, make_lora, name)
     if layout != "shared" and hold:
-        count = grouped_experts.hold_per_expert(experts, lambda s, w, n: make_lora(s, w, n, True), name)
+        count = grouped_experts.hold_per_expert(experts, lambda s, w, n: make_lora(s, w, n, True, experts), name)
     elif layout != "shared":
         local = experts.local_experts
         offset = experts.ep_group.rank() * experts.num_local_experts
@@ -101,7 +103,7 @@ def _shared_lora(experts, make_lora, name: str, fc: str) -> LoRA:
     """One dense adapter for `fc` of all the layer's experts, shaped as one expert's."""
     linear = getattr(experts.local_experts[0], fc) if hasattr(experts, "local_experts") else None
     return (_lora_for(linear, make_lora, f"{name}.shared.{fc}", False) if linear is not None else
-            make_lora(*grouped_experts.expert_sharding(experts, fc), f"{name}.shared.{fc}", False))
+            make_lora(*grouped_experts.expert_sharding(experts, fc), f"{name}.shared.{fc}", False, experts))
 
 
 def _borrowing_outer(experts, make_lora, name: str):
@@ -115,8 +117,8 @@ def _borrowing_outer(experts, make_lora, name: str):
         experts.add_module(f"lora_outer_{fc}", holder)
         outer[fc] = getattr(holder, OUTER[fc])
 
-    def make_expert_lora(sharding, weight, lora_name: str, expert: bool, linear=None) -> LoRA:
-        lora = make_lora(sharding, weight, lora_name, expert, linear)
+    def make_expert_lora(sharding, weight, lora_name: str, expert: bool, base=None) -> LoRA:
+        lora = make_lora(sharding, weight, lora_name, expert, base)
         fc = lora_name.rsplit(".", 1)[1]
         lora.borrow(OUTER[fc], outer[fc])
         return lora

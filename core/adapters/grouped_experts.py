@@ -21,8 +21,10 @@ layout's (an adapter checkpoint does not depend on which experts class trained i
   forward then adds them too.
 * GroupedMMExperts has no per-expert linears: shared adapters are its `lora_linear_fc1/2` as above; per-expert ones
   (shared-outer's too) a ModuleList `lora_linear_fc1/2` of one LoRA per local expert, saved under the keys
-  SequentialMLP's expert linears give theirs (`...experts.linear_fc1.lora.a` with the global expert axis). Their
-  state-dict names differ from SequentialMLP's as the base weights' do (weight0..N against local_experts.N).
+  SequentialMLP's expert linears give theirs (`...experts.linear_fc1.lora.a` with the global expert axis; a gated
+  fc1's B in its gate and linear rows, `.lora.b.part0` / `.part1`, as apply.py's row parts split an expert
+  linear's). Their state-dict names differ from SequentialMLP's as the base weights' do (weight0..N against
+  local_experts.N).
   shared-outer's shared halves are the experts' `lora_outer_linear_fc1/2` with either class.
 
 Per-expert parameters are expert parameters (reduced over expert-data-parallel), shared ones dense. Stacking the
@@ -54,16 +56,9 @@ def check_grouped(experts: torch.nn.Module, where: str) -> None:
     """UsageError unless adapters can run in these grouped experts' forward: transformer-engine's experts on mimo's
     grouped-GEMM path, or on their own GroupedLinear path where only FP8/FP4 keeps them off the grouped GEMMs
     (te_grouped_linears.py adds the terms there); not where something else does (biases, ...: the adapters are not
-    checked there), nor on gated transformer-engine experts. mimo's SequentialMLP falls back to megatron-core's
-    per-expert linears, which take adapters."""
+    checked there). mimo's SequentialMLP falls back to megatron-core's per-expert linears, which take adapters."""
     from mimo.plugins.kit.grouped_mm_moe import LOW_PRECISION
 
-    if not hasattr(experts, "local_experts") and experts.config.gated_linear_unit:
-        # held adapters (holds_per_expert) would save a gated fc1's adapter whole, not as megatron-core saves the
-        # gate and linear rows of each expert's fc1 apart (lora.py's row_parts): not done for them yet
-        raise UsageError(f"--lora-targets experts: the routed experts of {where} are gated (SwiGLU) "
-                         f"transformer-engine experts, whose adapters are not supported yet; use backend local "
-                         f"(megatron-core's per-expert linears) or leave experts out of the targets")
     if hasattr(experts, "local_experts") or experts.grouped_mm:
         return
     other = [what for what in experts.grouped_mm_obstacles() if what != LOW_PRECISION]
@@ -89,7 +84,8 @@ def expert_sharding(experts: torch.nn.Module, fc: str) -> tuple[Sharding, torch.
 
 def hold_per_expert(experts: torch.nn.Module, make_lora, name: str) -> int:
     """One adapter per local expert and linear, in the ModuleLists `lora_linear_fc1/2`; `make_lora(sharding,
-    weight, name)` builds one. Returns how many."""
+    weight, name)` builds one (for the experts module, whose config says whether fc1 is gated: a gated fc1's B is
+    then saved in gate and linear parts, as on an expert's own linear). Returns how many."""
     offset = experts.ep_group.rank() * experts.num_local_experts
     for fc in FC:
         sharding, weight = expert_sharding(experts, fc)

@@ -3,11 +3,15 @@ transformers Qwen3.5 VLM folder (the language model's gated attention and gated 
 its routed and shared experts, the output layer; the vision tower's blocks; the patch merger), written as a PEFT
 adapter, which peft loads onto that folder with transformers' logits equal to those of mimo's merged model exported
 whole. The MoE model's routed experts become PEFT's target_parameters on transformers' fused 3-D `gate_up_proj`
-(each expert's gate_proj rows then its up_proj rows) and `down_proj`."""
+(each expert's gate_proj rows then its up_proj rows) and `down_proj`, also when the experts module held their
+adapters (as transformer-engine's grouped experts do): that checkpoint merges as the experts' own linears merge it."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,12 +21,42 @@ from qwen35_models import TOKENS, save_reference
 
 ENV = {"TORCH_COMPILE_DISABLE": "1"}
 TARGETS = "language:linear_qkv,linear_proj,in_proj,out_proj,{mlp},output_layer;images:all;projection:all"
+HELD = "expert adapters held by the experts module"
+# `mimo ARGS` whose grouped experts hold their per-expert adapters themselves, as transformer-engine's (which the
+# CPU cannot build) do: mimo's grouped SequentialMLP then leaves its expert linears without adapters
+_HOLDING = f"""
+import sys
+from mimo.core.adapters import grouped_experts
+from mimo.core.run.forked_workers import run_cli
+
+def holds(experts):
+    print("{HELD}", file=sys.stderr)
+    return True
+
+grouped_experts.holds_per_expert = holds
+sys.exit(run_cli(sys.argv[1:]))
+"""
 
 
-def _mimo(*args: str) -> str:
-    result = run_mimo(*args, env=ENV)
+def _mimo(*args: str, held: bool = False) -> str:
+    if held:
+        result = subprocess.run([sys.executable, "-c", _HOLDING, *args], capture_output=True, text=True,
+                                env={**os.environ, "OMP_NUM_THREADS": "1", **ENV}, timeout=600)
+        assert HELD in result.stderr, result.stderr[-3000:]
+    else:
+        result = run_mimo(*args, env=ENV)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+def _merged_tensors(save_dir):
+    """Every tensor of a merged checkpoint (a save directory), whole."""
+    from mimo.core.checkpoint.hf_export import Reader, saved_tensors
+    from mimo.core.checkpoint.layout import iteration_dir, read_tracker
+
+    directory = iteration_dir(save_dir, read_tracker(save_dir))
+    saved = saved_tensors(directory)
+    return Reader(directory, saved).load(sorted(saved))
 
 
 def _inputs(folder):
@@ -47,9 +81,11 @@ def _inputs(folder):
 
 @pytest.mark.parametrize("moe, experts, layout", [
     (False, "shared", ()), (True, "shared", ()), (True, "per-expert", ()),
+    # per-expert adapters held by grouped experts (gated: fc1's B saved in gate and linear parts)
+    (True, "per-expert", ("--set", "expert_gemm=grouped_mm", HELD)),
     # adapters saved over TP 2: the delta net's in_proj B in its sections' parts, each gathered whole
     (False, "shared", ("--nproc-per-node", "2", "--llm-tp", "2", "--encoder-tp", "2"))],
-    ids=["dense", "moe-shared", "moe-per-expert", "dense-tp2"])
+    ids=["dense", "moe-shared", "moe-per-expert", "moe-per-expert-held", "dense-tp2"])
 def test_a_peft_adapter_on_the_base_gives_the_merged_models_logits(tmp_path, moe, experts, layout):
     from peft import PeftModel
     from peft.utils import get_peft_model_state_dict
@@ -62,9 +98,15 @@ def test_a_peft_adapter_on_the_base_gives_the_merged_models_logits(tmp_path, moe
     adapters, peft_dir, merged, whole = (tmp_path / n for n in ("adapters", "peft", "merged", "whole"))
     _mimo("run", "--provider", provider, "--device", "cpu", "--micro-batch-size", "2", "--global-batch-size", "2",
           "--seed", "3", "--lora-rank", "4", "--lr", "2e-2", "--pretrained", str(base), "--lora-targets",
-          TARGETS.format(mlp=mlp), "--lora-experts", experts, "--train-iters", "2", "--save", str(adapters), *layout)
+          TARGETS.format(mlp=mlp), "--lora-experts", experts, "--train-iters", "2", "--save", str(adapters),
+          *(a for a in layout if a != HELD), held=HELD in layout)
     printed = _mimo("ckpt", "export-hf", str(adapters), str(peft_dir), "--adapter-only")
-    _mimo("ckpt", "merge-lora", str(adapters), str(merged))
+    _mimo("ckpt", "merge-lora", str(adapters), str(merged))  # the experts' own linears load the adapters
+    if HELD in layout:  # merged by the experts module that held them: the same weights, bit for bit
+        _mimo("ckpt", "merge-lora", str(adapters), str(tmp_path / "merged-held"), held=True)
+        tensors, held_tensors = _merged_tensors(merged), _merged_tensors(tmp_path / "merged-held")
+        assert tensors.keys() == held_tensors.keys()
+        assert all(torch.equal(tensors[k], held_tensors[k]) for k in tensors)
     _mimo("ckpt", "export-hf", str(merged), str(whole))
 
     inputs = _inputs(whole)

@@ -1,10 +1,14 @@
-"""Adapters on grouped-GEMM experts (core/adapters/grouped_experts.py), one process, fp32: the tiny Nemotron with
-mimo's grouped-GEMM experts (`expert_gemm=grouped_mm`) and the same adapters gives megatron-core SequentialMLP's
-outputs and adapter gradients, in every expert layout and with the per-expert adapters held by the experts module
-as transformer-engine's grouped experts hold them; a few steps train alike; checkpoint keys are SequentialMLP's;
-merging folds held adapters into the expert weights; what grouped experts cannot adapt is one line."""
+"""Adapters on grouped-GEMM experts (core/adapters/grouped_experts.py), one process, fp32: the tiny Nemotron
+(squared-ReLU experts) and the tiny Qwen3.5 MoE (SwiGLU experts: fc1's gate rows, then its linear rows) with mimo's
+grouped-GEMM experts (`expert_gemm=grouped_mm`) and the same adapters give megatron-core SequentialMLP's outputs
+and adapter gradients, in every expert layout and with the per-expert adapters held by the experts module as
+transformer-engine's grouped experts hold them; a few steps train alike; checkpoint keys are SequentialMLP's (a
+gated fc1's B in gate and linear parts); merging folds held adapters into the expert weights; what grouped
+experts cannot adapt is one line."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -22,6 +26,7 @@ from mimo.plugins.kit import grouped_mm_moe
 
 CPU = torch.device("cpu")
 TARGETS = "language:linear_qkv,in_proj,experts"
+NEMOTRON, QWEN = "nemotron-moe-vlm-tiny", "qwen3.5-vl-moe-tiny"  # squared-ReLU and SwiGLU experts, 4 each
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +35,8 @@ def world():
         yield
 
 
-def _build(expert_gemm, layout, targets=TARGETS):
-    plan = prepare(RunConfig(provider="nemotron-moe-vlm-tiny", provider_settings=[f"expert_gemm={expert_gemm}"],
+def _build(expert_gemm, layout, targets=TARGETS, provider=NEMOTRON):
+    plan = prepare(RunConfig(provider=provider, provider_settings=[f"expert_gemm={expert_gemm}"],
                              training=TrainingOptions(device="cpu", micro_batch_size=2),
                              optimizer=OptimizerOptions(lr=0.05),
                              adapters=AdapterOptions(lora_rank=3, lora_targets=targets, lora_experts=layout)),
@@ -64,13 +69,13 @@ def _canonical(name: str) -> str:
     return name
 
 
-def _adapted(expert_gemm, layout, monkeypatch, hold=False):
+def _adapted(expert_gemm, layout, monkeypatch, hold=False, provider=NEMOTRON):
     """The model with adapters whose B are drawn by name (the same in every build), its output and the adapter
     gradients of a backward (main_grad, keyed by SequentialMLP's names)."""
     with monkeypatch.context() as patch:
         if hold:  # per-expert adapters held by the experts module, as on transformer-engine's grouped experts
             patch.setattr(grouped_experts, "holds_per_expert", lambda experts: True)
-        plan, model, batch = _build(expert_gemm, layout)
+        plan, model, batch = _build(expert_gemm, layout, provider=provider)
     params = dict(adapter_parameters(model))
     with torch.no_grad():
         for name, param in params.items():
@@ -92,12 +97,16 @@ def _adapted(expert_gemm, layout, monkeypatch, hold=False):
     return model, output.detach(), grads, calls
 
 
-@pytest.mark.parametrize("layout, hold", [("shared", False), ("per-expert", False), ("per-expert", True),
-                                          ("shared-outer", False), ("shared-outer", True)],
-                         ids=["shared", "per-expert", "per-expert-held", "shared-outer", "shared-outer-held"])
-def test_grouped_experts_with_adapters_give_sequential_mlps_outputs_and_gradients(world, monkeypatch, layout, hold):
-    reference, ref_out, ref_grads, ref_calls = _adapted("megatron", layout, monkeypatch)
-    model, out, grads, calls = _adapted("grouped_mm", layout, monkeypatch, hold)
+@pytest.mark.parametrize("provider, layout, hold", [
+    (NEMOTRON, "shared", False), (NEMOTRON, "per-expert", False), (NEMOTRON, "per-expert", True),
+    (NEMOTRON, "shared-outer", False), (NEMOTRON, "shared-outer", True),
+    (QWEN, "shared", False), (QWEN, "per-expert", True), (QWEN, "shared-outer", True)],
+    ids=["shared", "per-expert", "per-expert-held", "shared-outer", "shared-outer-held", "qwen-shared",
+         "qwen-per-expert-held", "qwen-shared-outer-held"])
+def test_grouped_experts_with_adapters_give_sequential_mlps_outputs_and_gradients(world, monkeypatch, provider, layout,
+                                                                                   hold):
+    reference, ref_out, ref_grads, ref_calls = _adapted("megatron", layout, monkeypatch, provider=provider)
+    model, out, grads, calls = _adapted("grouped_mm", layout, monkeypatch, hold, provider)
     layers = _experts(model)
     assert layers and all(type(e).__name__.startswith("LoRAGroupedMM") and e.grouped_mm for e in layers)
     # the grouped forward ran once per MoE layer, each with both adapter terms; megatron's path runs none
@@ -112,8 +121,14 @@ def test_grouped_experts_with_adapters_give_sequential_mlps_outputs_and_gradient
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
         if ".experts." in name:
             assert grads[name].abs().sum() > 0, name
-    # checkpoint keys and shapes: the SequentialMLP layout's
-    assert _adapter_keys(model) == _adapter_keys(reference)
+    # checkpoint keys and shapes: the SequentialMLP layout's; a gated fc1's B (the experts' own, or the shared
+    # one) saved in its gate and linear rows, as megatron-core saves the weight's
+    keys = _adapter_keys(model)
+    assert keys == _adapter_keys(reference)
+    fc1 = {key.rpartition("linear_fc1")[2].removeprefix(".lora") for key, *_ in keys if ".experts." in key}
+    fc1_b = {tail for tail in fc1 if tail.startswith(".b")}
+    gated = layers[0].config.gated_linear_unit
+    assert gated == (provider == QWEN) and fc1_b == ({".b.part0", ".b.part1"} if gated else {".b"}), fc1_b
 
 
 def _adapter_keys(model):
@@ -126,26 +141,33 @@ def _adapter_keys(model):
                   for e in nested_values(state) if isinstance(e, ShardedTensor) and "lora" in e.key)
 
 
-def _train(expert_gemm, layout, steps=4):
-    plan, model, batch = _build(expert_gemm, layout)
+def _train(expert_gemm, layout, steps=4, provider=NEMOTRON, monkeypatch=None):
+    with monkeypatch.context() if monkeypatch else contextlib.nullcontext() as patch:
+        if patch:  # per-expert adapters held by the experts module
+            patch.setattr(grouped_experts, "holds_per_expert", lambda experts: True)
+        plan, model, batch = _build(expert_gemm, layout, provider=provider)
     optimizer = build_optimizer(plan.config.optimizer, model=model, params_dtype=torch.float32)
     return train_steps(model, optimizer, lambda: _forward(model, batch).mean(), steps)
 
 
-@pytest.mark.parametrize("layout", ["shared", "per-expert", "shared-outer"])
-def test_a_lora_run_on_grouped_experts_learns_as_on_sequential_mlp(world, layout):
-    grouped, sequential = _train("grouped_mm", layout), _train("megatron", layout)
+@pytest.mark.parametrize("provider, layout, hold", [(NEMOTRON, "shared", False), (NEMOTRON, "per-expert", False),
+                                                    (NEMOTRON, "shared-outer", False), (QWEN, "per-expert", True)],
+                         ids=["shared", "per-expert", "shared-outer", "qwen-per-expert-held"])
+def test_a_lora_run_on_grouped_experts_learns_as_on_sequential_mlp(world, monkeypatch, provider, layout, hold):
+    grouped = _train("grouped_mm", layout, provider=provider, monkeypatch=monkeypatch if hold else None)
+    sequential = _train("megatron", layout, provider=provider)
     assert grouped[-1] < grouped[0]
     assert grouped == pytest.approx(sequential, rel=1e-5)
 
 
-@pytest.mark.parametrize("hold", [False, True], ids=["linears", "held"])
-def test_merging_folds_grouped_expert_adapters_into_the_expert_weights(world, monkeypatch, hold):
-    model, adapted, _, _ = _adapted("grouped_mm", "per-expert", monkeypatch, hold)
+@pytest.mark.parametrize("provider, hold", [(NEMOTRON, False), (NEMOTRON, True), (QWEN, True)],
+                         ids=["linears", "held", "qwen-held"])
+def test_merging_folds_grouped_expert_adapters_into_the_expert_weights(world, monkeypatch, provider, hold):
+    model, adapted, _, _ = _adapted("grouped_mm", "per-expert", monkeypatch, hold, provider)
     assert merge_adapters(model) > 0
     assert not adapter_parameters(model)
     assert all(type(e) is grouped_mm_moe.GroupedMMSequentialMLP for e in _experts(model))
-    _, _, batch = _build("megatron", "shared", "language:linear_qkv")  # the same batch: the data's seed
+    _, _, batch = _build("megatron", "shared", "language:linear_qkv", provider)  # the same batch: the data's seed
     with torch.no_grad():
         merged = _forward(model, batch)
     assert (merged - adapted).abs().max() <= 4e-6 * adapted.abs().max()
