@@ -1,11 +1,33 @@
-"""One batch through a model with the kit's grouped_mm experts and through the same weights with megatron-core's
-experts, for the grouped-experts tests of each family (test_grouped_mm_moe.py, test_qwen35_grouped_mm.py)."""
+"""A provider's model with the kit's grouped_mm experts beside one with megatron-core's, for the grouped-experts tests
+of each family (test_grouped_mm_moe.py, test_qwen35_grouped_mm.py): how they are built, their checkpoint keys, and
+one batch through both."""
 
 from __future__ import annotations
 
 import torch
 
 CPU = torch.device("cpu")
+
+
+def build(provider: str, expert_gemm: str):
+    """(plan, world, model) of `provider` with `expert_gemm`, on the CPU, micro-batch 2, in a world of one."""
+    from mimo.core.config import RunConfig, TrainingOptions
+    from mimo.core.run.plan import prepare
+    from mimo.core.run.world import join
+
+    plan = prepare(RunConfig(provider=provider, provider_settings=[f"expert_gemm={expert_gemm}"],
+                             training=TrainingOptions(device="cpu", micro_batch_size=2)), world_size=1)
+    run = join(plan)
+    return plan, run, run.build_model()
+
+
+def sharded_keys(sharded) -> list:
+    """The sharded checkpoint's (key, global shape) entries, sorted."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
+
+    return sorted((entry.key, tuple(getattr(entry, "global_shape", ()) or ()))
+                  for entry in nested_values(sharded) if isinstance(entry, ShardedBase))
 
 
 def forward_backward_pair(plan, run, grouped, megatron, monkeypatch) -> tuple[int, list]:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grouped_mm_pair import forward_backward_pair
+from grouped_mm_pair import build, forward_backward_pair, sharded_keys
 from helpers import read_metrics, run_mimo, world_of_one
 from mimo.plugins.kit.expert_storage import pack_contiguously, packed_view
 from mimo.plugins.kit.grouped_mm_moe import (
@@ -249,22 +249,7 @@ def world():
 
 
 def _build(expert_gemm):
-    from mimo.core.config import RunConfig, TrainingOptions
-    from mimo.core.run.plan import prepare
-    from mimo.core.run.world import join
-
-    plan = prepare(RunConfig(provider="nemotron-moe-vlm-tiny", provider_settings=[f"expert_gemm={expert_gemm}"],
-                             training=TrainingOptions(device="cpu", micro_batch_size=2)), world_size=1)
-    run = join(plan)
-    return plan, run, run.build_model()
-
-
-def _keys(sharded):
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-
-    return sorted((entry.key, tuple(getattr(entry, "global_shape", ()) or ()))
-                  for entry in nested_values(sharded) if isinstance(entry, ShardedBase))
+    return build("nemotron-moe-vlm-tiny", expert_gemm)
 
 
 def test_nemotron_grouped_mm_model_uses_grouped_experts_and_keeps_megatrons_checkpoint(world, monkeypatch):
@@ -299,10 +284,10 @@ def test_nemotron_grouped_mm_model_uses_grouped_experts_and_keeps_megatrons_chec
     assert list(grouped_state) == list(megatron_state)
     weights = [n for n, v in grouped_state.items() if isinstance(v, torch.Tensor)]
     assert all(torch.equal(grouped_state[n], megatron_state[n]) for n in weights)  # same initialization
-    assert _keys(grouped.sharded_state_dict()) == _keys(megatron.sharded_state_dict())
+    assert sharded_keys(grouped.sharded_state_dict()) == sharded_keys(megatron.sharded_state_dict())
     from mimo.providers.nemotron.checkpoint import nemotron_sharded_state_dict
 
-    assert _keys(nemotron_sharded_state_dict(grouped)) == _keys(nemotron_sharded_state_dict(megatron))
+    assert sharded_keys(nemotron_sharded_state_dict(grouped)) == sharded_keys(nemotron_sharded_state_dict(megatron))
 
     # the same weights give the same per-token losses and gradients (a batch's forward and backward)
     calls, results = forward_backward_pair(plan, run, grouped, megatron, monkeypatch)

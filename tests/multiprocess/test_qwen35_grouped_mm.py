@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grouped_mm_pair import forward_backward_pair
+from grouped_mm_pair import build, forward_backward_pair, sharded_keys
 from helpers import read_metrics, run_mimo, world_of_one
 from mimo.plugins.kit.expert_storage import packed_view
 from mimo.plugins.kit.grouped_mm_moe import (
@@ -25,22 +25,7 @@ def world():
 
 
 def _build(expert_gemm):
-    from mimo.core.config import RunConfig, TrainingOptions
-    from mimo.core.run.plan import prepare
-    from mimo.core.run.world import join
-
-    plan = prepare(RunConfig(provider=PROVIDER, provider_settings=[f"expert_gemm={expert_gemm}"],
-                             training=TrainingOptions(device="cpu", micro_batch_size=2)), world_size=1)
-    run = join(plan)
-    return plan, run, run.build_model()
-
-
-def _keys(sharded):
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
-
-    return sorted((entry.key, tuple(getattr(entry, "global_shape", ()) or ()))
-                  for entry in nested_values(sharded) if isinstance(entry, ShardedBase))
+    return build(PROVIDER, expert_gemm)
 
 
 def test_qwen_grouped_mm_experts_compute_megatrons_swiglu_experts(world, monkeypatch):
@@ -70,7 +55,7 @@ def test_qwen_grouped_mm_experts_compute_megatrons_swiglu_experts(world, monkeyp
     grouped_state, megatron_state = grouped.state_dict(), megatron.state_dict()
     assert list(grouped_state) == list(megatron_state)
     assert all(torch.equal(grouped_state[n], v) for n, v in megatron_state.items() if isinstance(v, torch.Tensor))
-    assert _keys(grouped.sharded_state_dict()) == _keys(megatron.sharded_state_dict())
+    assert sharded_keys(grouped.sharded_state_dict()) == sharded_keys(megatron.sharded_state_dict())
 
     calls, results = forward_backward_pair(plan, run, grouped, megatron, monkeypatch)
     assert calls == len(layers)  # the grouped forward ran, not its parent's fallback: one call per MoE layer
