@@ -25,6 +25,8 @@
 #        --optimizer-precision bf16) and the 52-layer model again (its start-up with the weights drawn on the GPUs);
 #        fan-in on GPUs (nemotron-moe-vlm-tiny, te, bf16: RADIO on 2 ranks feeding the LLM on 1, against
 #        colocated on one GPU, the same global batch); the slice's EP4 and DP4 profiled (iterations 6-7).
+# run-h: issue 63's fan-in of the Nemotron slice (RADIO on GPUs 0-1 feeding the slice's LLM on GPU 2) against the
+#        slice colocated on GPU 3, the same seed and global batch, bf16: their losses compared (three GPUs used).
 # Results: $OUT/four_gpus.tgz: <part>/slice_layouts.json (rows), logs and metrics; the table is each part's last
 # output.
 set -uo pipefail
@@ -89,10 +91,20 @@ fan_in() {  # OUT_DIR: RADIO on GPUs 0-1 feeding the LLM on GPU 2 against coloca
   python3 scripts/compare_losses.py "$out/colocated.jsonl" "$out/fan_in.jsonl" | tail -3
   pack
 }
+fan_in_slice() {  # OUT_DIR: as fan_in, the production-width slice (16 experts, te, bf16)
+  local out="$WORK/$1"; mkdir -p "$out"
+  local run=(timeout -k 10 260 python3 -m mimo.cli run --provider nemotron-moe-vlm-52l --set 'hybrid_pattern=MEMEM*EMEM'
+             --set num_experts=16 --set backend=te --device cuda --precision bf16 --micro-batch-size 2
+             --global-batch-size 8 --train-iters 10 --log-interval 1 --seed 5 --init-device cpu)
+  tiny_run "$out" colocated 3
+  tiny_run "$out" fan_in 0,1,2 --nproc-per-node 3 --encoder-ranks 2
+  python3 scripts/compare_losses.py "$out/colocated.jsonl" "$out/fan_in.jsonl" | tail -3
+  pack
+}
 case "${1:-}" in
   prepare) prepare ;;
   install) install_te ;;
-  run-a|run-b|run-c|run-d|run-e|run-f|run-g|run-full)
+  run-a|run-b|run-c|run-d|run-e|run-f|run-g|run-h|run-full)
     use_wheels te
     export MIMO_COMPILE_CACHE=/tmp/mimo-gpu/kernel-cache  # the first layout compiles, the others reuse it
     mkdir -p "$WORK"; versions "$WORK/versions.txt"
@@ -112,6 +124,8 @@ case "${1:-}" in
         echo "profile $layout exit $?"; grep -A24 "^profile (" "$WORK/profile_$layout.log" | cut -c1-200
         rm -f "$WORK/profile_$layout"/trace_rank*.json; pack
       done
+    elif [ "$1" = run-h ]; then
+      fan_in_slice fan_in_slice
     elif [ "$1" = run-f ]; then
       ( export CUDA_VISIBLE_DEVICES=0
         NVIDIA_TF32_OVERRIDE=0 timeout 120 python3 scripts/gpu/check_grouped_lora.py > "$WORK/grouped_lora.txt" 2>&1
@@ -146,5 +160,5 @@ case "${1:-}" in
       layouts slice_b 14 150 colocated-dp4 split-1+3
     fi
     ;;
-  *) echo "usage: four_gpus.sh prepare | install | run-a | run-b | run-c | run-d | run-e | run-f | run-g | run-full"; exit 2 ;;
+  *) echo "usage: four_gpus.sh prepare | install | run-a | ... | run-h | run-full"; exit 2 ;;
 esac
