@@ -67,11 +67,9 @@ FAMILIES = {
 }
 
 
-def transformers_side(family: str, folder: Path, prompt, plan, fmt, dtype, device):
+def transformers_side(family: str, folder: Path, prompt, plan, dtype, device):
     """transformers' model of the exported folder, its inputs for mimo's prompt (the same token ids and pixels),
     and where its kernels come from."""
-    import torch
-
     if family == "nemotron":
         from transformers.models.nemotron_h import modeling_nemotron_h
         from transformers.models.nemotron_h_omni.modeling_nemotron_h_omni import NemotronH_Omni_Reasoning_V3
@@ -272,7 +270,7 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-        hf, inputs, kernels = transformers_side(args.family, scratch / "hf", prompt, plan, fmt, dtype, device)
+        hf, inputs, kernels = transformers_side(args.family, scratch / "hf", prompt, plan, dtype, device)
 
         def hf_generate(n: int) -> list[int]:
             with torch.no_grad():

@@ -74,10 +74,9 @@ def main() -> None:
         first, second = list(layouts)
         speedup = done[first]["elapsed_ms"] / done[second]["elapsed_ms"]
         results.notes.append(f"{second} / {first} throughput: {speedup:.3f}")
-    if args.shared:
-        results.write(args.out, {"settings": settings})
-        return
     results.write(args.out, {"settings": settings})
+    if args.shared:
+        return
     bar_plot(args.out / "layouts.png", list(done), {"tokens/s per GPU": [r["tokens_per_sec_per_gpu"] for r in done.values()]},
              "tokens/s per GPU", "encoder on GPU 0 + LLM on GPU 1 vs colocated DP 2")
 

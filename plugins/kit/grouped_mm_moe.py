@@ -245,6 +245,12 @@ class DeviceCountsMoELayer(MoELayer):
 _GROUPED = {TEGroupedMLP: GroupedMMExperts, SequentialMLP: GroupedMMSequentialMLP}
 
 
+def uses_grouped_mm(expert_gemm: str, backend: str) -> bool:
+    """A provider's `expert_gemm` setting (auto | grouped_mm | megatron) on `backend` (te | local): auto is these
+    experts on te, megatron-core's on local."""
+    return expert_gemm == "grouped_mm" or (expert_gemm == "auto" and backend == "te")
+
+
 def with_grouped_mm_experts(moe_layer_spec):
     """A megatron-core MoE transformer-layer spec (`mlp` a partial of MoELayer) with DeviceCountsMoELayer and the
     grouped-GEMM variant of its experts class; a spec of another shape comes back unchanged."""

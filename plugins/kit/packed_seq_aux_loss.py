@@ -155,12 +155,19 @@ class PerSampleMoELayer(MoETransformerLayer):
             router.token_samples = None
 
     def samples_of(self, tokens: int, params) -> TokenSamples:
-        """The samples of this rank's `tokens` of the micro-batch `params` describes."""
+        """The samples of this rank's `tokens` of the micro-batch `params` describes: found once per micro-batch
+        and kept on `params`, which every MoE layer of the micro-batch (and a recompute) is handed."""
+        kept = getattr(params, "_mimo_token_samples", None)
+        if kept is not None and kept.ids.numel() == tokens:
+            return kept
         cp, tp = getattr(self.pg_collection, "cp", None), getattr(self.pg_collection, "tp", None)
         cp_size, cp_rank = (cp.size(), cp.rank()) if cp is not None else (1, 0)
         sp = self.config.sequence_parallel and tp is not None and tp.size() > 1
-        return local_token_samples(params.cu_seqlens_q, params.cu_seqlens_q_padded, tokens, cp_size=cp_size,
-                                   cp_rank=cp_rank, sp_size=tp.size() if sp else 1, sp_rank=tp.rank() if sp else 0)
+        samples = local_token_samples(params.cu_seqlens_q, params.cu_seqlens_q_padded, tokens, cp_size=cp_size,
+                                      cp_rank=cp_rank, sp_size=tp.size() if sp else 1,
+                                      sp_rank=tp.rank() if sp else 0)
+        params._mimo_token_samples = samples
+        return samples
 
 
 def with_per_sample_seq_aux_loss(moe_layer_spec):

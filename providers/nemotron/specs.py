@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from mimo.plugins import SDPAttention
-from mimo.plugins.kit.grouped_mm_moe import with_grouped_mm_experts
+from mimo.plugins.kit.grouped_mm_moe import uses_grouped_mm, with_grouped_mm_experts
 from mimo.plugins.kit.linear_bias import with_biases_in_gemm
 from mimo.plugins.kit.packed_seq_aux_loss import with_per_sample_seq_aux_loss
 from .layers import LayerNormColumnParallelLinear, LocalHybridStack
@@ -124,11 +124,6 @@ def _local_hybrid_stack(conv_kernel: int, num_experts: int, dt_clamp_min: float 
     moe = with_per_sample_seq_aux_loss(moe)
     return ModuleSpec(module=LocalHybridStack, submodules=HybridStackSubmodules(
         mamba_layer=mamba, attention_layer=attention, moe_layer=moe, mlp_layer=mlp))
-
-
-def uses_grouped_mm(expert_gemm: str, backend: str) -> bool:
-    """`expert_gemm` (the setting): auto is grouped_mm on backend te, megatron's experts on local."""
-    return expert_gemm == "grouped_mm" or (expert_gemm == "auto" and backend == "te")
 
 
 def hybrid_stack_spec(backend: str, conv_kernel: int, num_experts: int, dt_clamp_min: float = 0.0,

@@ -31,7 +31,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
 from mimo.plugins import SDPAttention
-from mimo.plugins.kit.grouped_mm_moe import with_grouped_mm_experts
+from mimo.plugins.kit.grouped_mm_moe import uses_grouped_mm, with_grouped_mm_experts
 from mimo.plugins.kit.local_norms import LayerNormColumnParallelLinear, RMSNorm
 
 from .layers import HeadNorm, LocalGatedDeltaNet, MRoPEAttentionLayer, Qwen35GatedDeltaNet
@@ -74,11 +74,6 @@ def _mixer(symbol: str, p: dict) -> ModuleSpec:
                       submodules=SelfAttentionSubmodules(linear_qkv=p["norm_linear"], core_attention=p["attention"],
                                                          linear_proj=p["row"], q_layernorm=p["norm"],
                                                          k_layernorm=p["norm"]))
-
-
-def uses_grouped_mm(expert_gemm: str, backend: str) -> bool:
-    """`expert_gemm` (the setting): auto is grouped_mm on backend te, megatron's experts on local."""
-    return expert_gemm == "grouped_mm" or (expert_gemm == "auto" and backend == "te")
 
 
 def layer_specs(pattern: str, backend: str, num_experts: int, expert_gemm: str = "megatron") -> list[ModuleSpec]:
